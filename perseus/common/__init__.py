@@ -1,0 +1,1 @@
+"""Framework-neutral public API shared by every perseus framework module."""

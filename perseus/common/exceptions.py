@@ -1,0 +1,45 @@
+"""Exceptions raised by perseus, with Horovod's names kept as aliases of the same classes."""
+
+__all__ = [
+    "HorovodInternalError",
+    "PerseusInternalError",
+    "HostsUpdatedInterrupt",
+    "HorovodVersionMismatchError",
+    "PerseusVersionMismatchError",
+    "StallError",
+]
+
+
+class HorovodInternalError(RuntimeError):
+    """A collective failed (Horovod's name). Elastic training treats it as recoverable."""
+
+
+class PerseusInternalError(HorovodInternalError):
+    """A collective failed: a cross-rank mismatch, a stall, a failed or shut-down peer, or a transport error."""
+
+
+class StallError(PerseusInternalError):
+    """Ranks waited longer than the stall shutdown time for a tensor that some ranks never submitted."""
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """The set of hosts changed during elastic training."""
+
+    def __init__(self, skip_sync):
+        super().__init__()
+        self.skip_sync = skip_sync
+
+
+class HorovodVersionMismatchError(ImportError):
+    """A framework was upgraded after perseus was installed in a way perseus cannot use."""
+
+    def __init__(self, name, version, installed_version):
+        super().__init__(
+            f"Framework {name} installed with version {installed_version} but found version {version}."
+        )
+        self.name = name
+        self.version = version
+        self.installed_version = installed_version
+
+
+PerseusVersionMismatchError = HorovodVersionMismatchError

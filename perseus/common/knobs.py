@@ -1,0 +1,186 @@
+"""Every perseus setting, declared once.
+
+Each :class:`Knob` names the setting, its environment variables (the ``PERSEUS_*`` name wins over the
+``HOROVOD_*`` name), its type, default and unit. The engine reads :func:`load_settings`; the launcher
+(``perseusrun``) maps its command-line flags onto the same environment variables; ``docs/configuration.md``
+is generated from :data:`KNOBS` by ``tools/gen_config_docs.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Mapping
+
+__all__ = ["Knob", "KNOBS", "Settings", "load_settings", "knob", "parse_bool"]
+
+_TRUE = {"1", "true", "yes", "on", "y", "t"}
+_FALSE = {"0", "false", "no", "off", "n", "f", ""}
+
+
+def parse_bool(text: str) -> bool:
+    """Parse an environment truth value; raise ``ValueError`` naming the accepted spellings."""
+    low = text.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    try:  # Horovod's C++ parser treats any positive integer as true.
+        return int(low) > 0
+    except ValueError:
+        raise ValueError(f"invalid truth value {text!r}; use 1/0, true/false, yes/no or on/off") from None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Knob:
+    """One setting: its name, environment variables, type, default, unit and meaning."""
+
+    name: str
+    env: tuple[str, ...]
+    type: Callable[[str], Any]
+    default: Any
+    doc: str
+    unit: str = ""
+    tunable: bool = False
+    choices: tuple[str, ...] = ()
+
+    def parse(self, text: str) -> Any:
+        """Convert an environment string to this knob's type; raise ``ValueError`` naming the variable."""
+        try:
+            value = parse_bool(text) if self.type is bool else self.type(text.strip())
+        except ValueError as exc:
+            raise ValueError(f"environment variable {self.env[0]}: {exc}") from None
+        if self.choices and str(value).lower() not in self.choices:
+            raise ValueError(
+                f"environment variable {self.env[0]}: unexpected value {text!r}; "
+                f"expected one of {', '.join(self.choices)}"
+            )
+        return value
+
+    def read(self, environ: Mapping[str, str]) -> tuple[Any, bool]:
+        """Return ``(value, explicitly_set)`` from the first of :attr:`env` that is set."""
+        for var in self.env:
+            if var in environ and environ[var].strip() != "":
+                return self.parse(environ[var]), True
+        return self.default, False
+
+
+def _both(suffix: str) -> tuple[str, str]:
+    return (f"PERSEUS_{suffix}", f"HOROVOD_{suffix}")
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob("fusion_threshold_bytes", _both("FUSION_THRESHOLD"), int, 4 << 20, unit="bytes", tunable=True,
+         doc="Largest all-reduce unit. Ready tensors smaller than this are packed together up to it; larger "
+             "tensors are split into units of this size. 0 disables packing (every tensor is its own unit). "
+             "Horovod's default is 128 MiB; perseus measured 1-6 MiB units fastest on shared memory."),
+    Knob("inplace_threshold_bytes", ("PERSEUS_INPLACE_THRESHOLD",), int, 256 << 10, unit="bytes", tunable=True,
+         doc="Tensors at least this large are reduced where they lie (no copy into a fusion buffer)."),
+    Knob("cycle_time_ms", _both("CYCLE_TIME"), float, 0.5, unit="ms", tunable=True,
+         doc="How long the engine waits after the first new request before it negotiates, so that requests "
+             "arriving together are negotiated together."),
+    Knob("num_channels", ("PERSEUS_NUM_CHANNELS",), int, 1, unit="channels", tunable=True,
+         doc="Concurrent communication channels per process set; each is a duplicated communicator driven "
+             "by its own thread. 1 measured fastest on a single shared-memory host; networks gain from more."),
+    Knob("cache_capacity", _both("CACHE_CAPACITY"), int, 1024, unit="tensors",
+         doc="Accepted for Horovod compatibility. perseus keeps every negotiated tensor signature for the "
+             "life of the process set, so a steady-state step costs one bit-vector all-reduce."),
+    Knob("stall_check_disable", _both("STALL_CHECK_DISABLE"), bool, False,
+         doc="Disable the stall inspector (no warnings, no stall shutdown)."),
+    Knob("stall_check_time_s", ("PERSEUS_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_CHECK_TIME_SECONDS"),
+         float, 60.0, unit="s",
+         doc="Seconds a request may wait for other ranks before a warning names the tensor and the ranks "
+             "that have not submitted it."),
+    Knob("stall_shutdown_time_s", ("PERSEUS_STALL_SHUTDOWN_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"),
+         float, 300.0, unit="s",
+         doc="Seconds a request may wait before every rank fails with the stall message instead of hanging. "
+             "0 waits forever (Horovod's default; perseus fails loudly by default)."),
+    Knob("timeline", _both("TIMELINE"), str, "",
+         doc="Path of a Chrome-trace JSON timeline written by rank 0, or DYNAMIC to allow "
+             "start_timeline()/stop_timeline() without starting one."),
+    Knob("timeline_mark_cycles", _both("TIMELINE_MARK_CYCLES"), bool, False,
+         doc="Mark every negotiation cycle (CYCLE_START) in the timeline."),
+    Knob("timeline_max_bytes", ("PERSEUS_TIMELINE_MAX_BYTES",), int, 256 << 20, unit="bytes",
+         doc="The timeline stops recording (and says so in the file) once it reaches this size."),
+    Knob("dynamic_process_sets", _both("DYNAMIC_PROCESS_SETS"), bool, False,
+         doc="Allow add_process_set()/remove_process_set() after init()."),
+    Knob("elastic", _both("ELASTIC"), bool, False, doc="Elastic mode (set by an elastic launcher)."),
+    Knob("log_level", _both("LOG_LEVEL"), str, "warning",
+         choices=("trace", "debug", "info", "warning", "error", "fatal"),
+         doc="Engine log level."),
+    Knob("log_hide_time", _both("LOG_HIDE_TIME"), bool, False, doc="Omit timestamps from engine log lines."),
+    Knob("mpi_threads_disable", _both("MPI_THREADS_DISABLE"), bool, False,
+         doc="Request MPI_THREAD_SINGLE; forces one channel and runs every collective on the engine thread."),
+    Knob("abort_on_exception", ("PERSEUS_ABORT_ON_EXCEPTION",), bool, True,
+         doc="After init(), an uncaught exception on any rank prints its traceback and aborts the whole MPI "
+             "job, so the other ranks do not hang."),
+    Knob("idle_poll_max_ms", ("PERSEUS_IDLE_POLL_MAX_MS",), float, 50.0, unit="ms",
+         doc="Longest sleep of an idle engine between checks for control messages from peers (stall probes, "
+             "aborts). Only diagnostics wait on it; data never does."),
+    Knob("autotune", _both("AUTOTUNE"), bool, False, doc="Tune fusion and channel settings at run time."),
+    Knob("autotune_log", _both("AUTOTUNE_LOG"), str, "", doc="CSV log of autotune trials (rank 0)."),
+    Knob("autotune_warmup_samples", _both("AUTOTUNE_WARMUP_SAMPLES"), int, 3, unit="samples",
+         doc="Samples discarded before tuning starts."),
+    Knob("autotune_steps_per_sample", _both("AUTOTUNE_STEPS_PER_SAMPLE"), int, 10, unit="steps",
+         doc="Steps per autotune sample."),
+    Knob("autotune_bayes_opt_max_samples", _both("AUTOTUNE_BAYES_OPT_MAX_SAMPLES"), int, 20, unit="samples",
+         doc="Most samples the autotuner takes before it settles."),
+    Knob("autotune_gaussian_process_noise", _both("AUTOTUNE_GAUSSIAN_PROCESS_NOISE"), float, 0.8,
+         doc="Accepted for Horovod compatibility (noise of Horovod's Gaussian process)."),
+)
+
+_BY_NAME = {k.name: k for k in KNOBS}
+
+
+def knob(name: str) -> Knob:
+    """Return the knob called ``name``; raise ``KeyError`` listing the known names otherwise."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"unknown perseus setting {name!r}; known: {', '.join(sorted(_BY_NAME))}") from None
+
+
+class Settings:
+    """The resolved value of every knob, read once at ``init()``. Unknown attributes are rejected."""
+
+    __slots__ = ("_values", "_explicit")
+
+    def __init__(self, values: dict[str, Any], explicit: frozenset[str]):
+        object.__setattr__(self, "_values", dict(values))
+        object.__setattr__(self, "_explicit", explicit)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(f"perseus has no setting {name!r}") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in self._values:
+            raise AttributeError(f"perseus has no setting {name!r}")
+        self._values[name] = value
+
+    def is_explicit(self, name: str) -> bool:
+        """True when the user set ``name`` through the environment (the autotuner leaves it alone)."""
+        return name in self._explicit
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self._values)
+
+    def __repr__(self) -> str:
+        return f"Settings({self._values!r})"
+
+
+def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+    """Resolve every knob from ``environ`` (default ``os.environ``), then apply ``overrides`` by knob name."""
+    environ = os.environ if environ is None else environ
+    values, explicit = {}, set()
+    for k in KNOBS:
+        values[k.name], was_set = k.read(environ)
+        if was_set:
+            explicit.add(k.name)
+    for name, value in overrides.items():
+        knob(name)
+        values[name] = value
+        explicit.add(name)
+    return Settings(values, frozenset(explicit))

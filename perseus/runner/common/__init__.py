@@ -1,0 +1,3 @@
+"""Horovod-compat path: keep names and signatures identical to horovod.runner.common."""
+
+__all__: list[str] = []

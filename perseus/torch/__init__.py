@@ -1,0 +1,38 @@
+"""perseus.torch: Horovod's horovod.torch API on the perseus engine.
+
+Change ``import horovod.torch as hvd`` to ``import perseus.torch as hvd``; nothing else in the script changes.
+"""
+
+from perseus.common.exceptions import HorovodInternalError, PerseusInternalError
+from perseus.torch import mpi_ops
+from perseus.torch.compression import Compression
+from perseus.torch.mpi_ops import (
+    Adasum, Average, Max, Min, Product, ProcessSet, ReduceOp, Sum, add_process_set, allgather, allgather_async,
+    allreduce, allreduce_, allreduce_async, allreduce_async_, alltoall, alltoall_async, barrier, broadcast,
+    broadcast_, broadcast_async, broadcast_async_, ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
+    gloo_built, gloo_enabled, global_process_set, grouped_allgather, grouped_allgather_async, grouped_allreduce,
+    grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter,
+    grouped_reducescatter_async, init, is_homogeneous, is_initialized, join, local_rank, local_size,
+    mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, poll, rank, reducescatter, reducescatter_async,
+    remove_process_set, rocm_built, shutdown, size, sparse_allreduce_async, start_timeline, stop_timeline,
+    synchronize,
+)
+
+__all__ = [
+    "Compression", "allreduce", "allreduce_async", "allreduce_", "allreduce_async_", "grouped_allreduce",
+    "grouped_allreduce_async", "grouped_allreduce_", "grouped_allreduce_async_", "sparse_allreduce_async",
+    "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async", "broadcast",
+    "broadcast_async", "broadcast_", "broadcast_async_", "alltoall", "alltoall_async", "reducescatter",
+    "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async", "join", "barrier", "poll",
+    "synchronize", "init", "shutdown", "is_initialized", "start_timeline", "stop_timeline", "size",
+    "local_size", "cross_size", "rank", "local_rank", "cross_rank", "is_homogeneous",
+    "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built",
+    "ddl_built", "ccl_built", "cuda_built", "rocm_built", "ProcessSet", "global_process_set",
+    "add_process_set", "remove_process_set", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp",
+    "HorovodInternalError", "PerseusInternalError", "mpi_ops",
+]
+
+
+def _check_has_gpu():
+    """False: perseus runs on CPU tensors until the NCCL transport lands."""
+    return False

@@ -1,0 +1,218 @@
+"""PyTorch allgather, broadcast, alltoall, reducescatter, join and barrier (re-exported by mpi_ops)."""
+
+from __future__ import annotations
+
+import torch
+
+from perseus.common import collectives as _c
+from perseus.common.process_sets import global_process_set
+from perseus.common.reduce_ops import Average, ReduceOp, Sum
+from perseus.torch.compression import Compression
+from perseus.torch.mpi_ops import _alloc_like, _contig, _dtype, _np, synchronize
+
+__all__ = [
+    "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async", "broadcast",
+    "broadcast_async", "broadcast_", "broadcast_async_", "alltoall", "alltoall_async", "reducescatter",
+    "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async", "join", "barrier",
+]
+
+
+# -- allgather ----------------------------------------------------------------------------------------------
+def allgather_async(tensor, name=None, process_set=global_process_set):
+    """Start an allgather (concatenation on the first dimension); return a handle."""
+    dt = _dtype(tensor)
+    src = _contig(tensor)
+    holder: list = []
+    return _c.allgather_async(_np(src), _alloc_like(src, holder), name, process_set, dtype=dt,
+                              finish=lambda r: holder[0] if src.dim() else holder[0])
+
+
+class _Allgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, process_set):
+        ctx.dim = tensor.shape[0] if tensor.dim() else 1
+        ctx.process_set = process_set
+        return synchronize(allgather_async(tensor, name, process_set))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        ps = ctx.process_set
+        grad = allreduce_mod().allreduce(grad_output, op=Average, process_set=ps)
+        dims = allgather(torch.tensor([ctx.dim], dtype=torch.int64), process_set=ps)
+        offset = int(dims[: ps.rank()].sum()) if ps.rank() else 0
+        return grad.narrow(0, offset, ctx.dim), None, None
+
+
+def allgather(tensor, name=None, process_set=global_process_set):
+    """Concatenate ``tensor`` from every rank along the first dimension (which may differ). Differentiable."""
+    return _Allgather.apply(tensor, name, process_set)
+
+
+def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
+    dts = [_dtype(t) for t in tensors]
+    srcs = [_contig(t) for t in tensors]
+    holders = [[] for _ in srcs]
+    return _c.grouped_allgather_async([_np(t) for t in srcs], [_alloc_like(t, h) for t, h in zip(srcs, holders)],
+                                      name, process_set, dtypes=dts, finish=lambda r: [h[0] for h in holders])
+
+
+def grouped_allgather(tensors, name=None, process_set=global_process_set):
+    """Allgather each tensor of ``tensors``, negotiated together."""
+    return synchronize(grouped_allgather_async(tensors, name, process_set))
+
+
+# -- broadcast ----------------------------------------------------------------------------------------------
+def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
+    """Start a broadcast from ``root_rank`` into a new tensor; return a handle."""
+    dt = _dtype(tensor)
+    src = _contig(tensor)
+    out = torch.empty_like(src)
+    return _c.broadcast_async(_np(src), _np(out), root_rank, name, process_set, dtype=dt, finish=lambda r: out)
+
+
+def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
+    """Start an in-place broadcast from ``root_rank``; return a handle."""
+    dt = _dtype(tensor)
+    if not tensor.is_contiguous():
+        raise ValueError("Tensor is required to be contiguous.")
+    buf = _np(tensor)
+    return _c.broadcast_async(buf, buf, root_rank, name, process_set, dtype=dt, finish=lambda r: tensor)
+
+
+def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
+    """Broadcast ``tensor`` in place from ``root_rank`` and return it."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name, process_set):
+        ctx.root_rank, ctx.process_set = root_rank, process_set
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = allreduce_mod().allreduce(grad_output, op=Average, process_set=ctx.process_set)
+        if ctx.process_set.rank() != ctx.root_rank:
+            grad = grad * 0
+        return grad, None, None, None
+
+
+def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
+    """Return ``tensor`` as held by ``root_rank``. Differentiable."""
+    return _Broadcast.apply(tensor, root_rank, name, process_set)
+
+
+# -- alltoall -----------------------------------------------------------------------------------------------
+def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
+    """Start an alltoall; ``synchronize`` returns ``(output, received_splits)``."""
+    dt = _dtype(tensor)
+    src = _contig(tensor)
+    if splits is not None:
+        if isinstance(splits, torch.Tensor):
+            splits = splits.detach().cpu().numpy()
+    holder: list = []
+
+    def finish(results):
+        received = torch.from_numpy(results[0].received_splits.astype("int32"))
+        return holder[0], received
+    return _c.alltoall_async(_np(src), splits, _alloc_like(src, holder), name, process_set, dtype=dt,
+                             finish=finish)
+
+
+class _Alltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, splits, name, process_set):
+        output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+        ctx.received, ctx.process_set = received, process_set
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx, grad_output, *unused):
+        grad, _ = alltoall(grad_output, splits=ctx.received, process_set=ctx.process_set)
+        return grad, None, None, None
+
+
+def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
+    """Send rows ``splits[i]`` of ``tensor`` to rank i; return the received rows (and the received splits
+    when ``splits`` is given). Differentiable."""
+    output, received = _Alltoall.apply(tensor, splits, name, process_set)
+    return output if splits is None else (output, received)
+
+
+# -- reducescatter ------------------------------------------------------------------------------------------
+def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
+                        postscale_factor=1.0):
+    """Start a reducescatter; return a handle."""
+    dt = _dtype(tensor)
+    src = _contig(tensor)
+    holder: list = []
+    return _c.reducescatter_async(_np(src), _alloc_like(src, holder), name, op, process_set, prescale_factor,
+                                  postscale_factor, dtype=dt, finish=lambda r: holder[0])
+
+
+class _Reducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, op, process_set, prescale_factor, postscale_factor):
+        ctx.args = (op, process_set, prescale_factor, postscale_factor)
+        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor,
+                                               postscale_factor))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        op, ps, pre, post = ctx.args
+        grad = grad_output
+        if ReduceOp(op) == Sum:
+            grad = grad * ps.size()
+        grad = grad * (pre * post) if pre * post != 1.0 else grad
+        return allgather(grad, process_set=ps), None, None, None, None, None
+
+
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=global_process_set,
+                  prescale_factor=1.0, postscale_factor=1.0):
+    """Reduce ``tensor`` over all ranks and return this rank's share of the first dimension (earlier ranks
+    get one extra row when it does not divide evenly). Differentiable."""
+    compressed, cctx = compression.compress(tensor)
+    out = _Reducescatter.apply(compressed, name, op, process_set, prescale_factor, postscale_factor)
+    return compression.decompress(out, cctx)
+
+
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
+                                prescale_factor=1.0, postscale_factor=1.0):
+    dts = [_dtype(t) for t in tensors]
+    srcs = [_contig(t) for t in tensors]
+    holders = [[] for _ in srcs]
+    return _c.grouped_reducescatter_async([_np(t) for t in srcs], [_alloc_like(t, h) for t, h in
+                                                                   zip(srcs, holders)],
+                                          name, op, process_set, prescale_factor, postscale_factor, dtypes=dts,
+                                          finish=lambda r: [h[0] for h in holders])
+
+
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
+                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    """Reducescatter each tensor of ``tensors``, negotiated together."""
+    pairs = [compression.compress(t) for t in tensors]
+    outs = synchronize(grouped_reducescatter_async([p[0] for p in pairs], name, op, process_set,
+                                                   prescale_factor, postscale_factor))
+    return [compression.decompress(o, p[1]) for o, p in zip(outs, pairs)]
+
+
+# -- join / barrier -----------------------------------------------------------------------------------------
+def join(device=-1):
+    """Wait until every rank has joined; until then this rank contributes zeros to the others' allreduces.
+
+    Returns the rank that joined last. ``device`` is accepted for Horovod compatibility (CPU only).
+    """
+    return _c.join()
+
+
+def barrier(process_set=global_process_set):
+    """Block until every rank of ``process_set`` reaches the barrier."""
+    _c.barrier(process_set)
+
+
+def allreduce_mod():
+    from perseus.torch import mpi_ops
+
+    return mpi_ops

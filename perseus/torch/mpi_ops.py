@@ -1,0 +1,249 @@
+"""PyTorch collectives: torch tensors to NumPy views and back, plus autograd. Same surface as horovod.torch."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from perseus.common import collectives as _c
+from perseus.common.basics import state as _state
+from perseus.common.exceptions import HorovodInternalError
+from perseus.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from perseus.common.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum, resolve_op
+from perseus.engine.messages import DType
+from perseus.torch.compression import Compression
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "start_timeline", "stop_timeline", "size", "local_size",
+    "cross_size", "rank", "local_rank", "cross_rank", "is_homogeneous", "mpi_threads_supported",
+    "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built",
+    "cuda_built", "rocm_built", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp",
+    "allreduce", "allreduce_async", "allreduce_", "allreduce_async_", "grouped_allreduce",
+    "grouped_allreduce_async", "grouped_allreduce_", "grouped_allreduce_async_", "sparse_allreduce_async",
+    "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async", "broadcast",
+    "broadcast_async", "broadcast_", "broadcast_async_", "alltoall", "alltoall_async", "reducescatter",
+    "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async", "join", "barrier", "poll",
+    "synchronize", "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+    "HorovodInternalError",
+]
+
+_basics = _state()
+is_initialized = _basics.is_initialized
+start_timeline = _basics.start_timeline
+stop_timeline = _basics.stop_timeline
+size = _basics.size
+local_size = _basics.local_size
+cross_size = _basics.cross_size
+rank = _basics.rank
+local_rank = _basics.local_rank
+cross_rank = _basics.cross_rank
+is_homogeneous = _basics.is_homogeneous
+mpi_threads_supported = _basics.mpi_threads_supported
+mpi_enabled = _basics.mpi_enabled
+mpi_built = _basics.mpi_built
+gloo_enabled = _basics.gloo_enabled
+gloo_built = _basics.gloo_built
+nccl_built = _basics.nccl_built
+ddl_built = _basics.ddl_built
+ccl_built = _basics.ccl_built
+cuda_built = _basics.cuda_built
+rocm_built = _basics.rocm_built
+poll = _c.poll
+
+
+def init(comm=None, process_sets=None):
+    """Start perseus; see :meth:`perseus.common.basics.PerseusBasics.init`. Collective."""
+    _basics.init(comm, process_sets)
+
+
+def shutdown():
+    """Stop perseus on this rank; pending requests fail."""
+    _c.handles.clear()
+    _basics.shutdown()
+
+
+def synchronize(handle):
+    """Wait for an async request and return its output; None for an unknown handle.
+
+    Raises:
+        HorovodInternalError: the collective failed (mismatch across ranks, stall, failed peer).
+    """
+    return _c.synchronize(handle)
+
+
+_DTYPES = {
+    torch.uint8: DType.UINT8, torch.int8: DType.INT8, torch.int16: DType.INT16, torch.int32: DType.INT32,
+    torch.int64: DType.INT64, torch.float16: DType.FLOAT16, torch.bfloat16: DType.BFLOAT16,
+    torch.float32: DType.FLOAT32, torch.float64: DType.FLOAT64, torch.bool: DType.BOOL,
+}
+
+
+def _dtype(t: torch.Tensor) -> DType:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"perseus expected a torch.Tensor, got {type(t).__name__}")
+    try:
+        dt = _DTYPES[t.dtype]
+    except KeyError:
+        raise ValueError(f"Tensor type {t.type()} is not supported.") from None
+    if t.device.type != "cpu":
+        raise NotImplementedError(f"perseus: tensors on {t.device} need the GPU (NCCL) transport, which is not "
+                                  "implemented yet; move tensors to the CPU")
+    if t.layout is not torch.strided:
+        raise ValueError("perseus: sparse tensors are not supported here; use sparse_allreduce_async or "
+                         "sparse_as_dense=True")
+    return dt
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    """Zero-copy NumPy view of a contiguous CPU tensor (bfloat16 as uint16 words)."""
+    t = t.detach()
+    if t.dtype is torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def _contig(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _alloc_like(t: torch.Tensor, holder: list):
+    def alloc(shape):
+        out = torch.empty(shape, dtype=t.dtype)
+        holder.append(out)
+        return _np(out)
+    return alloc
+
+
+def _op(op, average, name="allreduce"):
+    return resolve_op(op, average)
+
+
+# -- allreduce ----------------------------------------------------------------------------------------------
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                    process_set=global_process_set):
+    """Start an allreduce of ``tensor`` into a new tensor; return a handle for :func:`synchronize`."""
+    dt = _dtype(tensor)
+    src = _contig(tensor)
+    out = torch.empty_like(src)
+    return _c.allreduce_async(_np(src), _np(out), name, _op(op, average), prescale_factor, postscale_factor,
+                              process_set, dtype=dt, finish=lambda r: out)
+
+
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                     process_set=global_process_set):
+    """Start an in-place allreduce of ``tensor``; return a handle."""
+    dt = _dtype(tensor)
+    if not tensor.is_contiguous():
+        raise ValueError("Tensor is required to be contiguous.")
+    buf = _np(tensor)
+    return _c.allreduce_async(buf, buf, name, _op(op, average), prescale_factor, postscale_factor, process_set,
+                              dtype=dt, finish=lambda r: tensor)
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+               process_set=global_process_set):
+    """Allreduce ``tensor`` in place and return it."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
+                                        process_set))
+
+
+class _Allreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, average, name, op, prescale_factor, postscale_factor, process_set):
+        ctx.args = (average, op, prescale_factor, postscale_factor, process_set)
+        return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor,
+                                           process_set))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        average, op, pre, post, ps = ctx.args
+        return (allreduce(grad_output, average=average, op=op, prescale_factor=pre, postscale_factor=post,
+                          process_set=ps), None, None, None, None, None, None)
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
+              postscale_factor=1.0, process_set=global_process_set):
+    """Return the reduction of ``tensor`` over all ranks (default Average). Differentiable.
+
+    Collective: every rank of ``process_set`` calls it with the same name, shape, dtype and op.
+    """
+    compressed, ctx = compression.compress(tensor)
+    out = _Allreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor, process_set)
+    return compression.decompress(out, ctx)
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                            postscale_factor=1.0, process_set=global_process_set):
+    """Start allreduces of a list of tensors, negotiated together; return one handle."""
+    dts = [_dtype(t) for t in tensors]
+    srcs = [_contig(t) for t in tensors]
+    outs = [torch.empty_like(t) for t in srcs]
+    return _c.grouped_allreduce_async([_np(t) for t in srcs], [_np(o) for o in outs], name, _op(op, average),
+                                      prescale_factor, postscale_factor, process_set, dtypes=dts,
+                                      finish=lambda r: outs)
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0, process_set=global_process_set):
+    dts = [_dtype(t) for t in tensors]
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError("Tensor is required to be contiguous.")
+    bufs = [_np(t) for t in tensors]
+    return _c.grouped_allreduce_async(bufs, bufs, name, _op(op, average), prescale_factor, postscale_factor,
+                                      process_set, dtypes=dts, finish=lambda r: list(tensors))
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                       process_set=global_process_set):
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                                process_set))
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, average, name, op, prescale_factor, postscale_factor, process_set, *tensors):
+        ctx.args = (average, op, prescale_factor, postscale_factor, process_set)
+        return tuple(synchronize(grouped_allreduce_async(list(tensors), average, name, op, prescale_factor,
+                                                         postscale_factor, process_set)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        average, op, pre, post, ps = ctx.args
+        out = grouped_allreduce(list(grads), average=average, op=op, prescale_factor=pre,
+                                postscale_factor=post, process_set=ps)
+        return (None,) * 6 + tuple(out)
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+    """Return the allreduce of each tensor in ``tensors``, negotiated and fused together. Differentiable."""
+    pairs = [compression.compress(t) for t in tensors]
+    outs = _GroupedAllreduce.apply(average, name, op, prescale_factor, postscale_factor, process_set,
+                                   *[p[0] for p in pairs])
+    return [compression.decompress(o, p[1]) for o, p in zip(outs, pairs)]
+
+
+def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
+    """Start an allreduce of a sparse COO tensor by allgathering its indices and values.
+
+    Returns a callable; calling it waits and returns the reduced sparse tensor (as Horovod does).
+    """
+    t = tensor.coalesce()
+    indices, values = t.indices(), t.values()
+    h_idx = allgather_async(indices.t().contiguous(), name=f"{name}.indices", process_set=process_set)
+    h_val = allgather_async(values.contiguous(), name=f"{name}.values", process_set=process_set)
+    divisor = process_set.size() if ReduceOp(op) == Average else 1
+
+    def finish():
+        all_idx, all_val = synchronize(h_idx), synchronize(h_val)
+        if divisor != 1:
+            all_val = all_val / divisor
+        return torch.sparse_coo_tensor(all_idx.t(), all_val, size=tensor.size())
+    return finish
+
+
+from perseus.torch._gather_ops import (  # noqa: E402 - these use the helpers above
+    allgather, allgather_async, alltoall, alltoall_async, barrier, broadcast, broadcast_, broadcast_async,
+    broadcast_async_, grouped_allgather, grouped_allgather_async, grouped_reducescatter,
+    grouped_reducescatter_async, join, reducescatter, reducescatter_async,
+)

@@ -7,6 +7,7 @@ same object there). :func:`state` returns the process's single instance.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import sys
 import threading
@@ -89,6 +90,8 @@ class PerseusBasics:
             self._next_id = 1
             engine.start()
             self._engine = engine
+            if settings.gc_freeze:
+                gc.freeze()
             if not self._atexit:
                 atexit.register(self.shutdown)
                 self._atexit = True

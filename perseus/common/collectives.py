@@ -20,7 +20,7 @@ from perseus.common.basics import state
 from perseus.common.process_sets import ProcessSet, global_process_set
 from perseus.common.reduce_ops import ReduceOp
 from perseus.engine.handles import HandleTable
-from perseus.engine.messages import DType, Entry, OpType, Signature, dtype_of
+from perseus.engine.messages import DType, Entry, OpType, dtype_of, make_signature
 
 __all__ = [
     "allreduce_async", "grouped_allreduce_async", "allgather_async", "grouped_allgather_async",
@@ -49,6 +49,12 @@ def _check(array: np.ndarray, what: str) -> DType:
     if not array.flags.c_contiguous:
         raise ValueError("Tensor is required to be contiguous.")
     return dtype_of(array)
+
+
+def _dt(dtypes, i: int, array: np.ndarray, what: str) -> DType:
+    """The adapter-supplied dtype of item i, else the array's (DType.UINT8 is 0: never test it for truth)."""
+    given = None if dtypes is None else dtypes[i]
+    return given if given is not None else _check(array, what)
 
 
 def _submit(entries: list[Entry], ps_id: int, finish, hid: int) -> int:
@@ -83,10 +89,10 @@ def grouped_allreduce_async(arrays: Sequence[np.ndarray], outputs: Sequence[np.n
     base = _name("allreduce", name, hid)
     entries = []
     for i, (arr, out) in enumerate(zip(arrays, outputs)):
-        dt = (dtypes[i] if dtypes else None) or _check(arr, "allreduce")
+        dt = _dt(dtypes, i, arr, "allreduce")
         if dt is DType.BOOL and op == ReduceOp.AVERAGE:
             raise ValueError("perseus.allreduce: op=Average is not defined for bool tensors; use Sum, Min or Max")
-        sig = Signature(OpType.ALLREDUCE, dt, tuple(arr.shape), int(op), -1, float(prescale_factor),
+        sig = make_signature(OpType.ALLREDUCE, dt, tuple(arr.shape), int(op), -1, float(prescale_factor),
                         float(postscale_factor), int(priority))
         ename = base if _single else f"{base}.{i}"
         entries.append(Entry(ename, sig, tuple(arr.shape), arr, out, process_set_id=ps_id))
@@ -107,9 +113,9 @@ def grouped_allgather_async(arrays, allocs, name=None, process_set=global_proces
     base = _name("allgather", name, hid)
     entries = []
     for i, (arr, alloc) in enumerate(zip(arrays, allocs)):
-        dt = (dtypes[i] if dtypes else None) or _check(arr, "allgather")
+        dt = _dt(dtypes, i, arr, "allgather")
         shape = tuple(arr.shape) if arr.ndim else (1,)
-        sig = Signature(OpType.ALLGATHER, dt, shape[1:], priority=int(priority))
+        sig = make_signature(OpType.ALLGATHER, dt, shape[1:], priority=int(priority))
         entries.append(Entry(base if _single else f"{base}.{i}", sig, shape, arr.reshape(shape), alloc=alloc,
                              process_set_id=ps_id))
     return _submit(entries, ps_id, finish, hid)
@@ -124,9 +130,9 @@ def broadcast_async(array: np.ndarray, output: np.ndarray, root_rank: int, name=
     if not 0 <= root_rank < size:
         raise ValueError(f"perseus.broadcast: root_rank {root_rank} is out of range for a process set of size "
                          f"{size}")
-    dt = dtype or _check(array, "broadcast")
+    dt = dtype if dtype is not None else _check(array, "broadcast")
     hid = handles.next_id()
-    sig = Signature(OpType.BROADCAST, dt, tuple(array.shape), root_rank=root_rank, priority=int(priority))
+    sig = make_signature(OpType.BROADCAST, dt, tuple(array.shape), root_rank=root_rank, priority=int(priority))
     entry = Entry(_name("broadcast", name, hid), sig, tuple(array.shape), array, output, process_set_id=ps_id)
     return _submit([entry], ps_id, finish, hid)
 
@@ -143,7 +149,7 @@ def alltoall_async(array: np.ndarray, splits: Optional[np.ndarray], alloc: Alloc
                    finish=lambda r: r[0]) -> int:
     """Start an alltoall: rows ``splits[i]`` of ``array`` go to rank i; received rows are concatenated."""
     ps_id, size, _ = _info(process_set)
-    dt = dtype or _check(array, "alltoall")
+    dt = dtype if dtype is not None else _check(array, "alltoall")
     shape = tuple(array.shape) if array.ndim else (1,)
     if splits is None:
         splits = even_splits(shape[0], size)
@@ -155,7 +161,7 @@ def alltoall_async(array: np.ndarray, splits: Optional[np.ndarray], alloc: Alloc
         raise ValueError(f"perseus.alltoall: splits {splits.tolist()} must be non-negative and sum to the first "
                          f"dimension ({shape[0]})")
     hid = handles.next_id()
-    sig = Signature(OpType.ALLTOALL, dt, shape[1:], priority=int(priority))
+    sig = make_signature(OpType.ALLTOALL, dt, shape[1:], priority=int(priority))
     entry = Entry(_name("alltoall", name, hid), sig, shape, array.reshape(shape), alloc=alloc, splits=splits,
                   process_set_id=ps_id)
     return _submit([entry], ps_id, finish, hid)
@@ -182,10 +188,10 @@ def grouped_reducescatter_async(arrays, allocs, name=None, op=ReduceOp.AVERAGE, 
     base = _name("reducescatter", name, hid)
     entries = []
     for i, (arr, alloc) in enumerate(zip(arrays, allocs)):
-        dt = (dtypes[i] if dtypes else None) or _check(arr, "reducescatter")
+        dt = _dt(dtypes, i, arr, "reducescatter")
         if arr.ndim == 0:
             raise ValueError("perseus.reducescatter: the tensor needs at least one dimension to scatter")
-        sig = Signature(OpType.REDUCESCATTER, dt, tuple(arr.shape), int(op), -1, float(prescale_factor),
+        sig = make_signature(OpType.REDUCESCATTER, dt, tuple(arr.shape), int(op), -1, float(prescale_factor),
                         float(postscale_factor), int(priority))
         entries.append(Entry(base if _single else f"{base}.{i}", sig, tuple(arr.shape), arr, alloc=alloc,
                              process_set_id=ps_id))
@@ -198,7 +204,7 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     with _barrier_lock:
         count = _barrier_counts.get(ps_id, 0) + 1
         _barrier_counts[ps_id] = count
-    sig = Signature(OpType.BARRIER, DType.UINT8, ())
+    sig = make_signature(OpType.BARRIER, DType.UINT8, ())
     entry = Entry(f"barrier.{count}", sig, (0,), np.zeros(0, np.uint8), process_set_id=ps_id)
     state().engine.enqueue([entry], ps_id)[0].wait()
 

@@ -114,6 +114,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("abort_on_exception", ("PERSEUS_ABORT_ON_EXCEPTION",), bool, True,
          doc="After init(), an uncaught exception on any rank prints its traceback and aborts the whole MPI "
              "job, so the other ranks do not hang."),
+    Knob("gc_freeze", ("PERSEUS_GC_FREEZE",), bool, True,
+         doc="At init(), move every object that exists (framework modules, the model) to Python's permanent "
+             "GC generation (gc.freeze()). Full collections then skip them: after importing torch one takes "
+             "~80 ms and stalls every thread, including perseus's, every few dozen steps."),
     Knob("idle_poll_max_ms", ("PERSEUS_IDLE_POLL_MAX_MS",), float, 50.0, unit="ms",
          doc="Longest sleep of an idle engine between checks for control messages from peers (stall probes, "
              "aborts). Only diagnostics wait on it; data never does."),

@@ -15,7 +15,7 @@ from typing import Optional
 from perseus.common.exceptions import PerseusInternalError
 from perseus.engine.messages import Entry, Handle
 from perseus.engine.runtime import ProcessSetRuntime
-from perseus.transport.mpi import Sleeper
+from perseus.transport.mpi import Sleeper, tighten_timer_slack
 
 __all__ = ["Engine"]
 
@@ -33,7 +33,8 @@ class Engine:
         self.sets: dict[int, ProcessSetRuntime] = {}
         self.failed: Optional[BaseException] = None
         self._stop = False
-        self._kick = False
+        self._submissions = 0  # bumped by every submission; the engine re-checks it before waiting
+        self._idle = False  # the engine thread is (about to be) waiting on cond; submitters must notify
         self._thread = threading.Thread(target=self._run, name="perseus-engine", daemon=True)
         self._started = False
 
@@ -74,29 +75,34 @@ class Engine:
             ValueError: a name is already in flight on this rank, or the process set is unknown here.
             PerseusInternalError: the engine has failed or shut down.
         """
-        with self.cond:
-            if self.failed is not None:
-                raise PerseusInternalError(str(self.failed))
-            if self._stop:
-                raise PerseusInternalError("perseus has been shut down; call init() again to use it")
-            runtime = self._runtime(ps_id)
-            if self.timeline is not None:
-                for e in entries:
-                    self.timeline.negotiate_start(e)
-            runtime.submit(entries)
-            self._kick = True
-            self.cond.notify()
+        if self.failed is not None:
+            raise PerseusInternalError(str(self.failed))
+        if self._stop:
+            raise PerseusInternalError("perseus has been shut down; call init() again to use it")
+        runtime = self._runtime(ps_id)
+        timeline = self.timeline
+        if timeline is not None:
+            for e in entries:
+                timeline.negotiate_start(e)
+        runtime.submit(entries)
+        self._wake()
         return [e.handle for e in entries]
 
     def join(self, ps_id: int = 0) -> Handle:
+        if self.failed is not None:
+            raise PerseusInternalError(str(self.failed))
         handle = Handle()
-        with self.cond:
-            if self.failed is not None:
-                raise PerseusInternalError(str(self.failed))
-            self._runtime(ps_id).submit_join(handle)
-            self._kick = True
-            self.cond.notify()
+        self._runtime(ps_id).submit_join(handle)
+        self._wake()
         return handle
+
+    def _wake(self) -> None:
+        # Lock-free unless the engine thread is waiting: it sets _idle under cond and re-checks for work
+        # before it waits, so a submission either is seen by that check or finds _idle set and notifies.
+        self._submissions += 1
+        if self._idle:
+            with self.cond:
+                self.cond.notify()
 
     def _runtime(self, ps_id: int) -> ProcessSetRuntime:
         try:
@@ -129,6 +135,7 @@ class Engine:
 
     # -- the thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
+        tighten_timer_slack()
         busy_sleep = Sleeper(20e-6, 1e-3)
         idle_wait = 1e-3
         try:
@@ -137,6 +144,7 @@ class Engine:
                     if self._stop:
                         break
                     runtimes = list(self.sets.values())
+                seen = self._submissions
                 now = time.monotonic()
                 progressed = waiting = False
                 deadline = float("inf")
@@ -153,17 +161,17 @@ class Engine:
                     busy_sleep.sleep()
                     continue
                 with self.cond:
+                    self._idle = True
                     if self._stop:
                         break
-                    if self._kick:
-                        self._kick = False
-                        busy_sleep.reset()
-                        idle_wait = 1e-3
+                    if self._submissions != seen:  # work arrived after this iteration looked
+                        self._idle = False
                         continue
-                    has_work = any(rt._has_work() for rt in runtimes)
+                    has_work = any(rt.has_work() for rt in runtimes)
                     cap = 1e-3 if has_work else self.settings.idle_poll_max_ms * 1e-3
                     timeout = max(min(deadline - time.monotonic(), idle_wait, cap), 0.0)
                     self.cond.wait(timeout)
+                    self._idle = False
                     idle_wait = min(idle_wait * 2, cap)
         except BaseException as exc:  # noqa: BLE001 - an engine bug must fail every rank, not hang them
             log.exception("perseus engine thread failed")

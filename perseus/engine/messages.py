@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -17,7 +18,7 @@ import numpy as np
 
 from perseus.common.reduce_ops import ReduceOp
 
-__all__ = ["DType", "OpType", "Signature", "Entry", "Handle", "numpy_dtype", "dtype_of"]
+__all__ = ["DType", "OpType", "Signature", "Entry", "Handle", "numpy_dtype", "dtype_of", "make_signature"]
 
 
 class DType(enum.IntEnum):
@@ -121,20 +122,32 @@ def _show(field: str, value: Any) -> str:
     return repr(value)
 
 
-class Handle:
-    """Completion of one request. The engine sets the result or the error exactly once."""
+@functools.lru_cache(maxsize=65536)
+def make_signature(op_type: "OpType", dtype: "DType", shape: tuple, reduce_op: int = 1, root_rank: int = -1,
+                   prescale: float = 1.0, postscale: float = 1.0, priority: int = 0) -> "Signature":
+    """Return the (shared, immutable) Signature with these fields; cached, since every step repeats them."""
+    return Signature(op_type, dtype, shape, reduce_op, root_rank, prescale, postscale, priority)
 
-    __slots__ = ("_event", "result", "error", "callbacks", "_lock")
+
+class Handle:
+    """Completion of one request. The engine sets the result or the error exactly once.
+
+    Waiting uses a lock that is held until completion: much cheaper to create than an Event, which
+    matters because every request makes one.
+    """
+
+    __slots__ = ("_gate", "_finished", "result", "error", "callbacks")
 
     def __init__(self):
-        self._event = threading.Event()
+        self._gate = threading.Lock()
+        self._gate.acquire()
+        self._finished = False
         self.result: Any = None
         self.error: Optional[BaseException] = None
-        self.callbacks: list[Callable[["Handle"], None]] = []
-        self._lock = threading.Lock()
+        self.callbacks: Optional[list[Callable[["Handle"], None]]] = None
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._finished
 
     def set_result(self, result: Any) -> None:
         self._finish(result, None)
@@ -143,22 +156,38 @@ class Handle:
         self._finish(None, error)
 
     def _finish(self, result: Any, error: Optional[BaseException]) -> None:
-        with self._lock:
-            if self._event.is_set():
+        with _FINISH_LOCK:
+            if self._finished:
                 return
             self.result, self.error = result, error
-            self._event.set()
-            callbacks, self.callbacks = self.callbacks, []
-        for cb in callbacks:
+            self._finished = True
+            callbacks, self.callbacks = self.callbacks, None
+        self._gate.release()
+        for cb in callbacks or ():
             cb(self)
+
+    def add_callback(self, callback: Callable[["Handle"], None]) -> None:
+        """Call ``callback(handle)`` on completion (at once if already complete), on the completing thread."""
+        with _FINISH_LOCK:
+            if not self._finished:
+                if self.callbacks is None:
+                    self.callbacks = []
+                self.callbacks.append(callback)
+                return
+        callback(self)
 
     def wait(self, timeout_s: Optional[float] = None) -> Any:
         """Block until done; return the result or raise the error (``TimeoutError`` after ``timeout_s``)."""
-        if not self._event.wait(timeout_s):
-            raise TimeoutError(f"perseus request not completed within {timeout_s} s")
+        if not self._finished:
+            if not self._gate.acquire(True, -1 if timeout_s is None else timeout_s):
+                raise TimeoutError(f"perseus request not completed within {timeout_s} s")
+            self._gate.release()
         if self.error is not None:
             raise self.error
         return self.result
+
+
+_FINISH_LOCK = threading.Lock()
 
 
 @dataclasses.dataclass(slots=True, eq=False)

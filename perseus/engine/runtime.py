@@ -167,8 +167,9 @@ class ProcessSetRuntime:
         words, self._needs_exchange = self.negotiator.build_words(pending, self._round_dirty, joined)
         if joined and self._join_round < 0:
             self._join_round = self.round
-        if eng.timeline is not None and self.settings.timeline_mark_cycles:
-            eng.timeline.mark_cycle()
+        timeline = eng.timeline
+        if timeline is not None:
+            timeline.mark_cycle()  # records only when the timeline was started with mark_cycles
         self._words = words
         self._req = self.control.start_band(words)
         self.state = _BAND

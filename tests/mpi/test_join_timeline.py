@@ -1,0 +1,54 @@
+"""join() for uneven data, and the timeline recorded by rank 0."""
+
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_join_uneven_steps(hvd):
+    size, rank = hvd.size(), hvd.rank()
+    for step in range(rank + 1):  # rank r has r + 1 batches
+        out = hvd.allreduce(torch.full((3,), float(rank + 1)), op=hvd.Sum, name=f"join_step{step}")
+        # ranks that still have data contribute; joined ranks contribute zeros
+        expect = float(sum(r + 1 for r in range(step, size)))
+        assert out.tolist() == [expect] * 3
+        avg = hvd.allreduce(torch.full((2,), 6.0), op=hvd.Average, name=f"join_avg{step}")
+        assert avg.tolist() == [6.0 * (size - step) / size] * 2
+    last = hvd.join()
+    everyone = hvd.allgather(torch.tensor([last]), name="join_last")
+    assert len(set(everyone.tolist())) == 1 and 0 <= last < size
+    # The engine works normally after everybody joined.
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum, name="after_join").item() == size
+
+
+def test_join_with_allgather_and_broadcast(hvd):
+    size, rank = hvd.size(), hvd.rank()
+    if rank == 0:
+        g = hvd.allgather(torch.ones(2, 2), name="join_ag")
+        assert g.shape == (2, 2)  # every other rank joined and contributed no rows
+        b = hvd.broadcast(torch.tensor([7.0]), 0, name="join_bc")
+        assert b.item() == 7.0
+    hvd.join()
+
+
+def test_timeline(hvd):
+    path = os.path.join(tempfile.gettempdir(), f"perseus_timeline_{os.getpid()}.json")
+    path = hvd.broadcast_object(path) if hasattr(hvd, "broadcast_object") else path
+    hvd.start_timeline(path, mark_cycles=True)
+    hvd.allreduce(torch.ones(3), name="test_allreduce")
+    hvd.allgather(torch.ones(2), name="test_allgather")
+    hvd.stop_timeline()
+    if hvd.rank() == 0:
+        with open(path) as f:
+            text = f.read()
+        events = json.loads(text)
+        names = {e.get("name") for e in events}
+        for needed in ("NEGOTIATE_ALLREDUCE", "ALLREDUCE", "CYCLE_START", "NEGOTIATE_ALLGATHER"):
+            assert needed in names, names
+        assert "allreduce.test_allreduce" in text and "start_time_since_epoch_in_micros" in text
+        os.unlink(path)

@@ -4,8 +4,11 @@ Change ``import horovod.torch as hvd`` to ``import perseus.torch as hvd``; nothi
 """
 
 from perseus.common.exceptions import HorovodInternalError, PerseusInternalError
-from perseus.torch import mpi_ops
+from perseus.torch import compression, functions, mpi_ops, optimizer
 from perseus.torch.compression import Compression
+from perseus.torch.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
+                                     broadcast_parameters)
+from perseus.torch.optimizer import DistributedOptimizer
 from perseus.torch.mpi_ops import (
     Adasum, Average, Max, Min, Product, ProcessSet, ReduceOp, Sum, add_process_set, allgather, allgather_async,
     allreduce, allreduce_, allreduce_async, allreduce_async_, alltoall, alltoall_async, barrier, broadcast,
@@ -29,7 +32,8 @@ __all__ = [
     "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built",
     "ddl_built", "ccl_built", "cuda_built", "rocm_built", "ProcessSet", "global_process_set",
     "add_process_set", "remove_process_set", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp",
-    "HorovodInternalError", "PerseusInternalError", "mpi_ops",
+    "HorovodInternalError", "PerseusInternalError", "mpi_ops", "DistributedOptimizer", "broadcast_parameters",
+    "broadcast_optimizer_state", "broadcast_object", "allgather_object",
 ]
 
 

@@ -1,0 +1,314 @@
+"""DistributedOptimizer: average gradients across ranks while backward is still running.
+
+Each parameter's gradient is submitted to the engine from a post-accumulate-grad hook as soon as backward
+produces it, so communication overlaps the rest of backward; ``step()`` waits for the results.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from contextlib import contextmanager
+
+import torch
+
+from perseus.common.process_sets import global_process_set
+from perseus.common.reduce_ops import Adasum, Average, ReduceOp
+from perseus.torch.compression import Compression
+from perseus.torch.mpi_ops import (allreduce_async_, grouped_allreduce_async_, size, sparse_allreduce_async,
+                                   synchronize)
+
+__all__ = ["DistributedOptimizer"]
+
+
+def _split(items: list, parts: int) -> list[list]:
+    base, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        n = base + (1 if i < extra else 0)
+        if n:
+            out.append(items[start:start + n])
+        start += n
+    return out
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Methods mixed into a subclass of the user's optimizer class (see :func:`DistributedOptimizer`)."""
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step=1, op=Average,
+                 gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
+                 process_set=global_process_set, _defaults=None, _state=None):
+        try:
+            super(self.__class__, self).__init__(params)
+        except TypeError:  # optimizers with required constructor arguments: reuse the wrapped defaults
+            torch.optim.Optimizer.__init__(self, params, _defaults or {})
+        if _state:
+            self.state.update(_state)
+        self._compression = compression
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        if named_parameters is None:
+            named = [(f"noname.{i}.{j}", p) for i, g in enumerate(self.param_groups)
+                     for j, p in enumerate(g["params"])]
+        else:
+            named = list(named_parameters)
+            if any(not isinstance(item, tuple) for item in named):
+                raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually "
+                                 "produced by model.named_parameters().")
+            names = [n for n, _ in named]
+            dups = sorted({n for n in names if names.count(n) > 1})
+            if dups:
+                raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: "
+                                 + ", ".join(dups))
+            unnamed = {id(p) for p in all_params} - {id(p) for _, p in named}
+            if unnamed:
+                raise ValueError("named_parameters was specified, but one or more model parameters were not "
+                                 "named. Python object ids: " + ", ".join(str(i) for i in sorted(unnamed)))
+        if backward_passes_per_step <= 0:
+            raise ValueError("backward_passes_per_step must be > 0")
+        if op == Adasum:
+            raise NotImplementedError("perseus DistributedOptimizer(op=Adasum) is not implemented yet; use "
+                                      "op=Average")
+        if gradient_predivide_factor != 1.0 and op != Average:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        if groups is not None and not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
+            raise ValueError("groups should be a non-negative integer or a list of list of torch.Tensor.")
+        if isinstance(groups, list):
+            seen = set()
+            for group in groups:
+                for p in group:
+                    if not isinstance(p, torch.Tensor):
+                        raise ValueError("groups must consist of torch.Tensor.")
+                    if id(p) in seen:
+                        raise ValueError("A parameter can only appear once in groups.")
+                    seen.add(id(p))
+        self._parameter_names = {p: n for n, p in sorted(named, key=lambda item: item[0])}
+        self.backward_passes_per_step = backward_passes_per_step
+        self._allreduce_delay = {p: backward_passes_per_step for p in all_params}
+        self.op = ReduceOp(op)
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        self._handles: dict = {}
+        self._hook_handles = []
+        self._requires_update = set()
+        self._synchronized = False
+        self._should_synchronize = True
+        self._groups = groups
+        self._group_of: dict = {}
+        self._group_ready: dict = {}
+        if self.process_set.included() and (size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"
+                                            or os.environ.get("PERSEUS_ELASTIC") == "1"):
+            self._register_hooks()
+
+    # -- set-up ----------------------------------------------------------------------------------------
+    def _register_hooks(self):
+        trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        if self._groups is not None:
+            from perseus.torch.functions import broadcast_object
+
+            # Every rank must form the same groups: order parameters as rank 0 names them.
+            order = broadcast_object([self._parameter_names[p] for p in trainable], root_rank=0,
+                                     name="perseus.param_order", process_set=self.process_set)
+            position = {n: i for i, n in enumerate(order)}
+            trainable.sort(key=lambda p: position.get(self._parameter_names[p], len(position)))
+            if isinstance(self._groups, list):
+                ids = {id(p) for p in trainable}
+                groups = [[p for p in g if id(p) in ids] for g in self._groups]
+                grouped = {id(p) for g in groups for p in g}
+                groups += [[p] for p in trainable if id(p) not in grouped]
+            else:
+                groups = _split(trainable, self._groups)
+            for group in groups:
+                key = tuple(group)
+                for p in group:
+                    self._group_of[p] = key
+                self._group_ready[key] = set()
+        for p in trainable:
+            self._requires_update.add(p)
+            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook()))
+
+    def _make_hook(self):
+        def hook(p):
+            if p in self._handles and self._handles[p][0] is not None:
+                if self._allreduce_delay[p] <= 0:
+                    raise AssertionError(
+                        "Gradients were computed more than backward_passes_per_step times before call to "
+                        "step(). Increase backward_passes_per_step to accumulate gradients locally.")
+            assert not p.grad.requires_grad
+            assert self._allreduce_delay[p] > 0
+            self._allreduce_delay[p] -= 1
+            if self._allreduce_delay[p] > 0:
+                return
+            group = self._group_of.get(p)
+            if group is None:
+                self._handles[p] = self._allreduce_grad_async(p)
+                return
+            ready = self._group_ready[group]
+            ready.add(p)
+            if len(ready) == len(group):
+                self._handles[group] = self._grouped_allreduce_async(group)
+                ready.clear()
+        return hook
+
+    # -- submission ------------------------------------------------------------------------------------
+    def _scales(self):
+        if self.op == Average:  # the engine divides by the set size on top of postscale
+            return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+        return 1.0, 1.0
+
+    def _allreduce_grad_async(self, p):
+        if p.grad is None:
+            # Another rank may have produced this gradient (dynamic graphs): submit zeros, never hang.
+            p.grad = torch.zeros_like(p)
+        name = f"grad.{self._parameter_names.get(p)}"
+        grad = p.grad
+        if grad.is_sparse:
+            if not self.sparse_as_dense:
+                return sparse_allreduce_async(grad, name=name, op=self.op, process_set=self.process_set), None
+            grad = grad.to_dense()
+            p.grad = grad
+        pre, post = self._scales()
+        compressed, ctx = self._compression.compress(grad)
+        handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=pre,
+                                  postscale_factor=post, process_set=self.process_set)
+        return handle, ctx
+
+    def _grouped_allreduce_async(self, group):
+        grads = []
+        for p in group:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if p.grad.is_sparse:
+                p.grad = p.grad.to_dense()
+            grads.append(p.grad)
+        pre, post = self._scales()
+        pairs = [self._compression.compress(g) for g in grads]
+        handle = grouped_allreduce_async_([c for c, _ in pairs], name=f"grad.group.{self._parameter_names[group[0]]}",
+                                          op=self.op, prescale_factor=pre, postscale_factor=post,
+                                          process_set=self.process_set)
+        return handle, [ctx for _, ctx in pairs]
+
+    # -- public methods --------------------------------------------------------------------------------
+    def set_backward_passes_per_step(self, passes):
+        self.backward_passes_per_step = passes
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = passes
+
+    def synchronize(self):
+        """Submit any gradient not yet submitted (zeros if it was never computed) and wait for all of them.
+
+        Collective: every rank of the process set calls it (``step()`` does).
+        """
+        if not self.process_set.included():
+            self._synchronized = True
+            return
+        done = set()
+        for key in self._handles:
+            done.update(key if isinstance(key, tuple) else (key,))
+        for p in self._requires_update - done:
+            group = self._group_of.get(p)
+            if group is None:
+                self._handles[p] = self._allreduce_grad_async(p)
+            elif group not in self._handles:
+                self._handles[group] = self._grouped_allreduce_async(group)
+                self._group_ready[group].clear()
+        for key, (handle, ctx) in list(self._handles.items()):
+            if isinstance(key, tuple):
+                outputs = synchronize(handle)
+                for p, out, c in zip(key, outputs, ctx):
+                    self._allreduce_delay[p] = self.backward_passes_per_step
+                    self._set_grad(p, self._compression.decompress(out, c))
+                continue
+            p = key
+            self._allreduce_delay[p] = self.backward_passes_per_step
+            if callable(handle):  # sparse allgather path returns a closure
+                p.grad = handle()
+                continue
+            out = self._compression.decompress(synchronize(handle), ctx)
+            self._set_grad(p, out)
+        self._handles.clear()
+        self._synchronized = True
+
+    def _set_grad(self, p, value):
+        if value is p.grad:
+            return
+        if p.grad is not None and p.grad.is_sparse:
+            p.grad = value.to_sparse()
+        elif p.grad is not None and value.dtype == p.grad.dtype and value.shape == p.grad.shape:
+            p.grad.copy_(value)
+        else:
+            p.grad = value
+
+    @contextmanager
+    def skip_synchronize(self):
+        """Inside this context ``step()`` does not synchronize (call ``synchronize()`` yourself first)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(). This can cause training slowdown. You may want to "
+                              "consider using optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.")
+            self.synchronize()
+        self._synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def _perseus_local_step(self, closure=None):
+        """The wrapped optimizer's own step, with no communication (used to initialise state)."""
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, *args, **kwargs):
+        if self._handles:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
+                                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
+                                 "cause a race condition.")
+        return super(self.__class__, self).zero_grad(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        self._handles = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        return super(self.__class__, self).load_state_dict(*args, **kwargs)
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
+                         backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0, num_groups=0,
+                         groups=None, sparse_as_dense=False, process_set=global_process_set):
+    """Wrap a torch optimizer so that ``step()`` uses gradients averaged over all ranks.
+
+    The result is an instance of a subclass of the wrapped optimizer's class, with the same class name,
+    the same parameter groups and the same state.
+
+    Args:
+        optimizer: the torch.optim.Optimizer to wrap.
+        named_parameters: ``model.named_parameters()``; names the gradients so every rank matches them.
+        compression: ``Compression.none``, ``Compression.fp16`` or ``Compression.bf16`` for the wire.
+        backward_passes_per_step: backward passes accumulated locally before gradients are reduced.
+        op: ``Average`` (default) or ``Sum``.
+        gradient_predivide_factor: divide gradients by this before summing and multiply after (Average only).
+        num_groups: deprecated; use ``groups``.
+        groups: an int (split the parameters into that many groups) or a list of lists of parameters; each
+            group is reduced as one grouped allreduce.
+        sparse_as_dense: reduce sparse gradients as dense tensors.
+        process_set: the ranks that train together.
+
+    Raises:
+        ValueError: bad names, groups, factors or ``backward_passes_per_step``.
+    """
+    if num_groups != 0:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
+                      DeprecationWarning)
+        if groups is None:
+            groups = num_groups
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
+    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
+               gradient_predivide_factor, groups, sparse_as_dense, process_set,
+               _defaults=optimizer.defaults, _state=dict(optimizer.state))

@@ -1,0 +1,66 @@
+"""Failure scenarios run as real MPI jobs by test_failures.py: ``mpirun -np N python scenarios.py MODE``."""
+
+import os
+import sys
+import time
+
+import torch
+
+import perseus.torch as hvd
+
+
+def main(mode: str) -> None:
+    hvd.init()
+    rank = hvd.rank()
+    hvd.allreduce(torch.ones(2), name="warmup")
+    if mode == "stall":
+        if rank == 0:
+            hvd.allreduce(torch.ones(2), name="lonely")
+        else:
+            time.sleep(60)  # never submits "lonely"
+    elif mode == "transport_error":
+        if rank == 1:
+            from perseus.transport import mpi
+
+            def broken(*args, **kwargs):
+                raise RuntimeError("simulated transport failure")
+            mpi.MpiComm.allreduce = broken
+        try:
+            hvd.allreduce(torch.ones(1 << 16), name="doomed")
+        except hvd.HorovodInternalError as exc:
+            print(f"rank {rank} caught: {exc}", flush=True)
+            if rank == 1:
+                time.sleep(2)
+            raise
+    elif mode == "rank_dies":
+        if rank == 1:
+            os._exit(9)
+        hvd.allreduce(torch.ones(2), name="after_death")
+        time.sleep(60)
+    elif mode == "uncaught":
+        if rank == 1:
+            raise ValueError("user code failed on rank 1")
+        hvd.allreduce(torch.ones(2), name="waits_for_rank1")
+        time.sleep(60)
+    elif mode == "early_shutdown":
+        if rank == 1:
+            hvd.shutdown()
+            time.sleep(3)
+            return
+        try:
+            time.sleep(0.5)
+            hvd.allreduce(torch.ones(2), name="after_peer_shutdown")
+        except hvd.HorovodInternalError as exc:
+            print(f"rank {rank} caught: {exc}", flush=True)
+            return
+        raise AssertionError("expected an error after the peer shut down")
+    elif mode == "clean":
+        for i in range(20):
+            hvd.allreduce(torch.ones(100), name=f"step{i % 3}")
+        print(f"rank {rank} done", flush=True)
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,75 @@
+"""A rank that stalls, fails, dies or raises ends the whole job within seconds, with a clear message."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def mpirun():
+    local = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    return local if os.path.exists(local) else "mpirun"
+
+
+def run(mode, np_=2, env=None, limit_s=60):
+    cmd = [mpirun(), "--oversubscribe", "--bind-to", "none", "-np", str(np_)]
+    if os.geteuid() == 0:
+        cmd.insert(1, "--allow-run-as-root")
+    full_env = dict(os.environ, PERSEUS_STALL_CHECK_TIME_SECONDS="1", PERSEUS_STALL_SHUTDOWN_TIME_SECONDS="3",
+                    **(env or {}))
+    start = time.monotonic()
+    proc = subprocess.run(cmd + [sys.executable, os.path.join(HERE, "scenarios.py"), mode], env=full_env,
+                          capture_output=True, text=True, timeout=limit_s)
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
+
+
+def test_clean_run_exits_zero():
+    code, out, took = run("clean")
+    assert code == 0, out
+    assert "rank 0 done" in out and "rank 1 done" in out
+    assert took < 30
+
+
+def test_stall_names_tensor_and_missing_rank():
+    code, out, took = run("stall")
+    assert code != 0, out
+    assert took < 30, out
+    assert "allreduce.lonely" in out and "missing on ranks [1]" in out, out
+    assert "rank 1 is at" in out and "scenarios.py" in out, out
+    assert "StallError" in out, out
+
+
+def test_transport_error_on_one_rank_fails_every_rank():
+    code, out, took = run("transport_error")
+    assert code != 0 and took < 30, out
+    assert "rank 1 caught" in out and "simulated transport failure" in out, out
+    assert "rank 0 caught: perseus: rank 1 failed and stopped the job" in out, out
+
+
+def test_dead_rank_ends_job():
+    code, out, took = run("rank_dies")
+    assert code != 0 and took < 30, out
+
+
+def test_uncaught_exception_aborts_job():
+    code, out, took = run("uncaught")
+    assert code != 0 and took < 30, out
+    assert "user code failed on rank 1" in out and "aborting the job" in out, out
+
+
+def test_peer_shutdown_is_reported():
+    code, out, took = run("early_shutdown")
+    assert took < 30, out
+    assert "rank 0 caught" in out and "rank 1 shut down" in out, out
+
+
+def test_three_ranks_stall():
+    code, out, took = run("stall", np_=3)
+    assert code != 0 and took < 30, out
+    assert "missing on ranks [1, 2]" in out, out

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Set everything up and run every test: unit and integration tests in one process, then the MPI suite
+# under mpirun at 2 and 3 ranks. Every test has a timeout; a failing rank aborts its MPI job.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN="$(bash tools/setup_env.sh)"
+export PATH="$BIN:$PATH"
+MPIRUN=("$BIN/mpirun" --oversubscribe --bind-to none)
+if [ "$(id -u)" = "0" ]; then MPIRUN+=(--allow-run-as-root); fi
+PYTEST=("$BIN/python" -m pytest -p no:cacheprovider --color=no)
+status=0
+echo "== unit and integration tests (no mpirun)"
+"${PYTEST[@]}" -q tests/unit tests/integration || status=1
+for np in 2 3; do
+  echo "== MPI tests on $np ranks"
+  # Every rank runs every test and prints its own summary line.
+  "${MPIRUN[@]}" -np "$np" "${PYTEST[@]}" -q tests/mpi || status=1
+done
+exit $status

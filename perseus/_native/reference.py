@@ -56,6 +56,8 @@ def scale_into(src: np.ndarray, dst: np.ndarray, factor: float, bfloat16: bool =
     elif dst.dtype == np.bool_:
         if src is not dst:
             np.copyto(dst, src)
+    elif dst.dtype == np.float16:  # multiply in float32 and round once, so small factors do not underflow
+        np.multiply(src, np.float32(factor), out=dst, dtype=np.float32, casting="same_kind")
     elif dst.dtype.kind == "f":
         np.multiply(src, factor, out=dst)
     else:

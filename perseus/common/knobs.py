@@ -44,15 +44,16 @@ class Knob:
     tunable: bool = False
     choices: tuple[str, ...] = ()
 
-    def parse(self, text: str) -> Any:
-        """Convert an environment string to this knob's type; raise ``ValueError`` naming the variable."""
+    def parse(self, text: str, var: str = "") -> Any:
+        """Convert the string ``text`` (read from ``var``) to this knob's type; ``ValueError`` names ``var``."""
+        var = var or self.env[0]
         try:
             value = parse_bool(text) if self.type is bool else self.type(text.strip())
         except ValueError as exc:
-            raise ValueError(f"environment variable {self.env[0]}: {exc}") from None
+            raise ValueError(f"environment variable {var}: {exc}") from None
         if self.choices and str(value).lower() not in self.choices:
             raise ValueError(
-                f"environment variable {self.env[0]}: unexpected value {text!r}; "
+                f"environment variable {var}: unexpected value {text!r}; "
                 f"expected one of {', '.join(self.choices)}"
             )
         return value
@@ -61,7 +62,7 @@ class Knob:
         """Return ``(value, explicitly_set)`` from the first of :attr:`env` that is set."""
         for var in self.env:
             if var in environ and environ[var].strip() != "":
-                return self.parse(environ[var]), True
+                return self.parse(environ[var], var), True
         return self.default, False
 
 
@@ -154,10 +155,15 @@ class Settings:
         object.__setattr__(self, "_explicit", explicit)
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # not a setting (copy/pickle probe before __init__ ran)
+            raise AttributeError(name)
         try:
             return self._values[name]
         except KeyError:
             raise AttributeError(f"perseus has no setting {name!r}") from None
+
+    def __reduce__(self):
+        return (Settings, (self._values, self._explicit))
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name not in self._values:

@@ -77,7 +77,8 @@ def plan_units(entries: list[Entry], fusion_threshold_bytes: int, inplace_thresh
         numel, item = _numel(entry), sig.dtype.itemsize
         post = _postscale(sig, average_divisor)
         reduce_op = 1 if sig.reduce_op == 0 else sig.reduce_op  # Average travels as Sum
-        if numel * item >= max(inplace_threshold_bytes, 1) or fusion_threshold_bytes <= 0:
+        nbytes = numel * item
+        if nbytes >= max(inplace_threshold_bytes, 1) or nbytes > fusion_threshold_bytes:
             open_unit = None
             step = max(fusion_threshold_bytes // item, 1) if fusion_threshold_bytes > 0 else max(numel, 1)
             starts = range(0, numel, step) if numel else [0]

@@ -379,11 +379,6 @@ def test_scale_float16_dyadic_factors(factor):
         assert same_bits(got, expected)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: scale_into on float16 multiplies by the factor rounded to float16 (np.multiply with a Python "
-    "float scalar keeps float16 under NumPy's promotion rules), not in float32 as the bfloat16 path and "
-    "Horovod do: float16 1.7001953125 * 0.1 gives 0.16992 instead of 0.17004, 0.001 * 1e5 gives inf "
-    "instead of 100.06, 60000 * 1e-8 gives 0 instead of 0.0006"))
 @pytest.mark.parametrize("factor", FACTORS_INEXACT)
 def test_scale_float16_in_float32(factor):
     src = _f16_src()
@@ -392,6 +387,20 @@ def test_scale_float16_in_float32(factor):
         results = _both_ways(src, factor)
     for got in results:
         assert same_bits(got, expected)
+
+
+@pytest.mark.parametrize("x,factor,expected", [
+    (1.7001953125, 0.1, 0.1700439453125),     # gets 0.169921875 (factor became 0.0999755859375)
+    (0.001, 1e5, 100.0625),                   # gets inf (1e5 overflows float16)
+    (60000.0, 1e-8, 0.0005998611450195312),   # gets 0 (1e-8 underflows float16)
+])
+def test_scale_float16_examples(x, factor, expected):
+    assert float(np.float16(np.float32(np.float16(x)) * np.float32(factor))) == expected  # the reference
+    src = np.array([x], np.float16)
+    dst = np.zeros(1, np.float16)
+    with np.errstate(over="ignore"):
+        scale_into(src, dst, factor)
+    assert float(dst[0]) == expected
 
 
 @pytest.mark.parametrize("factor", FACTORS_EXACT + FACTORS_INEXACT)

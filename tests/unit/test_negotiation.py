@@ -171,7 +171,7 @@ def test_build_words_flags_of_idle_rank(dirty, joined):
     neg = Negotiator(0, 1)
     words, needs = neg.build_words({}, dirty, joined)
     assert needs is False
-    assert words.dtype == np.uint64 and words.size == 1
+    assert words.dtype == np.uint64 and words.size == neg.registry.num_words
     expected = int(FLAG_NO_EXCHANGE)
     if not dirty:
         expected |= int(FLAG_NOT_DIRTY)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import logging
 import os
 import sys
 import threading
@@ -55,6 +56,7 @@ class PerseusBasics:
                 os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
                 process_sets = None
             settings = load_settings()
+            _configure_logging(settings)
             if settings.mpi_threads_disable:
                 raise ValueError("perseus needs MPI_THREAD_MULTIPLE (its engine and channel threads call MPI "
                                  "concurrently); unset HOROVOD_MPI_THREADS_DISABLE/PERSEUS_MPI_THREADS_DISABLE.")
@@ -318,6 +320,25 @@ class PerseusBasics:
             raise ValueError(f"perseus: rank {me} is not a member of process set {ps_id} (ranks {ranks}); only "
                              "members may call its collectives")
         return ps_id, len(ranks), ranks.index(me)
+
+
+_LEVELS = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+           "error": logging.ERROR, "fatal": logging.CRITICAL}
+
+
+def _configure_logging(settings) -> None:
+    """Send perseus's log to stderr at the configured level, prefixed with the rank (unless the user set up
+    handlers for the 'perseus' logger already)."""
+    logger = logging.getLogger("perseus")
+    logger.setLevel(_LEVELS[settings.log_level.lower()])
+    if logger.handlers:
+        return
+    rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "?"))
+    stamp = "" if settings.log_hide_time else "%(asctime)s "
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"{stamp}[perseus rank {rank}] %(levelname)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.propagate = False
 
 
 def _topology(MPI, base):

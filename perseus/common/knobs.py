@@ -111,7 +111,7 @@ KNOBS: tuple[Knob, ...] = (
          doc="Engine log level."),
     Knob("log_hide_time", _both("LOG_HIDE_TIME"), bool, False, doc="Omit timestamps from engine log lines."),
     Knob("mpi_threads_disable", _both("MPI_THREADS_DISABLE"), bool, False,
-         doc="Request MPI_THREAD_SINGLE; forces one channel and runs every collective on the engine thread."),
+         doc="Rejected with a clear error: perseus's engine and channel threads need MPI_THREAD_MULTIPLE."),
     Knob("abort_on_exception", ("PERSEUS_ABORT_ON_EXCEPTION",), bool, True,
          doc="After init(), an uncaught exception on any rank prints its traceback and aborts the whole MPI "
              "job, so the other ranks do not hang."),
@@ -122,7 +122,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("idle_poll_max_ms", ("PERSEUS_IDLE_POLL_MAX_MS",), float, 50.0, unit="ms",
          doc="Longest sleep of an idle engine between checks for control messages from peers (stall probes, "
              "aborts). Only diagnostics wait on it; data never does."),
-    Knob("autotune", _both("AUTOTUNE"), bool, False, doc="Tune fusion and channel settings at run time."),
+    Knob("autotune", _both("AUTOTUNE"), bool, False,
+         doc="Tune fusion and channel settings at run time. Accepted; the tuner is not wired in yet."),
     Knob("autotune_log", _both("AUTOTUNE_LOG"), str, "", doc="CSV log of autotune trials (rank 0)."),
     Knob("autotune_warmup_samples", _both("AUTOTUNE_WARMUP_SAMPLES"), int, 3, unit="samples",
          doc="Samples discarded before tuning starts."),

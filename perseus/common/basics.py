@@ -298,6 +298,10 @@ class PerseusBasics:
             self._sets[ps_id] = ps
             return ps
 
+    def process_set_ranks(self, ps_id: int) -> list[int]:
+        """The job ranks of registered process set ``ps_id``."""
+        return self._sets[ps_id].ranks
+
     def _get_process_set_ids_and_ranks(self) -> dict[int, list[int]]:
         """Every registered process set id and its ranks (Horovod's test helper)."""
         self.engine

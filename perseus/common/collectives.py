@@ -35,8 +35,19 @@ _barrier_counts: dict[int, int] = {}
 Alloc = Callable[[tuple], np.ndarray]
 
 
-def _name(prefix: str, name: Optional[str], hid: int) -> str:
-    return f"{prefix}.{name}" if name is not None else f"{prefix}.noname.{hid}"
+_noname_lock = threading.Lock()
+_noname_counts: dict = {}
+
+
+def _name(prefix: str, name: Optional[str], ps_id: int) -> str:
+    """``prefix.name``, or ``prefix.noname.N`` with N counting this op's unnamed calls on this process set,
+    so that ranks making the same calls in the same order generate the same names."""
+    if name is not None:
+        return f"{prefix}.{name}"
+    with _noname_lock:
+        n = _noname_counts.get((prefix, ps_id), 0) + 1
+        _noname_counts[(prefix, ps_id)] = n
+    return f"{prefix}.noname.{n}"
 
 
 def _info(process_set: ProcessSet):
@@ -57,9 +68,9 @@ def _dt(dtypes, i: int, array: np.ndarray, what: str) -> DType:
     return given if given is not None else _check(array, what)
 
 
-def _submit(entries: list[Entry], ps_id: int, finish, hid: int) -> int:
+def _submit(entries: list[Entry], ps_id: int, finish) -> int:
     hs = state().engine.enqueue(entries, ps_id)
-    return handles.register(hs, finish, hid)
+    return handles.register(hs, finish)
 
 
 def _reduce_op(op: ReduceOp, what: str, allow_adasum: bool = False) -> ReduceOp:
@@ -85,18 +96,17 @@ def grouped_allreduce_async(arrays: Sequence[np.ndarray], outputs: Sequence[np.n
     """Start allreduces of several arrays, negotiated together. Returns one handle for the group."""
     op = _reduce_op(op, "allreduce")
     ps_id, _, _ = _info(process_set)
-    hid = handles.next_id()
-    base = _name("allreduce", name, hid)
-    entries = []
-    for i, (arr, out) in enumerate(zip(arrays, outputs)):
+    sigs = []
+    for i, arr in enumerate(arrays):
         dt = _dt(dtypes, i, arr, "allreduce")
         if dt is DType.BOOL and op == ReduceOp.AVERAGE:
             raise ValueError("perseus.allreduce: op=Average is not defined for bool tensors; use Sum, Min or Max")
-        sig = make_signature(OpType.ALLREDUCE, dt, tuple(arr.shape), int(op), -1, float(prescale_factor),
-                        float(postscale_factor), int(priority))
-        ename = base if _single else f"{base}.{i}"
-        entries.append(Entry(ename, sig, tuple(arr.shape), arr, out, process_set_id=ps_id))
-    return _submit(entries, ps_id, finish, hid)
+        sigs.append(make_signature(OpType.ALLREDUCE, dt, tuple(arr.shape), int(op), -1, float(prescale_factor),
+                                   float(postscale_factor), int(priority)))
+    base = _name("allreduce", name, ps_id)
+    entries = [Entry(base if _single else f"{base}.{i}", sig, tuple(arr.shape), arr, out, process_set_id=ps_id)
+               for i, (sig, arr, out) in enumerate(zip(sigs, arrays, outputs))]
+    return _submit(entries, ps_id, finish)
 
 
 def allgather_async(array: np.ndarray, alloc: Alloc, name=None, process_set=global_process_set,
@@ -109,32 +119,36 @@ def allgather_async(array: np.ndarray, alloc: Alloc, name=None, process_set=glob
 def grouped_allgather_async(arrays, allocs, name=None, process_set=global_process_set, priority: int = 0,
                             dtypes=None, finish=lambda r: r, _single=False) -> int:
     ps_id, _, _ = _info(process_set)
-    hid = handles.next_id()
-    base = _name("allgather", name, hid)
-    entries = []
-    for i, (arr, alloc) in enumerate(zip(arrays, allocs)):
+    items = []
+    for i, arr in enumerate(arrays):
         dt = _dt(dtypes, i, arr, "allgather")
         shape = tuple(arr.shape) if arr.ndim else (1,)
-        sig = make_signature(OpType.ALLGATHER, dt, shape[1:], priority=int(priority))
-        entries.append(Entry(base if _single else f"{base}.{i}", sig, shape, arr.reshape(shape), alloc=alloc,
-                             process_set_id=ps_id))
-    return _submit(entries, ps_id, finish, hid)
+        items.append((make_signature(OpType.ALLGATHER, dt, shape[1:], priority=int(priority)), shape))
+    base = _name("allgather", name, ps_id)
+    entries = [Entry(base if _single else f"{base}.{i}", sig, shape, arr.reshape(shape), alloc=alloc,
+                     process_set_id=ps_id)
+               for i, ((sig, shape), arr, alloc) in enumerate(zip(items, arrays, allocs))]
+    return _submit(entries, ps_id, finish)
 
 
 def broadcast_async(array: np.ndarray, output: np.ndarray, root_rank: int, name=None,
                     process_set=global_process_set, priority: int = 0, dtype: Optional[DType] = None,
                     finish=lambda r: r[0]) -> int:
-    """Start a broadcast of ``array`` from ``root_rank`` (rank within the process set) into ``output``."""
+    """Start a broadcast of ``array`` from ``root_rank`` into ``output``.
+
+    ``root_rank`` is a rank of the job (as in Horovod), and must belong to ``process_set``.
+    """
     ps_id, size, _ = _info(process_set)
     root_rank = int(root_rank)
-    if not 0 <= root_rank < size:
-        raise ValueError(f"perseus.broadcast: root_rank {root_rank} is out of range for a process set of size "
-                         f"{size}")
+    members = state().process_set_ranks(ps_id)
+    if root_rank not in members:
+        raise ValueError(f"perseus.broadcast: root_rank {root_rank} is not a rank of the process set "
+                         f"(ranks {members}); pass the root's global rank")
     dt = dtype if dtype is not None else _check(array, "broadcast")
-    hid = handles.next_id()
-    sig = make_signature(OpType.BROADCAST, dt, tuple(array.shape), root_rank=root_rank, priority=int(priority))
-    entry = Entry(_name("broadcast", name, hid), sig, tuple(array.shape), array, output, process_set_id=ps_id)
-    return _submit([entry], ps_id, finish, hid)
+    sig = make_signature(OpType.BROADCAST, dt, tuple(array.shape), root_rank=members.index(root_rank),
+                         priority=int(priority))
+    entry = Entry(_name("broadcast", name, ps_id), sig, tuple(array.shape), array, output, process_set_id=ps_id)
+    return _submit([entry], ps_id, finish)
 
 
 def even_splits(first_dim: int, size: int, what: str = "alltoall") -> np.ndarray:
@@ -160,11 +174,10 @@ def alltoall_async(array: np.ndarray, splits: Optional[np.ndarray], alloc: Alloc
     if (splits < 0).any() or int(splits.sum()) != shape[0]:
         raise ValueError(f"perseus.alltoall: splits {splits.tolist()} must be non-negative and sum to the first "
                          f"dimension ({shape[0]})")
-    hid = handles.next_id()
     sig = make_signature(OpType.ALLTOALL, dt, shape[1:], priority=int(priority))
-    entry = Entry(_name("alltoall", name, hid), sig, shape, array.reshape(shape), alloc=alloc, splits=splits,
+    entry = Entry(_name("alltoall", name, ps_id), sig, shape, array.reshape(shape), alloc=alloc, splits=splits,
                   process_set_id=ps_id)
-    return _submit([entry], ps_id, finish, hid)
+    return _submit([entry], ps_id, finish)
 
 
 def reducescatter_async(array, alloc: Alloc, name=None, op=ReduceOp.AVERAGE, process_set=global_process_set,
@@ -184,18 +197,18 @@ def grouped_reducescatter_async(arrays, allocs, name=None, op=ReduceOp.AVERAGE, 
     if op not in (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT):
         raise ValueError(f"perseus.reducescatter: unsupported op {op!r}")
     ps_id, _, _ = _info(process_set)
-    hid = handles.next_id()
-    base = _name("reducescatter", name, hid)
-    entries = []
-    for i, (arr, alloc) in enumerate(zip(arrays, allocs)):
+    sigs = []
+    for i, arr in enumerate(arrays):
         dt = _dt(dtypes, i, arr, "reducescatter")
         if arr.ndim == 0:
             raise ValueError("perseus.reducescatter: the tensor needs at least one dimension to scatter")
-        sig = make_signature(OpType.REDUCESCATTER, dt, tuple(arr.shape), int(op), -1, float(prescale_factor),
-                        float(postscale_factor), int(priority))
-        entries.append(Entry(base if _single else f"{base}.{i}", sig, tuple(arr.shape), arr, alloc=alloc,
-                             process_set_id=ps_id))
-    return _submit(entries, ps_id, finish, hid)
+        sigs.append(make_signature(OpType.REDUCESCATTER, dt, tuple(arr.shape), int(op), -1,
+                                   float(prescale_factor), float(postscale_factor), int(priority)))
+    base = _name("reducescatter", name, ps_id)
+    entries = [Entry(base if _single else f"{base}.{i}", sig, tuple(arr.shape), arr, alloc=alloc,
+                     process_set_id=ps_id)
+               for i, (sig, arr, alloc) in enumerate(zip(sigs, arrays, allocs))]
+    return _submit(entries, ps_id, finish)
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:

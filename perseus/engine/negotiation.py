@@ -26,11 +26,13 @@ import numpy as np
 
 from perseus.engine.messages import Entry, Signature
 
-__all__ = ["Registry", "Negotiator", "RoundResult", "FLAG_NO_EXCHANGE", "FLAG_NOT_DIRTY", "FLAG_JOINED"]
+__all__ = ["Registry", "Negotiator", "RoundResult", "FLAG_NO_EXCHANGE", "FLAG_NOT_DIRTY", "FLAG_JOINED",
+           "FLAG_NONE_JOINED"]
 
 FLAG_NO_EXCHANGE = np.uint64(1 << 0)
 FLAG_NOT_DIRTY = np.uint64(1 << 1)
 FLAG_JOINED = np.uint64(1 << 2)
+FLAG_NONE_JOINED = np.uint64(1 << 3)
 _ALL_ONES = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
@@ -64,13 +66,14 @@ class Registry:
 class RoundResult:
     """What one round decided, identically on every rank."""
 
-    __slots__ = ("ready", "errors", "any_dirty", "all_joined", "exchanged")
+    __slots__ = ("ready", "errors", "any_dirty", "all_joined", "any_joined", "exchanged")
 
     def __init__(self):
         self.ready: list[str] = []              # names, in execution order
         self.errors: dict[str, str] = {}        # name -> message, raised on every rank
         self.any_dirty = False
         self.all_joined = False
+        self.any_joined = False
         self.exchanged = False
 
 
@@ -108,6 +111,8 @@ class Negotiator:
             flags |= FLAG_NOT_DIRTY
         if joined:
             flags |= FLAG_JOINED
+        else:
+            flags |= FLAG_NONE_JOINED
         words[0] = flags
         return words, needs_exchange
 
@@ -117,6 +122,7 @@ class Negotiator:
         flags = words[0]
         result.any_dirty = not bool(flags & FLAG_NOT_DIRTY)
         result.all_joined = bool(flags & FLAG_JOINED)
+        result.any_joined = not bool(flags & FLAG_NONE_JOINED)
         nb = self.registry.bit_words
         bits = words[1:1 + nb] & ~words[1 + nb:1 + 2 * nb]
         ready = []
@@ -172,6 +178,23 @@ class Negotiator:
             elif idx is None:
                 self.registry.add(name, sig)
         result.ready = [n for n in result.ready if n not in result.errors]
+
+    def reject_while_joined(self, result: RoundResult) -> None:
+        """While any rank has joined, only allreduce can run (joined ranks contribute zeros): every other
+        ready collective fails on every rank, as in Horovod."""
+        if not result.any_joined:
+            return
+        idx, sigs = self.registry.index, self.registry.signatures
+        keep = []
+        for name in result.ready:
+            op = sigs[idx[name]].op_type
+            if op.name == "ALLREDUCE":
+                keep.append(name)
+            else:
+                result.errors[name] = (
+                    f"perseus.{op.name.lower()}({name!r}): one or more ranks have called join(); only allreduce "
+                    f"can run until every rank has joined. Call {op.name.lower()} before join() on every rank.")
+        result.ready = keep
 
     def order(self, names: Iterable[str]) -> list[str]:
         """Execution order: higher priority first, then by index (first-submitted first)."""

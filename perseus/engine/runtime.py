@@ -35,6 +35,8 @@ __all__ = ["ProcessSetRuntime"]
 log = logging.getLogger("perseus")
 
 _IDLE, _BAND, _EXCHANGE, _JOINGATHER = range(4)
+_CONTROL_POLL_S = 100e-6  # control messages (wake, probe, abort) are rare: look for them at most this often
+_STALL_CHECK_S = 0.05
 
 
 class ProcessSetRuntime:
@@ -76,6 +78,8 @@ class ProcessSetRuntime:
         self._probe: Optional[StallReport] = None
         self._probe_counter = 0
         self._last_warn = 0.0
+        self._last_poll = 0.0
+        self._last_stall_check = 0.0
         self._lock = threading.Lock()
 
     # -- user threads ----------------------------------------------------------------------------------
@@ -107,7 +111,9 @@ class ProcessSetRuntime:
     # -- engine thread ---------------------------------------------------------------------------------
     def step(self, now: float) -> tuple[bool, bool, float]:
         """Advance the state machine once. Returns ``(progressed, waiting_on_peers, next_deadline)``."""
-        self._poll_control(now)
+        if now - self._last_poll >= _CONTROL_POLL_S:
+            self._last_poll = now
+            self._poll_control(now)
         if self.dead is not None:
             return False, False, float("inf")
         if self.state == _IDLE:
@@ -186,6 +192,7 @@ class ProcessSetRuntime:
 
     def _finish_round(self) -> None:
         result = self._result
+        self.negotiator.reject_while_joined(result)
         self.round += 1
         self.continue_mode = result.any_dirty or bool(result.ready) or bool(result.errors)
         ready_entries: list[Entry] = []
@@ -294,8 +301,9 @@ class ProcessSetRuntime:
 
     def _check_stall(self, now: float) -> None:
         s = self.settings
-        if s.stall_check_disable:
+        if s.stall_check_disable or now - self._last_stall_check < _STALL_CHECK_S:
             return
+        self._last_stall_check = now
         times = {n: e.submit_time for n, e in self.pending.items()}
         if not times:
             self._probe = None

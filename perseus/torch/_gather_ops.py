@@ -56,9 +56,26 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
                                       name, process_set, dtypes=dts, finish=lambda r: [h[0] for h in holders])
 
 
+class _GroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        ctx.dims = [t.shape[0] if t.dim() else 1 for t in tensors]
+        ctx.process_set = process_set
+        return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ps = ctx.process_set
+        reduced = allreduce_mod().grouped_allreduce(list(grads), op=Average, process_set=ps)
+        dims = allgather(torch.tensor([ctx.dims], dtype=torch.int64), process_set=ps)
+        offsets = dims[: ps.rank()].sum(0) if ps.rank() else torch.zeros(len(ctx.dims), dtype=torch.int64)
+        out = [g.narrow(0, int(o), d) for g, o, d in zip(reduced, offsets.tolist(), ctx.dims)]
+        return (None, None) + tuple(out)
+
+
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
-    """Allgather each tensor of ``tensors``, negotiated together."""
-    return synchronize(grouped_allgather_async(tensors, name, process_set))
+    """Allgather each tensor of ``tensors``, negotiated together. Differentiable."""
+    return list(_GroupedAllgather.apply(name, process_set, *tensors))
 
 
 # -- broadcast ----------------------------------------------------------------------------------------------
@@ -93,7 +110,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         grad = allreduce_mod().allreduce(grad_output, op=Average, process_set=ctx.process_set)
-        if ctx.process_set.rank() != ctx.root_rank:
+        if allreduce_mod().rank() != ctx.root_rank:
             grad = grad * 0
         return grad, None, None, None
 
@@ -189,12 +206,27 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=glob
                                           finish=lambda r: [h[0] for h in holders])
 
 
+class _GroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, process_set, prescale_factor, postscale_factor, *tensors):
+        ctx.args = (op, process_set, prescale_factor, postscale_factor)
+        return tuple(synchronize(grouped_reducescatter_async(list(tensors), name, op, process_set,
+                                                             prescale_factor, postscale_factor)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op, ps, pre, post = ctx.args
+        factor = (ps.size() if ReduceOp(op) == Sum else 1) * pre * post
+        grads = [g * factor if factor != 1 else g for g in grads]
+        return (None,) * 5 + tuple(grouped_allgather(grads, process_set=ps))
+
+
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
-    """Reducescatter each tensor of ``tensors``, negotiated together."""
+    """Reducescatter each tensor of ``tensors``, negotiated together. Differentiable."""
     pairs = [compression.compress(t) for t in tensors]
-    outs = synchronize(grouped_reducescatter_async([p[0] for p in pairs], name, op, process_set,
-                                                   prescale_factor, postscale_factor))
+    outs = _GroupedReducescatter.apply(name, op, process_set, prescale_factor, postscale_factor,
+                                       *[p[0] for p in pairs])
     return [compression.decompress(o, p[1]) for o, p in zip(outs, pairs)]
 
 

@@ -7,6 +7,8 @@ import io
 import cloudpickle
 import torch
 
+from perseus.common.basics import state
+
 from perseus.common.process_sets import global_process_set
 from perseus.torch.mpi_ops import allgather, broadcast_, broadcast_async_, synchronize
 
@@ -45,7 +47,10 @@ def broadcast_parameters(params, root_rank):
 
 
 def _initialize_state(optimizer, model) -> None:
-    """Create lazily-built optimizer state everywhere with one zero-gradient step; parameters are restored."""
+    """Create lazily-built optimizer state everywhere with one zero-gradient step.
+
+    Parameters are restored afterwards; the zero gradients stay (as Horovod leaves them).
+    """
     sparse = set()
     if model is not None:
         for m in model.modules():
@@ -64,9 +69,8 @@ def _initialize_state(optimizer, model) -> None:
     step = getattr(optimizer, "_perseus_local_step", None)  # a DistributedOptimizer: skip the allreduce
     (step or optimizer.step)()
     with torch.no_grad():
-        for p, value, grad in saved:  # a zero-gradient step may still move parameters (weight decay)
+        for p, value, _ in saved:  # a zero-gradient step may still move parameters (weight decay)
             p.copy_(value)
-            p.grad = grad
 
 
 def broadcast_optimizer_state(optimizer, root_rank, model=None):
@@ -115,12 +119,13 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None):
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
-    """Return the root's ``obj`` on every rank (serialised with cloudpickle).
+    """Return the root's ``obj`` on every rank (serialised with cloudpickle). ``root_rank`` is a job rank.
 
     Collective: every rank of ``process_set`` calls it; only the root's ``obj`` matters.
     """
     name = name or type(obj).__name__
-    if process_set.rank() == root_rank:
+    me = state().rank()
+    if me == root_rank:
         buf = io.BytesIO()
         cloudpickle.dump(obj, buf)
         payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
@@ -131,7 +136,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
     if payload is None:
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
     broadcast_(payload, root_rank, name=f"{name}.t", process_set=process_set)
-    if process_set.rank() == root_rank:
+    if me == root_rank:
         return obj
     return cloudpickle.loads(payload.numpy().tobytes())
 

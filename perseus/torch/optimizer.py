@@ -161,32 +161,30 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # Another rank may have produced this gradient (dynamic graphs): submit zeros, never hang.
             p.grad = torch.zeros_like(p)
         name = f"grad.{self._parameter_names.get(p)}"
-        grad = p.grad
-        if grad.is_sparse:
+        grad, sparse = p.grad, p.grad.is_sparse
+        if sparse:
             if not self.sparse_as_dense:
                 return sparse_allreduce_async(grad, name=name, op=self.op, process_set=self.process_set), None
             grad = grad.to_dense()
-            p.grad = grad
         pre, post = self._scales()
         compressed, ctx = self._compression.compress(grad)
         handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=pre,
                                   postscale_factor=post, process_set=self.process_set)
-        return handle, ctx
+        return handle, (ctx, sparse)
 
     def _grouped_allreduce_async(self, group):
         grads = []
         for p in group:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            if p.grad.is_sparse:
-                p.grad = p.grad.to_dense()
-            grads.append(p.grad)
+            grads.append(p.grad.to_dense() if p.grad.is_sparse else p.grad)
         pre, post = self._scales()
         pairs = [self._compression.compress(g) for g in grads]
-        handle = grouped_allreduce_async_([c for c, _ in pairs], name=f"grad.group.{self._parameter_names[group[0]]}",
+        handle = grouped_allreduce_async_([c for c, _ in pairs],
+                                          name=f"grad.group.{self._parameter_names[group[0]]}",
                                           op=self.op, prescale_factor=pre, postscale_factor=post,
                                           process_set=self.process_set)
-        return handle, [ctx for _, ctx in pairs]
+        return handle, [(ctx, p.grad.is_sparse) for p, (_, ctx) in zip(group, pairs)]
 
     # -- public methods --------------------------------------------------------------------------------
     def set_backward_passes_per_step(self, passes):
@@ -215,25 +213,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for key, (handle, ctx) in list(self._handles.items()):
             if isinstance(key, tuple):
                 outputs = synchronize(handle)
-                for p, out, c in zip(key, outputs, ctx):
+                for p, out, (c, sparse) in zip(key, outputs, ctx):
                     self._allreduce_delay[p] = self.backward_passes_per_step
-                    self._set_grad(p, self._compression.decompress(out, c))
+                    self._set_grad(p, self._compression.decompress(out, c), sparse)
                 continue
             p = key
             self._allreduce_delay[p] = self.backward_passes_per_step
             if callable(handle):  # sparse allgather path returns a closure
                 p.grad = handle()
                 continue
-            out = self._compression.decompress(synchronize(handle), ctx)
-            self._set_grad(p, out)
+            c, sparse = ctx
+            self._set_grad(p, self._compression.decompress(synchronize(handle), c), sparse)
         self._handles.clear()
         self._synchronized = True
 
-    def _set_grad(self, p, value):
-        if value is p.grad:
-            return
-        if p.grad is not None and p.grad.is_sparse:
+    @staticmethod
+    def _set_grad(p, value, sparse=False):
+        """Put the reduced gradient back: sparse again if it was sparse, else in place when possible."""
+        if sparse:
             p.grad = value.to_sparse()
+        elif value is p.grad:
+            return
         elif p.grad is not None and value.dtype == p.grad.dtype and value.shape == p.grad.shape:
             p.grad.copy_(value)
         else:

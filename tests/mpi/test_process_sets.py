@@ -32,7 +32,7 @@ def test_dynamic_sets(hvd):
                 assert out.tolist() == [float(sum(ps.ranks))] * 5
                 g = hvd.allgather(torch.tensor([rank]), name="ps_gather", process_set=ps)
                 assert g.tolist() == ps.ranks
-                b = hvd.broadcast(torch.tensor([rank]), 0, name="ps_bcast", process_set=ps)
+                b = hvd.broadcast(torch.tensor([rank]), ps.ranks[0], name="ps_bcast", process_set=ps)
                 assert b.tolist() == [ps.ranks[0]]
                 rs = hvd.reducescatter(torch.ones(ps.size() * 2), op=hvd.Sum, name="ps_rs", process_set=ps)
                 assert rs.tolist() == [float(ps.size())] * 2

@@ -1,0 +1,1 @@
+"""Compatibility helpers for running Horovod-targeted code on perseus."""

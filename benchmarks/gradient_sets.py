@@ -52,14 +52,28 @@ def make_grads(shapes, torch_mod):
     return [torch_mod.randn(s, generator=g) for s in shapes]
 
 
-def timeit(fn, warmup, steps, barrier):
-    times = []
+def interleaved(fns: dict, warmup: int, steps: int, comm) -> dict:
+    """Time every method once per round, rotating, so that all see the same machine conditions.
+
+    Returns per-method median milliseconds (agreed across ranks: the slowest rank's time per step).
+    """
+    times = {name: [] for name in fns}
+    names = list(fns)
     for i in range(warmup + steps):
-        barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times[warmup:])) * 1e3
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            comm.Barrier()
+            t0 = time.perf_counter()
+            fns[name]()
+            elapsed = comm.allreduce(time.perf_counter() - t0, op=MPI_MAX())
+            if i >= warmup:
+                times[name].append(elapsed * 1e3)
+    return times
+
+
+def MPI_MAX():
+    from mpi4py import MPI
+
+    return MPI.MAX
 
 
 def bench_perseus(grads, hvd):
@@ -145,27 +159,34 @@ def main():
         grads = make_grads(shapes, torch)
         nparams = sum(g.numel() for g in grads)
         row = {"set": set_name, "tensors": len(grads), "params": nparams, "ranks": size}
+        fns = {}
         if "mpi" in which:
-            row["mpi_chunked_ms"] = timeit(bench_mpi_chunked(grads, comm, MPI), args.warmup, args.steps,
-                                           comm.Barrier)
+            fns["mpi_chunked"] = bench_mpi_chunked(grads, comm, MPI)
         for name in ("perseus", "horovod"):
             if name in which:
-                row[f"{name}_ms"] = timeit(bench_perseus(grads, hvd), args.warmup, args.steps, comm.Barrier)
+                fns[name] = bench_perseus(grads, hvd)
         if dist is not None:
-            row["gloo_ms"] = timeit(bench_gloo(grads, dist, torch), args.warmup, args.steps, comm.Barrier)
+            fns["gloo"] = bench_gloo(grads, dist, torch)
+        times = interleaved(fns, args.warmup, args.steps, comm)
+        for name, ts in times.items():
+            row[f"{name}_ms"] = round(float(np.median(ts)), 2)
+        if "mpi_chunked" in times:
+            for name, ts in times.items():
+                if name != "mpi_chunked":  # per-round ratio, then the median: robust to machine drift
+                    ratios = np.array(ts) / np.array(times["mpi_chunked"])
+                    row[f"{name}_over_bound"] = round(float(np.median(ratios)), 3)
         results[set_name] = row
         if rank == 0:
             print(json.dumps(row), flush=True)
             if args.json:
                 with open(args.json, "a") as f:
                     f.write(json.dumps(row) + "\n")
-    if rank == 0 and "perseus_ms" in next(iter(results.values())):
+    if rank == 0:
         for r in results.values():
-            base = r.get("mpi_chunked_ms")
-            if base:
-                print(f"{r['set']}: perseus / chunked-MPI bound = {r['perseus_ms'] / base:.2f}x", flush=True)
-            if r.get("gloo_ms"):
-                print(f"{r['set']}: gloo / perseus = {r['gloo_ms'] / r['perseus_ms']:.2f}x", flush=True)
+            for name in ("perseus", "horovod", "gloo"):
+                if f"{name}_over_bound" in r:
+                    print(f"{r['set']}: {name} / chunked-MPI bound = {r[f'{name}_over_bound']:.2f}x "
+                          f"(median of per-round ratios)", flush=True)
     if dist is not None:
         dist.destroy_process_group()
     hvd.shutdown()

@@ -3,6 +3,6 @@
 The kernels are vectorised NumPy (``reference.py``); every call works on whole buffers, never per element.
 """
 
-from perseus._native.reference import bf16_to_f32, f32_to_bf16, reduce_into, scale_into
+from perseus._native.reference import bf16_to_f32, combine, f32_to_bf16, reduce_into, scale_into
 
-__all__ = ["bf16_to_f32", "f32_to_bf16", "reduce_into", "scale_into"]
+__all__ = ["bf16_to_f32", "combine", "f32_to_bf16", "reduce_into", "scale_into"]

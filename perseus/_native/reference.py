@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["bf16_to_f32", "f32_to_bf16", "reduce_into", "scale_into"]
+__all__ = ["bf16_to_f32", "f32_to_bf16", "combine", "reduce_into", "scale_into"]
 
 
 def bf16_to_f32(words: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -33,20 +33,26 @@ def f32_to_bf16(values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray
 _UFUNC = {"sum": np.add, "min": np.minimum, "max": np.maximum, "product": np.multiply}
 
 
-def reduce_into(acc: np.ndarray, other: np.ndarray, op: str, bfloat16: bool = False) -> None:
-    """``acc = op(acc, other)`` in place. 16-bit floats are combined in float32 and rounded once.
+def combine(a: np.ndarray, b: np.ndarray, out: np.ndarray, op: str, bfloat16: bool = False) -> None:
+    """``out = op(a, b)`` elementwise (``out`` may be ``a``). 16-bit floats are combined in float32 and
+    rounded once.
 
-    ``op`` is one of ``sum``, ``min``, ``max``, ``product``. With ``bfloat16`` both arrays hold bfloat16 words.
+    ``op`` is one of ``sum``, ``min``, ``max``, ``product``. With ``bfloat16`` the arrays hold bfloat16 words.
     """
     ufunc = _UFUNC[op]
     if bfloat16:
-        f32_to_bf16(ufunc(bf16_to_f32(acc), bf16_to_f32(other)), out=acc)
-    elif acc.dtype == np.float16:
-        np.copyto(acc, ufunc(acc.astype(np.float32), other.astype(np.float32)), casting="unsafe")
-    elif acc.dtype == np.bool_:
-        (np.logical_or if op in ("sum", "max") else np.logical_and)(acc, other, out=acc)
+        f32_to_bf16(ufunc(bf16_to_f32(a), bf16_to_f32(b)), out=out)
+    elif out.dtype == np.float16:
+        ufunc(a, b, out=out, dtype=np.float32, casting="same_kind")
+    elif out.dtype == np.bool_:
+        (np.logical_or if op in ("sum", "max") else np.logical_and)(a, b, out=out)
     else:
-        ufunc(acc, other, out=acc)
+        ufunc(a, b, out=out)
+
+
+def reduce_into(acc: np.ndarray, other: np.ndarray, op: str, bfloat16: bool = False) -> None:
+    """``acc = op(acc, other)`` in place; see :func:`combine`."""
+    combine(acc, other, acc, op, bfloat16)
 
 
 def scale_into(src: np.ndarray, dst: np.ndarray, factor: float, bfloat16: bool = False) -> None:

@@ -83,6 +83,11 @@ KNOBS: tuple[Knob, ...] = (
     Knob("num_channels", ("PERSEUS_NUM_CHANNELS",), int, 1, unit="channels", tunable=True,
          doc="Concurrent communication channels per process set; each is a duplicated communicator driven "
              "by its own thread. 1 measured fastest on a single shared-memory host; networks gain from more."),
+    Knob("allreduce_algorithm", ("PERSEUS_ALLREDUCE_ALGORITHM",), str, "auto", tunable=True,
+         choices=("auto", "mpi", "ring"),
+         doc="How a large unit is all-reduced: mpi (MPI_Allreduce, then a scaling pass for Average), ring "
+             "(reduce-scatter and allgather over point-to-point messages; each rank scales only its own "
+             "segment, so Average costs 1/size of a pass), or auto (ring when it saves that pass)."),
     Knob("cache_capacity", _both("CACHE_CAPACITY"), int, 1024, unit="tensors",
          doc="Accepted for Horovod compatibility. perseus keeps every negotiated tensor signature for the "
              "life of the process set, so a steady-state step costs one bit-vector all-reduce."),

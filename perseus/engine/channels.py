@@ -28,12 +28,14 @@ class Channel:
     """One communicator plus the thread that runs its units in order."""
 
     def __init__(self, comm, name: str, on_done: Callable[[Entry], None],
-                 on_error: Callable[[Unit, BaseException], None], get_timeline: Callable[[], object]):
+                 on_error: Callable[[Unit, BaseException], None], get_timeline: Callable[[], object],
+                 algorithm: str = "auto"):
         self.comm = MpiComm(comm)
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._on_done, self._on_error = on_done, on_error
         self._buffer = np.empty(0, np.uint8)
         self._get_timeline = get_timeline
+        self.algorithm = algorithm
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -50,7 +52,7 @@ class Channel:
             if unit is _STOP:
                 return
             try:
-                execute_unit(self.comm, unit, self._fusion_buffer, self._get_timeline())
+                execute_unit(self.comm, unit, self._fusion_buffer, self._get_timeline(), self.algorithm)
             except BaseException as exc:  # noqa: BLE001 - reported to the engine, which fails every rank
                 self._on_error(unit, exc)
                 continue
@@ -67,14 +69,15 @@ def _flat(arr: np.ndarray) -> np.ndarray:
     return arr.reshape(-1)
 
 
-def execute_unit(comm: MpiComm, unit: Unit, fusion_buffer: Callable[[int], np.ndarray], timeline=None) -> None:
+def execute_unit(comm: MpiComm, unit: Unit, fusion_buffer: Callable[[int], np.ndarray], timeline=None,
+                 algorithm: str = "auto") -> None:
     """Run one unit's collective on ``comm`` and write results into the entries' outputs.
 
     Collective: every rank of the communicator runs the same unit (same index) in the same order.
     """
     op = unit.op_type
     if op is OpType.ALLREDUCE:
-        _allreduce(comm, unit, fusion_buffer, timeline)
+        _allreduce(comm, unit, fusion_buffer, timeline, algorithm)
     elif op is OpType.ALLGATHER:
         _allgather(comm, unit.pieces[0].entry)
     elif op is OpType.BROADCAST:
@@ -89,7 +92,7 @@ def execute_unit(comm: MpiComm, unit: Unit, fusion_buffer: Callable[[int], np.nd
         raise NotImplementedError(f"perseus engine cannot execute {op!r}")
 
 
-def _allreduce(comm: MpiComm, unit: Unit, fusion_buffer, timeline) -> None:
+def _allreduce(comm: MpiComm, unit: Unit, fusion_buffer, timeline, algorithm: str) -> None:
     bf16 = unit.dtype is DType.BFLOAT16
     pre, post = unit.prescale, unit.postscale
     if unit.kind is UnitKind.INPLACE:
@@ -102,9 +105,7 @@ def _allreduce(comm: MpiComm, unit: Unit, fusion_buffer, timeline) -> None:
             src = None
         elif src is not None and np.shares_memory(src, dst):
             src = None
-        comm.allreduce(src, dst, unit.dtype, unit.reduce_op)
-        if post != 1.0:
-            scale_into(dst, dst, post, bf16)
+        comm.allreduce(src, dst, unit.dtype, unit.reduce_op, post, algorithm)
         return
     npdt = numpy_dtype(unit.dtype)
     buf = fusion_buffer(unit.nbytes)[: unit.nbytes].view(npdt)
@@ -119,7 +120,7 @@ def _allreduce(comm: MpiComm, unit: Unit, fusion_buffer, timeline) -> None:
             np.copyto(part, _flat(src))
     if timeline is not None:
         timeline.activity_start_all(unit.pieces, "MPI_ALLREDUCE")
-    comm.allreduce(None, buf, unit.dtype, unit.reduce_op)
+    comm.allreduce(None, buf, unit.dtype, unit.reduce_op, 1.0, algorithm)  # postscale applied on copy-out
     if timeline is not None:
         timeline.activity_start_all(unit.pieces, "MEMCPY_OUT_FUSION_BUFFER")
     for piece in unit.pieces:

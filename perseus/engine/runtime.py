@@ -52,7 +52,7 @@ class ProcessSetRuntime:
         self.control = MpiControl(comm)
         n_channels = 1 if self.settings.mpi_threads_disable else max(1, int(self.settings.num_channels))
         self.channels = [Channel(comm.Dup(), f"perseus-ps{ps_id}-ch{i}", self._entry_done, self._unit_failed,
-                                 lambda: engine.timeline) for i in range(n_channels)]
+                                 lambda: engine.timeline, self.settings.allreduce_algorithm) for i in range(n_channels)]
         self.negotiator = Negotiator(self.rank, self.size)
         # Shared with user threads. Appends to a deque and single-attribute writes are atomic, so the
         # submitting thread never waits for the engine thread (a lock convoy there cost milliseconds).

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from perseus._native import reduce_into
+from perseus._native import combine, scale_into
 from perseus.common.reduce_ops import ReduceOp
 from perseus.engine.messages import DType
 
@@ -92,6 +92,7 @@ _BOOL_OPS = {ReduceOp.SUM: "LOR", ReduceOp.AVERAGE: "LOR", ReduceOp.MAX: "LOR", 
 _RING_OPS = {ReduceOp.SUM: "sum", ReduceOp.AVERAGE: "sum", ReduceOp.MIN: "min", ReduceOp.MAX: "max",
              ReduceOp.PRODUCT: "product"}
 _native_fp16: Optional[bool] = None
+_RING_MIN_BYTES = 64 << 10  # below this MPI's latency-optimised algorithms win over 2(n-1) ring steps
 
 
 def _mpi_has_fp16() -> bool:
@@ -135,24 +136,40 @@ class MpiComm:
         return getattr(self.MPI, names[ReduceOp(op)])
 
     # -- collectives -----------------------------------------------------------------------------------
-    def allreduce(self, send: Optional[np.ndarray], recv: np.ndarray, dtype: DType, op: ReduceOp) -> None:
-        """Reduce ``send`` (or ``recv`` in place when ``send`` is None) across ranks into ``recv``."""
-        if self._uses_ring(dtype):
-            if send is not None:
-                np.copyto(recv, send)
-            counts = _even_counts(recv.size, self.size)
-            self._ring_reduce_scatter(recv, counts, dtype, op)
-            self._ring_allgather(recv, counts)
+    def allreduce(self, send: Optional[np.ndarray], recv: np.ndarray, dtype: DType, op: ReduceOp,
+                  postscale: float = 1.0, algorithm: str = "auto") -> None:
+        """Reduce ``send`` (or ``recv`` in place when ``send`` is None) across ranks into ``recv``, times
+        ``postscale``.
+
+        ``algorithm``: ``mpi`` (MPI_Allreduce, then a scaling pass), ``ring`` (reduce-scatter and allgather
+        over point-to-point messages; each rank scales only the segment it owns, so Average costs 1/size of
+        a pass instead of a whole one, and an out-of-place reduction needs no copy), or ``auto`` (ring when it
+        saves that pass on a large buffer, or when MPI cannot reduce the dtype).
+        """
+        ring = self._uses_ring(dtype) or algorithm == "ring" or (
+            algorithm == "auto" and postscale != 1.0 and recv.nbytes >= _RING_MIN_BYTES and self.size > 1)
+        if not ring:
+            self.comm.Allreduce(self.MPI.IN_PLACE if send is None else send, recv, op=self._op(dtype, op))
+            if postscale != 1.0:
+                scale_into(recv, recv, postscale, dtype is DType.BFLOAT16)
             return
-        self.comm.Allreduce(self.MPI.IN_PLACE if send is None else send, recv, op=self._op(dtype, op))
+        counts = _even_counts(recv.size, self.size)
+        self._ring_reduce_scatter(recv, counts, dtype, op, src=send)
+        if postscale != 1.0 or self.size == 1:
+            start = sum(counts[: self.rank])
+            mine = recv[start: start + counts[self.rank]]
+            if self.size == 1 and send is not None:
+                scale_into(send, mine, postscale, dtype is DType.BFLOAT16)
+            elif postscale != 1.0:
+                scale_into(mine, mine, postscale, dtype is DType.BFLOAT16)
+        self._ring_allgather(recv, counts)
 
     def reducescatter(self, send: np.ndarray, recv: np.ndarray, counts: list[int], dtype: DType,
                       op: ReduceOp) -> None:
         """Reduce ``send`` across ranks; this rank receives the ``counts[rank]`` elements at its offset."""
         if self._uses_ring(dtype):
             work = self._temp(send.nbytes, slot=1)[: send.nbytes].view(send.dtype)
-            np.copyto(work, send.reshape(-1))
-            self._ring_reduce_scatter(work, counts, dtype, op)
+            self._ring_reduce_scatter(work, counts, dtype, op, src=send.reshape(-1))
             start = sum(counts[: self.rank])
             np.copyto(recv.reshape(-1), work[start: start + counts[self.rank]])
             return
@@ -192,8 +209,13 @@ class MpiComm:
         return from_numpy_dtype(arr.dtype)
 
     # -- ring algorithms (16-bit floats): point-to-point messages, vectorised arithmetic ------------
-    def _ring_reduce_scatter(self, buf: np.ndarray, counts: list[int], dtype: DType, op: ReduceOp) -> None:
-        """Leave the full reduction of segment ``rank`` (sized by ``counts``) in that segment of ``buf``."""
+    def _ring_reduce_scatter(self, buf: np.ndarray, counts: list[int], dtype: DType, op: ReduceOp,
+                             src: Optional[np.ndarray] = None) -> None:
+        """Leave the full reduction of segment ``rank`` (sized by ``counts``) in that segment of ``buf``.
+
+        With ``src``, the local contribution is read from ``src`` (each segment of ``buf`` this rank
+        reduces is written once, from ``src`` plus what arrives), so no copy into ``buf`` is needed.
+        """
         n, r = self.size, self.rank
         if n == 1:
             return
@@ -203,10 +225,12 @@ class MpiComm:
         kind, bf16 = _RING_OPS[ReduceOp(op)], dtype is DType.BFLOAT16
         for step in range(n - 1):
             s, q = (r - step - 1) % n, (r - step - 2) % n
-            seg_s = buf[displs[s]: displs[s] + counts[s]]
+            origin = src if (src is not None and step == 0) else buf
             incoming = tmp[: counts[q]]
-            self.comm.Sendrecv(seg_s, dest=right, sendtag=17, recvbuf=incoming, source=left, recvtag=17)
-            reduce_into(buf[displs[q]: displs[q] + counts[q]], incoming, kind, bfloat16=bf16)
+            self.comm.Sendrecv(origin[displs[s]: displs[s] + counts[s]], dest=right, sendtag=17,
+                               recvbuf=incoming, source=left, recvtag=17)
+            mine = (src if src is not None else buf)[displs[q]: displs[q] + counts[q]]
+            combine(mine, incoming, buf[displs[q]: displs[q] + counts[q]], kind, bfloat16=bf16)
 
     def _ring_allgather(self, buf: np.ndarray, counts: list[int]) -> None:
         n, r = self.size, self.rank

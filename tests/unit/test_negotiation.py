@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from perseus.engine.messages import DType, Entry, OpType, make_signature
-from perseus.engine.negotiation import (FLAG_JOINED, FLAG_NO_EXCHANGE, FLAG_NOT_DIRTY, Negotiator, Registry,
+from perseus.engine.negotiation import (FLAG_JOINED, FLAG_NONE_JOINED, FLAG_NO_EXCHANGE, FLAG_NOT_DIRTY, Negotiator, Registry,
                                         RoundResult)
 
 pytestmark = pytest.mark.timeout(60)
@@ -160,9 +160,9 @@ def test_module_imports_without_mpi4py(module):
 # ----------------------------------------------------------------------------- flags and words
 
 def test_flags_are_distinct_single_bits():
-    flags = [int(FLAG_NO_EXCHANGE), int(FLAG_NOT_DIRTY), int(FLAG_JOINED)]
+    flags = [int(FLAG_NO_EXCHANGE), int(FLAG_NOT_DIRTY), int(FLAG_JOINED), int(FLAG_NONE_JOINED)]
     assert all(f and f & (f - 1) == 0 for f in flags)
-    assert len(set(flags)) == 3
+    assert len(set(flags)) == 4
 
 
 @pytest.mark.parametrize("dirty", [False, True])
@@ -177,6 +177,8 @@ def test_build_words_flags_of_idle_rank(dirty, joined):
         expected |= int(FLAG_NOT_DIRTY)
     if joined:
         expected |= int(FLAG_JOINED)
+    else:
+        expected |= int(FLAG_NONE_JOINED)
     assert int(words[0]) == expected
 
 

@@ -31,6 +31,26 @@ def python_loop(n=300_000):
     return time.perf_counter() - t
 
 
+def library_thread_cpu_s() -> float:
+    """CPU seconds used so far by this process's threads other than the main thread (Linux /proc)."""
+    import os
+    import threading
+
+    main_tid = threading.main_thread().native_id
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        if int(tid) == main_tid:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except OSError:
+            pass
+    return total
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lib", default="perseus", choices=["perseus", "horovod", "none"])
@@ -48,18 +68,21 @@ def main():
         hvd.allreduce(torch.ones(4), name="warmup")  # the engine has run once, then stays idle
         time.sleep(1.0)
     rows = {"torch_s": [], "python_s": []}
+    cpu0, wall0 = library_thread_cpu_s(), time.perf_counter()
     for _ in range(args.repeats):
         comm.Barrier()
         rows["torch_s"].append(torch_loop(torch))
         comm.Barrier()
         rows["python_s"].append(python_loop())
     result = {k: float(np.median(v)) for k, v in rows.items()}
+    result["other_threads_cpu_share"] = (library_thread_cpu_s() - cpu0) / (time.perf_counter() - wall0)
     result.update(lib=args.lib, ranks=comm.Get_size())
     all_results = comm.gather(result)
     if comm.Get_rank() == 0:
         merged = {"lib": args.lib, "ranks": comm.Get_size(),
                   "torch_s": float(np.mean([r["torch_s"] for r in all_results])),
-                  "python_s": float(np.mean([r["python_s"] for r in all_results]))}
+                  "python_s": float(np.mean([r["python_s"] for r in all_results])),
+                  "other_threads_cpu_share": float(np.mean([r["other_threads_cpu_share"] for r in all_results]))}
         print(json.dumps(merged), flush=True)
     if args.lib != "none":
         hvd.shutdown()

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Optional
-
 from perseus.engine.messages import DType, Entry, OpType
 
 __all__ = ["UnitKind", "Piece", "Unit", "plan_units"]
@@ -64,11 +62,13 @@ def plan_units(entries: list[Entry], fusion_threshold_bytes: int, inplace_thresh
     ``average_divisor`` (the process-set size) turns Average into Sum with a postscale.
     """
     units: list[Unit] = []
-    open_unit: Optional[Unit] = None
+    # A packed unit stays open while in-place units and other ops are emitted, so small tensors scattered
+    # between large ones (biases between weights) still travel together: one open unit per
+    # (dtype, reduction, scales), emitted at the position of its first tensor.
+    open_units: dict = {}
     for entry in entries:
         sig = entry.signature
         if sig.op_type is not OpType.ALLREDUCE:
-            open_unit = None
             entry.remaining = 1
             units.append(Unit(UnitKind.SINGLE, sig.op_type, sig.dtype, [Piece(entry, 0, _numel(entry))],
                               _numel(entry), sig.reduce_op, sig.prescale,
@@ -79,7 +79,6 @@ def plan_units(entries: list[Entry], fusion_threshold_bytes: int, inplace_thresh
         reduce_op = 1 if sig.reduce_op == 0 else sig.reduce_op  # Average travels as Sum
         nbytes = numel * item
         if nbytes >= max(inplace_threshold_bytes, 1) or nbytes > fusion_threshold_bytes:
-            open_unit = None
             step = max(fusion_threshold_bytes // item, 1) if fusion_threshold_bytes > 0 else max(numel, 1)
             starts = range(0, numel, step) if numel else [0]
             entry.remaining = len(starts)
@@ -89,11 +88,11 @@ def plan_units(entries: list[Entry], fusion_threshold_bytes: int, inplace_thresh
                                   count, reduce_op, sig.prescale, post))
             continue
         entry.remaining = 1
-        fits = (open_unit is not None and open_unit.dtype is sig.dtype and open_unit.reduce_op == reduce_op
-                and open_unit.prescale == sig.prescale and open_unit.postscale == post
-                and (open_unit.numel + numel) * item <= fusion_threshold_bytes)
-        if not fits:
+        key = (sig.dtype, reduce_op, sig.prescale, post)
+        open_unit = open_units.get(key)
+        if open_unit is None or (open_unit.numel + numel) * item > fusion_threshold_bytes:
             open_unit = Unit(UnitKind.PACKED, OpType.ALLREDUCE, sig.dtype, [], 0, reduce_op, sig.prescale, post)
+            open_units[key] = open_unit
             units.append(open_unit)
         open_unit.pieces.append(Piece(entry, 0, numel, open_unit.numel))
         open_unit.numel += numel

@@ -67,10 +67,13 @@ def check_cover(entries, units):
             pos += cnt
         assert pos == numel_of(e), f"{e.name}: covered {pos} of {numel_of(e)} elements"
         assert e.remaining == units_of[id(e)] >= 1
-    # units follow the order of the entries
-    flat = [p.entry.name for u in units for p in u.pieces]
-    runs = [n for i, n in enumerate(flat) if i == 0 or flat[i - 1] != n]  # an entry's chunks are adjacent
-    assert runs == [e.name for e in entries]
+    # units are emitted in the order of their first tensor, and an entry's chunks are adjacent
+    index = {id(e): i for i, e in enumerate(entries)}
+    firsts = [index[id(u.pieces[0].entry)] for u in units]
+    assert firsts == sorted(firsts)
+    flat = [p.entry.name for u in units for p in u.pieces if u.kind is not UnitKind.PACKED]
+    runs = [n for i, n in enumerate(flat) if i == 0 or flat[i - 1] != n]
+    assert len(runs) == len(set(runs))
 
 
 # ----------------------------------------------------------------------------- packing
@@ -167,11 +170,11 @@ def test_inplace_threshold_boundary():
     assert units[1].pieces[0].entry is at and units[1].numel == 64
 
 
-def test_inplace_tensor_closes_the_open_packed_unit():
+def test_packed_unit_stays_open_across_inplace_units():
     entries = [ar("a", 2), ar("big", 100), ar("b", 2), ar("c", 2)]
     units = plan_units(entries, 64, 200, 1)
     assert layout(units) == [
-        (UnitKind.PACKED, [("a", 0, 2, 0)]),
+        (UnitKind.PACKED, [("a", 0, 2, 0), ("b", 0, 2, 2), ("c", 0, 2, 4)]),
         (UnitKind.INPLACE, [("big", 0, 16, 0)]),
         (UnitKind.INPLACE, [("big", 16, 16, 0)]),
         (UnitKind.INPLACE, [("big", 32, 16, 0)]),
@@ -179,7 +182,6 @@ def test_inplace_tensor_closes_the_open_packed_unit():
         (UnitKind.INPLACE, [("big", 64, 16, 0)]),
         (UnitKind.INPLACE, [("big", 80, 16, 0)]),
         (UnitKind.INPLACE, [("big", 96, 4, 0)]),
-        (UnitKind.PACKED, [("b", 0, 2, 0), ("c", 0, 2, 2)]),
     ]
     assert entries[1].remaining == 7
     check_cover(entries, units)
@@ -207,9 +209,8 @@ def test_units_do_not_mix_dtypes_ops_or_scales(a, b):
     entries = [ar("x1", 2, **a), ar("y1", 2, **b), ar("y2", 2, **b), ar("x2", 2, **a)]
     units = plan_units(entries, 1 << 20, BIG, 4)
     assert layout(units) == [
-        (UnitKind.PACKED, [("x1", 0, 2, 0)]),
+        (UnitKind.PACKED, [("x1", 0, 2, 0), ("x2", 0, 2, 2)]),
         (UnitKind.PACKED, [("y1", 0, 2, 0), ("y2", 0, 2, 2)]),
-        (UnitKind.PACKED, [("x2", 0, 2, 0)]),
     ]
     for u in units:
         sigs = {(p.entry.signature.dtype, p.entry.signature.reduce_op, p.entry.signature.prescale,
@@ -261,18 +262,16 @@ def test_reducescatter_average_postscale_divided():
 # ----------------------------------------------------------------------------- other ops
 
 @pytest.mark.parametrize("op", [OpType.ALLGATHER, OpType.BROADCAST, OpType.ALLTOALL, OpType.REDUCESCATTER])
-def test_non_allreduce_ops_are_single_units_that_break_packing(op):
+def test_non_allreduce_ops_are_single_units_between_packed_tensors(op):
     entries = [ar("a", 2), ar("b", 2), other("x", op, shape=(4, 3)), ar("c", 2), other("y", op, shape=(2, 3)),
                ar("d", 2)]
     units = plan_units(entries, 1 << 20, BIG, 2)
     assert layout(units) == [
-        (UnitKind.PACKED, [("a", 0, 2, 0), ("b", 0, 2, 2)]),
+        (UnitKind.PACKED, [("a", 0, 2, 0), ("b", 0, 2, 2), ("c", 0, 2, 4), ("d", 0, 2, 6)]),
         (UnitKind.SINGLE, [("x", 0, 12, 0)]),
-        (UnitKind.PACKED, [("c", 0, 2, 0)]),
         (UnitKind.SINGLE, [("y", 0, 6, 0)]),
-        (UnitKind.PACKED, [("d", 0, 2, 0)]),
     ]
-    assert units[1].op_type is op and units[3].op_type is op
+    assert units[1].op_type is op and units[2].op_type is op
     assert units[1].numel == 12
     assert all(e.remaining == 1 for e in entries)
     check_cover(entries, units)

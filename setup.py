@@ -35,7 +35,6 @@ setup(
     entry_points={"console_scripts": ["perseusrun = perseus.runner.launch:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",
-        "License :: OSI Approved :: Apache Software License",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],
     license="Apache-2.0",

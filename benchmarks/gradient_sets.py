@@ -133,6 +133,7 @@ def main():
     ap.add_argument("--sets", default="resnet50,bert_large")
     ap.add_argument("--only", default="perseus,mpi,gloo", help="comma list of perseus, mpi, gloo, horovod")
     ap.add_argument("--json", default="", help="append results as JSON lines to this file (rank 0)")
+    ap.add_argument("--tag", default="", help="label stored with the results (e.g. a setting under test)")
     args = ap.parse_args()
     import torch
 
@@ -158,7 +159,8 @@ def main():
         shapes = {"resnet50": resnet50_shapes, "bert_large": bert_large_shapes}[set_name]()
         grads = make_grads(shapes, torch)
         nparams = sum(g.numel() for g in grads)
-        row = {"set": set_name, "tensors": len(grads), "params": nparams, "ranks": size}
+        row = {"bench": "gradient_sets", "set": set_name, "tensors": len(grads), "params": nparams, "ranks": size,
+               "tag": args.tag}
         fns = {}
         if "mpi" in which:
             fns["mpi_chunked"] = bench_mpi_chunked(grads, comm, MPI)

@@ -55,6 +55,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lib", default="perseus", choices=["perseus", "horovod", "none"])
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--json", default="", help="append the result as a JSON line to this file (rank 0)")
     args = ap.parse_args()
     import torch
 
@@ -79,11 +80,14 @@ def main():
     result.update(lib=args.lib, ranks=comm.Get_size())
     all_results = comm.gather(result)
     if comm.Get_rank() == 0:
-        merged = {"lib": args.lib, "ranks": comm.Get_size(),
+        merged = {"bench": "idle_overhead", "lib": args.lib, "ranks": comm.Get_size(),
                   "torch_s": float(np.mean([r["torch_s"] for r in all_results])),
                   "python_s": float(np.mean([r["python_s"] for r in all_results])),
                   "other_threads_cpu_share": float(np.mean([r["other_threads_cpu_share"] for r in all_results]))}
         print(json.dumps(merged), flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(merged) + "\n")
     if args.lib != "none":
         hvd.shutdown()
 

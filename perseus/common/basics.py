@@ -95,7 +95,7 @@ class PerseusBasics:
             if settings.gc_freeze:
                 gc.freeze()
             if not self._atexit:
-                atexit.register(self.shutdown)
+                atexit.register(self._exit_shutdown)
                 self._atexit = True
             if settings.abort_on_exception and size > 1:
                 _install_abort_hook(MPI)
@@ -126,6 +126,19 @@ class PerseusBasics:
                 if ps_id != 0:
                     ps._invalidate()
             self._sets, self._comms = {}, {}
+
+    def _exit_shutdown(self) -> None:
+        """At interpreter exit: shut down; if a failure left a channel thread inside a collective, abort
+        the MPI job rather than let MPI_Finalize wait for it forever."""
+        engine = self._engine
+        self.shutdown()
+        if engine is not None and not engine.clean and self._base is not None and self._base.Get_size() > 1:
+            from perseus.transport.mpi import load_mpi
+
+            sys.stderr.write("perseus: a collective was left unfinished by a failure; aborting the MPI job so "
+                             "that no rank waits forever in MPI_Finalize.\n")
+            sys.stderr.flush()
+            load_mpi().COMM_WORLD.Abort(1)
 
     def is_initialized(self) -> bool:
         return self._engine is not None

@@ -42,9 +42,11 @@ class Channel:
     def submit(self, unit: Unit) -> None:
         self._queue.put(unit)
 
-    def stop(self, timeout_s: float = 5.0) -> None:
+    def stop(self, timeout_s: float = 5.0) -> bool:
+        """Stop after the queued units; return False if the thread is still inside a collective."""
         self._queue.put(_STOP)
         self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         while True:

@@ -33,6 +33,7 @@ class Engine:
         self.sets: dict[int, ProcessSetRuntime] = {}
         self.failed: Optional[BaseException] = None
         self._stop = False
+        self.clean = True  # False once a channel thread was left inside a collective at shutdown
         self._submissions = 0  # bumped by every submission; the engine re-checks it before waiting
         self._idle = False  # the engine thread is (about to be) waiting on cond; submitters must notify
         self._thread = threading.Thread(target=self._run, name="perseus-engine", daemon=True)
@@ -185,4 +186,5 @@ class Engine:
             self.sets.clear()
         for rt in runtimes:
             rt.fail_all(PerseusInternalError("perseus has been shut down"))
-            rt.close(notify_peers=self.failed is None)
+            if not rt.close(notify_peers=self.failed is None):
+                self.clean = False

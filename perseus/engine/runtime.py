@@ -355,9 +355,10 @@ class ProcessSetRuntime:
         if join is not None:
             join.set_error(error)
 
-    def close(self, notify_peers: bool) -> None:
+    def close(self, notify_peers: bool) -> bool:
+        """Stop the channels; return False if one is stuck in a collective that peers will never finish."""
         if notify_peers:
             self.control.broadcast_message(("shutdown",))
             self.control.flush_sends()
-        for ch in self.channels:
-            ch.stop()
+        timeout = 5.0 if self.dead is None else 0.5
+        return all([ch.stop(timeout) for ch in self.channels])

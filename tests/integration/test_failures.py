@@ -52,6 +52,12 @@ def test_transport_error_on_one_rank_fails_every_rank():
     assert "rank 0 caught: perseus: rank 1 failed and stopped the job" in out, out
 
 
+def test_caught_failure_then_normal_exit_does_not_hang():
+    code, out, took = run("transport_error_caught")
+    assert took < 30, out
+    assert "rank 0 caught" in out and "rank 1 caught" in out, out
+
+
 def test_dead_rank_ends_job():
     code, out, took = run("rank_dies")
     assert code != 0 and took < 30, out

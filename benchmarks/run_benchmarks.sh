@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Run every benchmark side by side on 2 ranks and print the figures that go into docs/benchmarks.md.
+#
+#   bash benchmarks/run_benchmarks.sh [HOROVOD_VENV]
+#
+# Uses the project's .venv (tools/setup_env.sh). With HOROVOD_VENV (see tools/install_horovod_baseline.sh),
+# Horovod 0.28.1 is measured too, in separate jobs (it cannot share a process with perseus).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN="$(bash tools/setup_env.sh)"
+HVD="${1:-}"
+OUT=benchmarks/results
+mkdir -p "$OUT"
+STAMP=$(date +%Y%m%d-%H%M%S)
+J="$OUT/$STAMP.jsonl"
+run() {  # run VENV_BIN ARGS...: a 2-rank job
+  local bin="$1"; shift
+  local m=("$bin/mpirun" --bind-to none -np 2)
+  if [ "$(id -u)" = "0" ]; then m+=(--allow-run-as-root); fi
+  "${m[@]}" "$bin/python" "$@"
+}
+echo "== gradient sets: perseus vs chunked MPI vs torch.distributed gloo"
+run "$BIN" benchmarks/gradient_sets.py --only perseus,mpi,gloo --steps 10 --json "$J"
+for ch in 2 4; do
+  echo "== gradient sets with PERSEUS_NUM_CHANNELS=$ch"
+  PERSEUS_NUM_CHANNELS=$ch run "$BIN" benchmarks/gradient_sets.py --only perseus,mpi --steps 10 --json "$J" \
+    --tag "channels=$ch"
+done
+if [ -n "$HVD" ]; then
+  echo "== gradient sets: Horovod 0.28.1 (alone, then with the chunked-MPI bound in the same job)"
+  run "$HVD/bin" benchmarks/gradient_sets.py --only horovod --steps 10 --json "$J"
+fi
+echo "== idle engine: compute loop slowdown (5 alternating trials per library)"
+libs=(none perseus)
+[ -n "$HVD" ] && libs+=(horovod)
+for trial in 1 2 3 4 5; do
+  for lib in "${libs[@]}"; do
+    bin="$BIN"; [ "$lib" = horovod ] && bin="$HVD/bin"
+    run "$bin" benchmarks/idle_overhead.py --lib "$lib" --json "$J"
+  done
+done
+"$BIN/python" benchmarks/summarize.py "$J"

@@ -88,9 +88,10 @@ KNOBS: tuple[Knob, ...] = (
          doc="How a large unit is all-reduced: mpi (MPI_Allreduce, then a scaling pass for Average), ring "
              "(reduce-scatter and allgather over point-to-point messages; each rank scales only its own "
              "segment, so Average costs 1/size of a pass), or auto (ring when it saves that pass)."),
-    Knob("cache_capacity", _both("CACHE_CAPACITY"), int, 1024, unit="tensors",
-         doc="Accepted for Horovod compatibility. perseus keeps every negotiated tensor signature for the "
-             "life of the process set, so a steady-state step costs one bit-vector all-reduce."),
+    Knob("cache_capacity", _both("CACHE_CAPACITY"), int, 4096, unit="tensors",
+         doc="How many negotiated tensor signatures each process set keeps (least recently used names are "
+             "dropped beyond it and negotiated again if they return). A steady-state step whose names are all "
+             "kept costs one bit-vector all-reduce; 0 negotiates every name every time."),
     Knob("stall_check_disable", _both("STALL_CHECK_DISABLE"), bool, False,
          doc="Disable the stall inspector (no warnings, no stall shutdown)."),
     Knob("stall_check_time_s", ("PERSEUS_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_CHECK_TIME_SECONDS"),

@@ -19,6 +19,7 @@ and raises the same error for them. In steady state a training step costs one sm
 
 from __future__ import annotations
 
+import heapq
 import pickle
 from typing import Iterable, Optional
 
@@ -37,22 +38,58 @@ _ALL_ONES = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
 class Registry:
-    """Name ↔ index ↔ signature, identical on every rank of a process set."""
+    """Name ↔ index ↔ signature, identical on every rank of a process set.
+
+    Bounded like Horovod's response cache: :meth:`evict` drops the least recently used names beyond a
+    capacity. Every rank evicts the same names (use is counted in agreed rounds) and reuses the lowest freed
+    index first, so indices stay identical everywhere; an evicted name that comes back is simply negotiated
+    again.
+    """
 
     def __init__(self):
         self.index: dict[str, int] = {}
-        self.names: list[str] = []
-        self.signatures: list[Signature] = []
+        self.names: list[Optional[str]] = []
+        self.signatures: list[Optional[Signature]] = []
+        self.last_used: list[int] = []
+        self._free: list[int] = []
 
     def __len__(self) -> int:
         return len(self.names)
 
-    def add(self, name: str, signature: Signature) -> int:
-        idx = len(self.names)
+    @property
+    def live(self) -> int:
+        return len(self.index)
+
+    def add(self, name: str, signature: Signature, round_: int = 0) -> int:
+        if self._free:
+            idx = heapq.heappop(self._free)
+            self.names[idx], self.signatures[idx], self.last_used[idx] = name, signature, round_
+        else:
+            idx = len(self.names)
+            self.names.append(name)
+            self.signatures.append(signature)
+            self.last_used.append(round_)
         self.index[name] = idx
-        self.names.append(name)
-        self.signatures.append(signature)
         return idx
+
+    def touch(self, names: Iterable[str], round_: int) -> None:
+        for name in names:
+            self.last_used[self.index[name]] = round_
+
+    def evict(self, capacity: int) -> list[str]:
+        """Drop the least recently used names until at most ``max(capacity, 0)`` remain; return them."""
+        excess = self.live - max(capacity, 0)
+        if excess <= 0:
+            return []
+        victims = sorted(self.index.values(), key=lambda i: (self.last_used[i], i))[:excess]
+        dropped = []
+        for idx in victims:
+            name = self.names[idx]
+            dropped.append(name)
+            del self.index[name]
+            self.names[idx] = self.signatures[idx] = None
+            heapq.heappush(self._free, idx)
+        return dropped
 
     @property
     def bit_words(self) -> int:
@@ -143,7 +180,8 @@ class Negotiator:
         return pickle.dumps((joined, [(name, e.signature) for name, e in pending.items()]),
                             protocol=pickle.HIGHEST_PROTOCOL)
 
-    def apply_exchange(self, result: RoundResult, payloads: list[bytes], rank_names: Optional[list] = None) -> None:
+    def apply_exchange(self, result: RoundResult, payloads: list[bytes], rank_names: Optional[list] = None,
+                       round_: int = 0) -> None:
         """Merge every rank's pending list into ``result``: new indices, newly ready names, mismatches.
 
         ``rank_names`` maps a position in the process set to the rank number shown in messages.
@@ -169,14 +207,14 @@ class Negotiator:
             idx = self.registry.index.get(name)
             if complete:
                 if idx is None:
-                    self.registry.add(name, sig)
+                    self.registry.add(name, sig, round_)
                 else:
                     self.registry.signatures[idx] = sig
                 if name not in already:
                     result.ready.append(name)
                     already.add(name)
             elif idx is None:
-                self.registry.add(name, sig)
+                self.registry.add(name, sig, round_)
         result.ready = [n for n in result.ready if n not in result.errors]
 
     def reject_while_joined(self, result: RoundResult) -> None:

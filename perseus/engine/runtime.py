@@ -129,7 +129,7 @@ class ProcessSetRuntime:
             if payloads is None:
                 self._check_stall(now)
                 return False, True, float("inf")
-            self.negotiator.apply_exchange(self._result, payloads, self.world_ranks)
+            self.negotiator.apply_exchange(self._result, payloads, self.world_ranks, self.round)
             self._finish_round()
             return True, False, now
         if self.state == _JOINGATHER:
@@ -192,7 +192,9 @@ class ProcessSetRuntime:
 
     def _finish_round(self) -> None:
         result = self._result
-        self.negotiator.reject_while_joined(result)
+        negotiator = self.negotiator
+        negotiator.reject_while_joined(result)
+        negotiator.registry.touch(result.ready, self.round)
         self.round += 1
         self.continue_mode = result.any_dirty or bool(result.ready) or bool(result.errors)
         ready_entries: list[Entry] = []
@@ -214,6 +216,8 @@ class ProcessSetRuntime:
         self.state = _IDLE
         if ready_entries:
             self._dispatch(ready_entries)
+        # Same names on every rank (use is counted in agreed rounds); after dispatch, which still reads them.
+        negotiator.registry.evict(self.settings.cache_capacity)
         if result.all_joined:
             self._join_buf = np.array([self._join_round, self.rank], np.int64)
             self._join_all = np.empty(2 * self.size, np.int64)

@@ -659,3 +659,61 @@ def test_names_added_over_rounds_grow_the_word_vector(n):
     out = run_round(ranks)
     assert not out.exchanged and out.ready == picks
     assert [ranks[0].neg.registry.index[p] for p in picks] == [49, 63, 100, 199]
+
+
+# ----------------------------------------------------------------------------- bounded registry
+
+def evict_all(ranks, capacity, round_):
+    dropped = [r.neg.registry.evict(capacity) for r in ranks]
+    assert all(d == dropped[0] for d in dropped)
+    return dropped[0]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_registry_evicts_least_recently_used_identically(n):
+    ranks = make_ranks(n)
+    for step, names in enumerate([["a", "b", "c"], ["a", "d"], ["a", "b"]]):
+        for r in ranks:
+            r.submit(*[allreduce(x) for x in names])
+        out = run_round(ranks)
+        assert sorted(out.ready) == sorted(names)
+        for r in ranks:
+            r.neg.registry.touch(out.ready, step)
+        dropped = evict_all(ranks, 3, step)
+        for r in ranks:
+            assert r.neg.registry.live <= 3
+        # round 1: b and c were last used in round 0 and b has the lower index; round 2: c is the oldest
+        assert dropped == {0: [], 1: ["b"], 2: ["c"]}[step]
+    # Indices stay identical on every rank; b came back through an exchange into its old (lowest free) slot.
+    assert registry_of(ranks) == ["a", "b", None, "d"]
+
+
+def test_evicted_name_is_renegotiated_and_slot_reused():
+    ranks = make_ranks(2)
+    for r in ranks:
+        r.submit(allreduce("a"), allreduce("b"))
+    run_round(ranks)
+    for r in ranks:
+        r.neg.registry.touch(["a"], 5)  # a used more recently than b
+    assert evict_all(ranks, 1, 5) == ["b"]
+    freed = ranks[0].neg.registry.names.index(None)
+    for r in ranks:
+        r.submit(allreduce("c"))
+    out = run_round(ranks)
+    assert out.exchanged and out.ready == ["c"]
+    assert ranks[0].neg.registry.index["c"] == freed  # the lowest free index is reused
+    for r in ranks:
+        r.submit(allreduce("b"))
+    out = run_round(ranks)
+    assert out.exchanged and out.ready == ["b"]
+
+
+def test_capacity_zero_negotiates_every_time():
+    ranks = make_ranks(2)
+    for _ in range(3):
+        for r in ranks:
+            r.submit(allreduce("x"))
+        out = run_round(ranks)
+        assert out.exchanged and out.ready == ["x"]
+        evict_all(ranks, 0, 0)
+        assert ranks[0].neg.registry.live == 0

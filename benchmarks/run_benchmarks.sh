@@ -30,6 +30,12 @@ if [ -n "$HVD" ]; then
   echo "== gradient sets: Horovod 0.28.1 (alone, then with the chunked-MPI bound in the same job)"
   run "$HVD/bin" benchmarks/gradient_sets.py --only horovod --steps 10 --json "$J"
 fi
+echo "== synthetic ResNet-18 training throughput (examples/pytorch_synthetic_benchmark.py)"
+"$BIN/python" examples/pytorch_synthetic_benchmark.py | grep -E "Model|Total"   # 1 rank, no communication
+run "$BIN" examples/pytorch_synthetic_benchmark.py | grep -E "Model|Total"
+if [ -n "$HVD" ]; then
+  run "$HVD/bin" examples/pytorch_synthetic_benchmark.py --library horovod | grep -E "Model|Total"
+fi
 echo "== idle engine: compute loop slowdown (5 alternating trials per library)"
 libs=(none perseus)
 [ -n "$HVD" ] && libs+=(horovod)

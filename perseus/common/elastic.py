@@ -1,0 +1,379 @@
+"""Elastic training state, framework-neutral (Horovod's ``horovod.common.elastic``).
+
+A training function decorated with ``run`` (``perseus.torch.elastic.run``) receives a :class:`State`. The
+function calls ``state.commit()`` every so often; ``commit()`` snapshots the state in host memory and checks
+for host changes. When a collective fails, the retry loop in :func:`run_fn` puts the last commit back
+(``state.restore()``), restarts perseus (``shutdown(); init()``), makes every rank agree on rank 0's state
+(``state.sync()``) and calls the function again.
+
+What this gives a *static* job (started by ``mpirun``/``perseusrun``, no host discovery):
+
+* A collective that failed on **every** rank -- a shape/dtype/op mismatch across ranks, a stall that hit the
+  stall shutdown time, a transport error every rank reported -- raises ``HorovodInternalError`` everywhere;
+  each rank restores its last commit, perseus restarts, state is synced from rank 0 and training goes on.
+* A rank that **died** cannot be replaced. There is no elastic launcher to start a new process or to re-form
+  the job with fewer ranks, so ``init()`` after the reset would need the dead rank. (Under Open MPI the job is
+  normally aborted as a whole when a rank dies.) An error seen by only some ranks is not recoverable either:
+  the others are still waiting in a collective.
+* The number of resets is capped (:data:`DEFAULT_RESET_LIMIT`, or ``PERSEUS_ELASTIC_RESET_LIMIT``), so an error
+  that comes back at every attempt ends the job with a clear message instead of looping forever.
+
+Seam for an elastic launcher: host-change notifications reach the workers through :data:`notification_manager`.
+In a static job nothing is attached to it, so no notification ever arrives. A future elastic launcher installs
+a notification source with :func:`set_notification_source`; the source calls
+``notification_manager.handle_hosts_updated(timestamp, update)`` when the driver reports a change, and every
+``State`` registered by a running ``run`` loop queues it for its next ``commit()``/``check_host_updates()``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import os
+import queue
+import threading
+from enum import IntFlag
+from typing import Callable, Optional
+
+from perseus.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+
+__all__ = [
+    "HostUpdateResult",
+    "WorkerNotificationManager",
+    "notification_manager",
+    "set_notification_source",
+    "State",
+    "ObjectState",
+    "run_fn",
+    "reset_limit",
+    "DEFAULT_RESET_LIMIT",
+    "RESET_LIMIT_ENV",
+]
+
+log = logging.getLogger("perseus.elastic")
+
+#: Resets allowed per ``run`` call in a job not started by an elastic launcher.
+DEFAULT_RESET_LIMIT = 3
+#: Environment variable overriding the reset limit (an integer >= 0; ``none``/``unlimited`` for no limit).
+RESET_LIMIT_ENV = "PERSEUS_ELASTIC_RESET_LIMIT"
+
+
+class HostUpdateResult(IntFlag):
+    """What changed in the set of hosts (as Horovod's ``horovod.runner.elastic.worker.HostUpdateResult``)."""
+
+    no_update = 0
+    removed = 1
+    added = 2
+    mixed = removed | added
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Notification seam
+# ---------------------------------------------------------------------------------------------------------
+
+_source_factory: Optional[Callable[["WorkerNotificationManager"], object]] = None
+
+
+def set_notification_source(factory: Optional[Callable[["WorkerNotificationManager"], object]]) -> None:
+    """Install how this worker hears about host changes (for an elastic launcher; ``None`` removes it).
+
+    ``factory(manager)`` is called once, by the first ``run`` loop to start, and returns the running source
+    (kept alive by the manager). The source calls ``manager.handle_hosts_updated(timestamp, update)`` for every
+    change the launcher's driver reports.
+    """
+    global _source_factory
+    _source_factory = factory
+
+
+class WorkerNotificationManager:
+    """Hands host-change notifications to the :class:`State` objects of running ``run`` loops."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._listeners: set = set()
+        self._source = None
+
+    def init(self) -> None:
+        """Start the notification source if one is installed and not yet started (no-op in a static job)."""
+        with self._lock:
+            if self._source is None and _source_factory is not None:
+                self._source = _source_factory(self)
+
+    @property
+    def attached(self) -> bool:
+        """True once an elastic launcher's notification source is running in this process."""
+        return self._source is not None
+
+    def register_listener(self, listener) -> None:
+        with self._lock:
+            self._listeners.add(listener)
+
+    def remove_listener(self, listener) -> None:
+        with self._lock:
+            self._listeners.discard(listener)
+
+    def handle_hosts_updated(self, timestamp, update_res=HostUpdateResult.no_update) -> None:
+        """Called by the notification source: pass the change to every registered state."""
+        with self._lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener.on_hosts_updated(timestamp, update_res)
+
+    def _detach(self) -> None:
+        """Forget the running source (tests; a launcher shutting its source down)."""
+        with self._lock:
+            self._source = None
+
+
+notification_manager = WorkerNotificationManager()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# State
+# ---------------------------------------------------------------------------------------------------------
+
+def _snapshot_value(value):
+    """A deep copy, so later in-place changes do not reach the snapshot; the object itself if it cannot be
+    copied (a lock, a generator, an open file)."""
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001 - any failure to copy means: keep the reference, as Horovod does
+        return value
+
+
+class State:
+    """State kept identical across workers and rolled back to the last commit after a failure.
+
+    Args:
+        bcast_object: ``bcast_object(obj)`` returns rank 0's ``obj`` on every rank (collective).
+        get_rank: returns this worker's rank.
+
+    Subclasses implement :meth:`save`, :meth:`restore` and :meth:`sync`, and may override :meth:`reset`.
+    """
+
+    def __init__(self, bcast_object, get_rank):
+        self._bcast_object = bcast_object
+        self._rank = get_rank
+        self._host_messages = queue.Queue()
+        self._last_updated_timestamp = 0
+        self._reset_callbacks = []
+
+    def register_reset_callbacks(self, callbacks) -> None:
+        """Add functions to call, with no arguments, after every reset (for example to rescale the learning
+        rate to the new ``size()``)."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        """Called by the ``run`` loop after perseus restarted: drop stale notifications, :meth:`reset`, then
+        the reset callbacks in registration order."""
+        self._host_messages = queue.Queue()
+        self.reset()
+        for callback in self._reset_callbacks:
+            callback()
+
+    def on_hosts_updated(self, timestamp, update_res) -> None:
+        """Queue a host-change notification; it takes effect at the next :meth:`check_host_updates`."""
+        self._host_messages.put((timestamp, update_res))
+
+    def commit(self) -> None:
+        """Snapshot the state in host memory (:meth:`save`), then :meth:`check_host_updates`.
+
+        Collective: every rank commits at the same point. A commit copies the whole state, so committing every
+        few batches rather than every batch trades a little recomputation after a failure for speed.
+        """
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Raise ``HostsUpdatedInterrupt`` on every rank if rank 0 has been told that hosts changed.
+
+        Collective and uniform: every rank takes part in one small broadcast of rank 0's view, so all ranks
+        raise, or none does, at the same call. In a static job no notification arrives, so this never raises
+        unless :meth:`on_hosts_updated` is called directly.
+        """
+        prev = last = self._last_updated_timestamp
+        update = HostUpdateResult.no_update
+        while True:
+            try:
+                timestamp, res = self._host_messages.get_nowait()
+            except queue.Empty:
+                break
+            if timestamp > last:
+                last = timestamp
+                update |= HostUpdateResult(int(res))
+        prev, last, update = self._bcast_host_update((prev, last, int(update)))
+        self._last_updated_timestamp = last
+        if last > prev:
+            # Only removed hosts: the survivors' state is already consistent, so the next attempt need not sync.
+            raise HostsUpdatedInterrupt(HostUpdateResult(int(update)) == HostUpdateResult.removed)
+
+    def _bcast_host_update(self, values):
+        """Rank 0's ``(previous timestamp, latest timestamp, update flags)``; frameworks may override with a
+        cheaper broadcast."""
+        return tuple(self._bcast_object(tuple(values)))
+
+    def save(self) -> None:
+        """Snapshot the state in host memory."""
+        raise NotImplementedError()
+
+    def restore(self) -> None:
+        """Put the last snapshot back, undoing every change made since."""
+        raise NotImplementedError()
+
+    def sync(self) -> None:
+        """Make every rank's state equal to rank 0's (collective)."""
+        raise NotImplementedError()
+
+    def reset(self) -> None:
+        """Adjust to the restarted job (new ``rank()``/``size()``), before :meth:`sync`. Default: nothing."""
+
+
+# Names an ObjectState attribute may not take: they would hide the State's own machinery.
+_INTERNAL_NAMES = frozenset({"_bcast_object", "_rank", "_host_messages", "_last_updated_timestamp",
+                             "_reset_callbacks", "_saved_state", "_handlers"})
+
+
+def _check_attribute_names(cls, names) -> None:
+    for name in names:
+        if name in _INTERNAL_NAMES or name.startswith("__") or hasattr(cls, name):
+            raise ValueError(f"{cls.__name__}: cannot track an attribute named {name!r}: it would hide "
+                             f"{cls.__name__}'s own {name!r}; pick another name")
+
+
+class ObjectState(State):
+    """State made of plain Python objects, one per keyword argument, exposed as attributes.
+
+    ``save()`` deep-copies the current attribute values; ``restore()`` sets (copies of) the snapshot back;
+    ``sync()`` broadcasts rank 0's *snapshot* (not uncommitted changes) and sets it on every rank.
+
+    Args:
+        bcast_object: broadcast function used by ``sync()`` (``perseus.torch.broadcast_object``).
+        get_rank: rank function (``perseus.torch.rank``).
+        kwargs: the tracked values; ``state.<name>`` reads and writes them.
+    """
+
+    def __init__(self, bcast_object, get_rank, **kwargs):
+        _check_attribute_names(type(self), kwargs)
+        self._bcast_object = bcast_object
+        self._saved_state = {name: _snapshot_value(value) for name, value in kwargs.items()}
+        for name, value in kwargs.items():
+            setattr(self, name, value)
+        super().__init__(bcast_object=bcast_object, get_rank=get_rank)
+
+    def save(self) -> None:
+        self._saved_state = {name: _snapshot_value(getattr(self, name)) for name in self._saved_state}
+
+    def restore(self) -> None:
+        self._set_attrs()
+
+    def sync(self) -> None:
+        if self._saved_state:
+            self._saved_state = self._bcast_object(self._saved_state)
+            self._set_attrs()
+
+    def _set_attrs(self) -> None:
+        # Copies: changing an attribute in place must not change the snapshot a later restore() uses.
+        for name, value in self._saved_state.items():
+            setattr(self, name, _snapshot_value(value))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The retry loop
+# ---------------------------------------------------------------------------------------------------------
+
+def reset_limit() -> Optional[int]:
+    """How many resets one ``run`` call may do before giving up; ``None`` for no limit.
+
+    ``PERSEUS_ELASTIC_RESET_LIMIT`` if set. Otherwise :data:`DEFAULT_RESET_LIMIT` in a static job; with an elastic
+    launcher attached, no limit here (the launcher's own ``--reset-limit`` governs).
+    """
+    raw = os.environ.get(RESET_LIMIT_ENV)
+    if raw is None or not raw.strip():
+        return None if notification_manager.attached else DEFAULT_RESET_LIMIT
+    text = raw.strip().lower()
+    if text in ("none", "unlimited"):
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{RESET_LIMIT_ENV}={raw!r}: expected an integer >= 0, or 'none' for no limit")
+    return value
+
+
+def _give_up(error: BaseException, resets: int, limit: int) -> BaseException:
+    """``error``'s type, with a message saying why the loop stopped."""
+    source = f"{RESET_LIMIT_ENV}={os.environ[RESET_LIMIT_ENV].strip()}" if os.environ.get(RESET_LIMIT_ENV, "").strip() \
+        else f"the default for a job without an elastic launcher; set {RESET_LIMIT_ENV} to change it"
+    detail = str(error) or "(no message)"
+    message = f"perseus elastic: giving up after {resets} reset(s) (limit {limit}: {source}). Last error: " \
+              f"{type(error).__name__}: {detail}."
+    if not notification_manager.attached:
+        message += (" This job was not started by an elastic launcher, so its ranks cannot change: a reset only"
+                    " helps when a collective failed on every rank for a passing reason. A rank that died cannot"
+                    " be replaced, and an error that recurs at every attempt will not go away.")
+        try:
+            from perseus.common.knobs import load_settings
+
+            if load_settings().elastic:
+                message += (" (HOROVOD_ELASTIC/PERSEUS_ELASTIC is set, but no elastic launcher is attached to"
+                            " this process.)")
+        except Exception:  # noqa: BLE001 - the note is optional
+            pass
+    if isinstance(error, HostsUpdatedInterrupt):
+        new = type(error)(error.skip_sync)
+    else:
+        try:
+            new = type(error)(message)
+        except Exception:  # noqa: BLE001 - an exception type with another constructor
+            new = HorovodInternalError(message)
+    new.args = (message,)
+    return new
+
+
+def run_fn(func, reset):
+    """Wrap ``func(state, *args, **kwargs)`` in the elastic retry loop; ``reset()`` restarts the framework.
+
+    Each attempt syncs the state from rank 0 (unless the previous attempt ended in a hosts-removed interrupt),
+    then calls ``func``. On ``HorovodInternalError`` the state is restored to its last commit; on
+    ``HostsUpdatedInterrupt`` it is kept. Then ``reset()`` and ``state.on_reset()`` run and the loop starts
+    again. Any other exception propagates at once. After :func:`reset_limit` resets the next elastic error
+    propagates, re-raised with a message explaining why.
+    """
+
+    @functools.wraps(func)
+    def wrapper(state, *args, **kwargs):
+        notification_manager.init()
+        notification_manager.register_listener(state)
+        limit = reset_limit()
+        resets = 0
+        skip_sync = False
+        try:
+            while True:
+                try:
+                    if not skip_sync:
+                        state.sync()
+                    return func(state, *args, **kwargs)
+                except HorovodInternalError as e:
+                    error = e
+                    state.restore()
+                    skip_sync = False
+                except HostsUpdatedInterrupt as e:
+                    error = e
+                    skip_sync = e.skip_sync
+                if limit is not None and resets >= limit:
+                    raise _give_up(error, resets, limit) from error
+                resets += 1
+                what = "hosts changed" if isinstance(error, HostsUpdatedInterrupt) else \
+                    f"{type(error).__name__}: {error}; restored the last commit"
+                log.warning("elastic reset %d%s: %s; restarting", resets,
+                            f" of {limit}" if limit is not None else "", what)
+                del error
+                reset()
+                state.on_reset()
+        finally:
+            notification_manager.remove_listener(state)
+
+    return wrapper

@@ -141,6 +141,7 @@ class PerseusBasics:
             load_mpi().COMM_WORLD.Abort(1)
 
     def is_initialized(self) -> bool:
+        """True between init() and shutdown()."""
         return self._engine is not None
 
     @property
@@ -163,58 +164,83 @@ class PerseusBasics:
         return self._topology[i]
 
     def rank(self) -> int:
+        """This process's rank in the job (0..size()-1).
+
+        Raises:
+            ValueError: perseus is not initialized.
+        """
         return self._topo(0)
 
     def size(self) -> int:
+        """Number of ranks in the job.
+
+        Raises:
+            ValueError: perseus is not initialized.
+        """
         return self._topo(1)
 
     def local_rank(self) -> int:
+        """Rank among the processes on this host."""
         return self._topo(2)
 
     def local_size(self) -> int:
+        """Number of processes on this host."""
         return self._topo(3)
 
     def cross_rank(self) -> int:
+        """Index of this host among the hosts that have a process with this local rank."""
         return self._topo(4)
 
     def cross_size(self) -> int:
+        """Number of hosts that have a process with this local rank."""
         return self._topo(5)
 
     def is_homogeneous(self) -> bool:
+        """True when every host runs the same number of processes."""
         return self._topo(6)
 
     # -- build information -----------------------------------------------------------------------------
     def mpi_threads_supported(self) -> bool:
+        """True when MPI runs with MPI_THREAD_MULTIPLE (perseus requires it)."""
         from perseus.transport.mpi import load_mpi
 
         MPI = load_mpi()
         return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
     def mpi_enabled(self) -> bool:
+        """True: perseus always uses MPI."""
         return True
 
     def mpi_built(self) -> bool:
+        """True: perseus always uses MPI."""
         return True
 
     def gloo_enabled(self) -> bool:
+        """False: perseus does not use Gloo."""
         return False
 
     def gloo_built(self) -> bool:
+        """False: perseus does not use Gloo."""
         return False
 
     def nccl_built(self) -> int:
+        """NCCL version code, or 0: the NCCL transport is not implemented yet."""
         return 0
 
     def ddl_built(self) -> bool:
+        """False."""
         return False
 
     def ccl_built(self) -> bool:
+        """False."""
         return False
 
     def cuda_built(self) -> bool:
+        """False: GPU tensors are not supported yet."""
         return False
 
     def rocm_built(self) -> bool:
+        """False."""
         return False
 
     # -- timeline --------------------------------------------------------------------------------------

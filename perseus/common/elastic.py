@@ -305,8 +305,11 @@ def reset_limit() -> Optional[int]:
 
 def _give_up(error: BaseException, resets: int, limit: int) -> BaseException:
     """``error``'s type, with a message saying why the loop stopped."""
-    source = f"{RESET_LIMIT_ENV}={os.environ[RESET_LIMIT_ENV].strip()}" if os.environ.get(RESET_LIMIT_ENV, "").strip() \
-        else f"the default for a job without an elastic launcher; set {RESET_LIMIT_ENV} to change it"
+    configured = os.environ.get(RESET_LIMIT_ENV, "").strip()
+    if configured:
+        source = f"{RESET_LIMIT_ENV}={configured}"
+    else:
+        source = f"the default for a job without an elastic launcher; set {RESET_LIMIT_ENV} to change it"
     detail = str(error) or "(no message)"
     message = f"perseus elastic: giving up after {resets} reset(s) (limit {limit}: {source}). Last error: " \
               f"{type(error).__name__}: {detail}."

@@ -49,6 +49,7 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
+    """Start allgathers of a list of tensors, negotiated together; return one handle."""
     dts = [_dtype(t) for t in tensors]
     srcs = [_contig(t) for t in tensors]
     holders = [[] for _ in srcs]
@@ -197,6 +198,7 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0):
+    """Start reducescatters of a list of tensors, negotiated together; return one handle."""
     dts = [_dtype(t) for t in tensors]
     srcs = [_contig(t) for t in tensors]
     holders = [[] for _ in srcs]

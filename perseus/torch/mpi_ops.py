@@ -48,7 +48,15 @@ ddl_built = _basics.ddl_built
 ccl_built = _basics.ccl_built
 cuda_built = _basics.cuda_built
 rocm_built = _basics.rocm_built
-poll = _c.poll
+
+
+def poll(handle):
+    """True when the async request ``handle`` has finished (then :func:`synchronize` returns at once).
+
+    Raises:
+        ValueError: ``handle`` is unknown (already synchronized, or never issued).
+    """
+    return _c.poll(handle)
 
 
 def init(comm=None, process_sets=None):
@@ -185,6 +193,7 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set):
+    """Start in-place allreduces of a list of tensors, negotiated together; return one handle."""
     dts = [_dtype(t) for t in tensors]
     if not all(t.is_contiguous() for t in tensors):
         raise ValueError("Tensor is required to be contiguous.")
@@ -195,6 +204,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                        process_set=global_process_set):
+    """Allreduce each tensor of ``tensors`` in place, negotiated together; return the list."""
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
                                                 process_set))
 

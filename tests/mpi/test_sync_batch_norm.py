@@ -1,7 +1,7 @@
 """SyncBatchNorm against torch.nn.BatchNorm{1,2,3}d run on the whole global batch.
 
 Every rank builds the same global batch (same seed) and feeds SyncBatchNorm only its own rows (rank r gets
-r + 1 rows unless a test says otherwise), while the plain module sees every row. Forward outputs and input
+r + 2 rows unless a test says otherwise), while the plain module sees every row. Forward outputs and input
 gradients are compared on this rank's rows; running statistics directly; weight and bias gradients after
 summing every rank's (each rank's is the gradient of its own share of the loss).
 """
@@ -27,7 +27,7 @@ TOL = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.float64: dict(rtol=1e-9,
 
 
 def _uneven(size):
-    return [r + 1 for r in range(size)]
+    return [r + 2 for r in range(size)]
 
 
 def _rows(sizes, rank):

@@ -1,0 +1,54 @@
+"""Elastic training for PyTorch (Horovod's ``horovod.torch.elastic``).
+
+    state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0)
+
+    @hvd.elastic.run
+    def train(state):
+        ...            # train, calling state.commit() every few batches
+
+    train(state)
+
+In a job started by ``mpirun``/``perseusrun`` (perseus has no elastic launcher yet), ``run`` recovers from a
+collective that failed on every rank: each rank restores its last commit, perseus restarts, state is synced from
+rank 0 and ``train`` is called again, at most ``PERSEUS_ELASTIC_RESET_LIMIT`` times (default 3). A rank that died
+cannot be replaced. See :mod:`perseus.common.elastic`.
+"""
+
+from perseus.common.elastic import ObjectState, run_fn
+from perseus.common.process_sets import global_process_set
+from perseus.torch.elastic.sampler import ElasticSampler
+from perseus.torch.elastic.state import TorchState
+from perseus.torch.mpi_ops import init, shutdown
+
+__all__ = [
+    "TorchState",
+    "ElasticSampler",
+    "run",
+]
+
+
+def run(func):
+    """Decorator running ``func(state, *args, **kwargs)`` in the elastic retry loop.
+
+    Before each attempt the state is synced from rank 0. When ``func`` raises ``HorovodInternalError`` the state
+    goes back to its last commit; on ``HostsUpdatedInterrupt`` it is kept. Either way perseus is restarted
+    (``shutdown(); init()``), ``state.on_reset()`` runs the reset callbacks, and ``func`` is called again. Other
+    exceptions propagate at once.
+
+    ``func`` must not be a single collective, and must not run collectives before it first touches the state:
+    every rank has to reach the sync at the start of each attempt.
+
+    Process sets other than the global one do not survive a reset; re-create them in a reset callback.
+    """
+    return run_fn(func, _reset)
+
+
+def _reset():
+    """Restart perseus over the same ranks as before.
+
+    This is the seam for an elastic launcher: with one, the reset re-forms the job from the hosts the launcher
+    discovered; without one the ranks cannot change, so ``init`` gets the communicator the job already used.
+    """
+    comm = global_process_set.mpi_comm
+    shutdown()
+    init(comm=comm)

@@ -349,8 +349,8 @@ def run_fn(func, reset):
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
         notification_manager.init()
-        notification_manager.register_listener(state)
         limit = reset_limit()
+        notification_manager.register_listener(state)
         resets = 0
         skip_sync = False
         try:

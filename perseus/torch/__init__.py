@@ -4,7 +4,7 @@ Change ``import horovod.torch as hvd`` to ``import perseus.torch as hvd``; nothi
 """
 
 from perseus.common.exceptions import HorovodInternalError, PerseusInternalError
-from perseus.torch import compression, functions, mpi_ops, optimizer
+from perseus.torch import compression, elastic, functions, mpi_ops, optimizer
 from perseus.torch.compression import Compression
 from perseus.torch.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                                      broadcast_parameters)
@@ -33,7 +33,7 @@ __all__ = [
     "ddl_built", "ccl_built", "cuda_built", "rocm_built", "ProcessSet", "global_process_set",
     "add_process_set", "remove_process_set", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp",
     "HorovodInternalError", "PerseusInternalError", "mpi_ops", "DistributedOptimizer", "broadcast_parameters",
-    "broadcast_optimizer_state", "broadcast_object", "allgather_object",
+    "broadcast_optimizer_state", "broadcast_object", "allgather_object", "elastic",
 ]
 
 

@@ -14,7 +14,7 @@ rank 0 and ``train`` is called again, at most ``PERSEUS_ELASTIC_RESET_LIMIT`` ti
 cannot be replaced. See :mod:`perseus.common.elastic`.
 """
 
-from perseus.common.elastic import ObjectState, run_fn
+from perseus.common.elastic import ObjectState, run_fn  # noqa: F401 - ObjectState: convenience attribute
 from perseus.common.process_sets import global_process_set
 from perseus.torch.elastic.sampler import ElasticSampler
 from perseus.torch.elastic.state import TorchState

@@ -37,6 +37,7 @@ from enum import IntFlag
 from typing import Callable, Optional
 
 from perseus.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from perseus.common.knobs import knob
 
 __all__ = [
     "HostUpdateResult",
@@ -56,7 +57,7 @@ log = logging.getLogger("perseus.elastic")
 #: Resets allowed per ``run`` call in a job not started by an elastic launcher.
 DEFAULT_RESET_LIMIT = 3
 #: Environment variable overriding the reset limit (an integer >= 0; ``none``/``unlimited`` for no limit).
-RESET_LIMIT_ENV = "PERSEUS_ELASTIC_RESET_LIMIT"
+RESET_LIMIT_ENV = knob("elastic_reset_limit").env[0]
 
 
 class HostUpdateResult(IntFlag):

@@ -112,6 +112,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("dynamic_process_sets", _both("DYNAMIC_PROCESS_SETS"), bool, False,
          doc="Allow add_process_set()/remove_process_set() after init()."),
     Knob("elastic", _both("ELASTIC"), bool, False, doc="Elastic mode (set by an elastic launcher)."),
+    Knob("elastic_reset_limit", ("PERSEUS_ELASTIC_RESET_LIMIT",), str, "", unit="resets",
+         doc="Resets one elastic run() call may do before it re-raises: an integer >= 0, or none for no limit. "
+             "Unset: 3 in a job not started by an elastic launcher."),
     Knob("log_level", _both("LOG_LEVEL"), str, "warning",
          choices=("trace", "debug", "info", "warning", "error", "fatal"),
          doc="Engine log level."),

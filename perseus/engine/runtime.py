@@ -80,7 +80,6 @@ class ProcessSetRuntime:
         self._last_warn = 0.0
         self._last_poll = 0.0
         self._last_stall_check = 0.0
-        self._lock = threading.Lock()
 
     # -- user threads ----------------------------------------------------------------------------------
     def submit(self, entries: list[Entry]) -> None:
@@ -262,14 +261,16 @@ class ProcessSetRuntime:
 
     # -- completion (channel threads) ------------------------------------------------------------------
     def _entry_done(self, entry: Entry) -> None:
-        with self._lock:
+        # One critical section: an entry is either still counting down (dispatched) or gone from inflight,
+        # never "finished but still listed", which fail_all(dispatched=False) relies on.
+        with self._names_lock:
             entry.remaining -= 1
             finished = entry.remaining == 0
+            if finished and not entry.phantom:
+                self.inflight.pop(entry.name, None)
         if not finished:
             return
         if not entry.phantom:
-            with self._names_lock:
-                self.inflight.pop(entry.name, None)
             if self.engine.timeline is not None:
                 self.engine.timeline.op_end(entry)
             entry.handle.set_result(entry)
@@ -343,16 +344,20 @@ class ProcessSetRuntime:
         reason = (f"perseus: rank {world_rank} shut down (perseus.shutdown() or process exit) while this rank "
                   f"still used process set {self.id}; every rank must call the same collectives before exiting.")
         self.dead = reason
-        self.fail_all(PerseusInternalError(reason))
+        # Requests already dispatched to channels stay: the peer drained its channels, so it took part in
+        # those collectives before it said so. Only what was never negotiated can no longer complete.
+        self.fail_all(PerseusInternalError(reason), dispatched=False)
 
-    def fail_all(self, error: BaseException) -> None:
-        """Fail every pending and in-flight request of this set (the set is unusable afterwards).
+    def fail_all(self, error: BaseException, dispatched: bool = True) -> None:
+        """Fail pending requests of this set (and, with ``dispatched``, those already in channels too).
 
-        Called from any thread; the engine thread ignores a dead set's pending entries.
+        Called from any thread; the set is unusable afterwards and the engine thread ignores its pending
+        entries. Entries in channels have ``remaining > 0`` until they complete.
         """
         with self._names_lock:
-            entries = list(self.inflight.values())
-            self.inflight.clear()
+            entries = [e for e in self.inflight.values() if dispatched or e.remaining == 0]
+            for e in entries:
+                del self.inflight[e.name]
         join, self.join_handle = self.join_handle, None
         for e in entries:
             e.handle.set_error(error)
@@ -361,8 +366,11 @@ class ProcessSetRuntime:
 
     def close(self, notify_peers: bool) -> bool:
         """Stop the channels; return False if one is stuck in a collective that peers will never finish."""
+        timeout = 5.0 if self.dead is None else 0.5
+        # Drain the channels first: by the time peers hear of the shutdown, this rank has taken part in every
+        # collective it had agreed to.
+        clean = all([ch.stop(timeout) for ch in self.channels])
         if notify_peers:
             self.control.broadcast_message(("shutdown",))
             self.control.flush_sends()
-        timeout = 5.0 if self.dead is None else 0.5
-        return all([ch.stop(timeout) for ch in self.channels])
+        return clean

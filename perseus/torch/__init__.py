@@ -9,6 +9,7 @@ from perseus.torch.compression import Compression
 from perseus.torch.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                                      broadcast_parameters)
 from perseus.torch.optimizer import DistributedOptimizer
+from perseus.torch.sync_batch_norm import SyncBatchNorm
 from perseus.torch.mpi_ops import (
     Adasum, Average, Max, Min, Product, ProcessSet, ReduceOp, Sum, add_process_set, allgather, allgather_async,
     allreduce, allreduce_, allreduce_async, allreduce_async_, alltoall, alltoall_async, barrier, broadcast,
@@ -33,7 +34,7 @@ __all__ = [
     "ddl_built", "ccl_built", "cuda_built", "rocm_built", "ProcessSet", "global_process_set",
     "add_process_set", "remove_process_set", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp",
     "HorovodInternalError", "PerseusInternalError", "mpi_ops", "DistributedOptimizer", "broadcast_parameters",
-    "broadcast_optimizer_state", "broadcast_object", "allgather_object", "elastic",
+    "broadcast_optimizer_state", "broadcast_object", "allgather_object", "elastic", "SyncBatchNorm",
 ]
 
 

@@ -46,25 +46,39 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     """Batch norm with batch statistics (and their gradients) summed over the ranks of a process set.
 
     Forward: one Sum allreduce of ``[count, sum(x), sum(x**2)]`` per channel, in float64. Each rank forms its
-    sums from its own mean and biased variance (a stable local reduction), so float64 keeps the global
-    ``sum(x**2) - count * mean**2`` accurate. Backward: one Sum allreduce of ``[sum(dy), sum(dy * x_hat)]``.
+    sums from its own mean and biased variance (torch's batch-norm kernel, so no cancellation locally), and
+    float64 keeps the global ``sum(x**2) - count * mean**2`` accurate. Backward: one Sum allreduce of
+    ``[sum(dy), sum(dy * x_hat)]``.
+
+    Large tensors are read as few times as possible and each pass allocates one tensor of the input's size, its
+    result: the forward rescales torch's locally normalized output in place, per channel; the backward builds
+    the input gradient in the buffer that held ``dy * (x - mean)``.
     """
 
     @staticmethod
     def forward(ctx, input, weight, bias, running_mean, running_var, eps, factor, name, process_set):
         channels = input.size(1)
-        dims = [0] + list(range(2, input.dim()))
         shape = [1, channels] + [1] * (input.dim() - 2)
         sdt = _stat_dtype(input.dtype)
         local_count = input.numel() // channels if channels else 0
 
+        local_out = None
         packed = torch.zeros(1 + 2 * channels, dtype=torch.float64)
         if local_count > 0:
-            var, mean = torch.var_mean(input.to(sdt), dim=dims, correction=0)
-            mean, var = mean.double(), var.double()
+            if local_count > 1:
+                # Local mean and unbiased variance land in these buffers (momentum 1 overwrites them); the
+                # output, normalized with the local statistics, is rescaled below.
+                local_mean = torch.zeros(channels, dtype=sdt)
+                local_var = torch.zeros(channels, dtype=sdt)
+                local_out = F.batch_norm(input, local_mean, local_var, None, None, True, 1.0, eps)
+                local_mean = local_mean.double()
+                local_var = local_var.double() * ((local_count - 1) / local_count)
+            else:
+                local_mean = input.reshape(channels).double()
+                local_var = torch.zeros(channels, dtype=torch.float64)
             packed[0] = local_count
-            packed[1:1 + channels] = mean * local_count
-            packed[1 + channels:] = (var + mean * mean) * local_count
+            packed[1:1 + channels] = local_mean * local_count
+            packed[1 + channels:] = (local_var + local_mean * local_mean) * local_count
         total = synchronize(allreduce_async(packed, name=f"{name}.forward", op=Sum, process_set=process_set))
 
         count = int(round(total[0].item()))
@@ -87,13 +101,17 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             unbiased = var * (count / (count - 1))
             running_var.mul_(1.0 - factor).add_(unbiased.to(running_var.dtype), alpha=factor)
 
-        mean_s = mean.to(sdt)
-        invstd = torch.rsqrt(var + eps).to(sdt)
-        scale = invstd if weight is None else invstd * weight.to(sdt)
-        out = (input.to(sdt) - mean_s.view(shape)) * scale.view(shape)
-        if bias is not None:
-            out = out + bias.to(sdt).view(shape)
-        ctx.save_for_backward(input, weight, mean_s, invstd)
+        invstd = torch.rsqrt(var + eps)
+        scale = invstd if weight is None else invstd * weight.double()
+        shift = -mean * scale if bias is None else bias.double() - mean * scale
+        ctx.save_for_backward(input, weight, mean.to(sdt), invstd.to(sdt))
+        if local_out is not None:
+            # local_out = (x - local_mean) * local_invstd, so the global result is local_out * a + b per channel.
+            a = scale * torch.sqrt(local_var + eps)
+            b = shift + local_mean * scale
+            return local_out.mul_(a.to(sdt).view(shape)).add_(b.to(sdt).view(shape))
+        # At most one value per channel here.
+        out = input.to(torch.float64) * scale.view(shape) + shift.view(shape)
         return out.to(input.dtype)
 
     @staticmethod
@@ -113,14 +131,10 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         dims = [0] + list(range(2, input.dim()))
         shape = [1, channels] + [1] * (input.dim() - 2)
         sdt = mean.dtype
-        dy = grad_output.to(sdt)
-        x_hat = (input.to(sdt) - mean.view(shape)) * invstd.view(shape)
-        if input.numel() > 0:
-            sum_dy = dy.sum(dim=dims)
-            sum_dy_xhat = (dy * x_hat).sum(dim=dims)
-        else:
-            sum_dy = torch.zeros(channels, dtype=sdt)
-            sum_dy_xhat = torch.zeros(channels, dtype=sdt)
+        dy = grad_output
+        buf = torch.sub(input, mean.view(shape))           # statistics dtype, by type promotion
+        sum_dy = dy.sum(dim=dims, dtype=sdt)               # zeros for an empty local batch
+        sum_dy_xhat = buf.mul_(dy).sum(dim=dims) * invstd
 
         # weight and bias get this rank's own gradient (of its local loss), as for any other parameter; the
         # optimizer's gradient allreduce combines them across ranks.
@@ -128,15 +142,18 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         grad_bias = sum_dy.to(weight.dtype) if weight is not None and need_bias else None
 
         # Always reduce, even when this rank needs no input gradient, so that every rank makes the same calls.
-        packed = torch.cat([sum_dy, sum_dy_xhat])
-        total = synchronize(allreduce_async(packed, name=f"{ctx.name}.backward", op=Sum,
-                                            process_set=ctx.process_set))
+        total = synchronize(allreduce_async(torch.cat([sum_dy, sum_dy_xhat]), name=f"{ctx.name}.backward",
+                                            op=Sum, process_set=ctx.process_set))
         grad_input = None
         if need_input:
-            mean_dy = (total[:channels] / ctx.count).view(shape)
-            mean_dy_xhat = (total[channels:] / ctx.count).view(shape)
+            # dx = scale * (dy - mean(dy) - x_hat * mean(dy * x_hat)) with scale = weight * invstd and both
+            # means over the global batch, i.e. (x - mean) * k + dy * scale + c per channel.
             scale = invstd if weight is None else invstd * weight.to(sdt)
-            grad_input = ((dy - mean_dy - x_hat * mean_dy_xhat) * scale.view(shape)).to(input.dtype)
+            k = -scale * invstd * (total[channels:] / ctx.count)
+            c = -scale * (total[:channels] / ctx.count)
+            torch.sub(input, mean.view(shape), out=buf)
+            grad_input = buf.mul_(k.view(shape)).addcmul_(dy, scale.view(shape)).add_(c.view(shape))
+            grad_input = grad_input.to(input.dtype)
         return (grad_input, grad_weight, grad_bias) + nones
 
 
@@ -168,9 +185,10 @@ class SyncBatchNorm(_BatchNorm):
 
     Raises:
         ValueError: the input has fewer than 2 dimensions or not ``num_features`` channels; in training, the
-            global batch holds a single value per channel; this rank is not in ``process_set``, or the set is
-            not registered.
-        NotImplementedError: a collective is needed and the input is not on the CPU.
+            global batch holds a single value per channel; batch statistics are needed and this rank is not in
+            ``process_set``, or the set is not registered.
+        NotImplementedError: a collective is needed and the input is not on the CPU (raised before any
+            communication).
         HorovodInternalError: the collective failed (e.g. a rank did not call, or called with another shape).
     """
 
@@ -201,8 +219,15 @@ class SyncBatchNorm(_BatchNorm):
         running_mean = self.running_mean if use_running else None
         running_var = self.running_var if use_running else None
 
-        if not batch_stats or self.process_set.size() == 1:
+        process_set = self.process_set
+        if batch_stats and process_set.included() is False:
+            raise ValueError(f"perseus: this rank is not a member of {process_set}, the process set of this "
+                             "SyncBatchNorm")
+        if not batch_stats or process_set.size() == 1:
             return F.batch_norm(input, running_mean, running_var, self.weight, self.bias, batch_stats, factor,
                                 self.eps)
+        if input.device.type != "cpu":
+            raise NotImplementedError(f"perseus: SyncBatchNorm on {input.device} tensors needs the GPU (NCCL) "
+                                      "transport, which is not implemented yet; move the model and inputs to the CPU")
         return _SyncBatchNormFunction.apply(input, self.weight, self.bias, running_mean, running_var, self.eps,
-                                            factor, _collective_name(self, self.process_set), self.process_set)
+                                            factor, _collective_name(self, process_set), process_set)

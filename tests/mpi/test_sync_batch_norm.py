@@ -212,6 +212,11 @@ def test_process_set_subset(hvd):
                     assert_close(hvd.allreduce(p.grad, op=hvd.Sum, process_set=ps), q.grad, **tol)
                     p.grad = q.grad = None
                 _check_buffers(sync, ref, tol)
+        else:
+            sync = SyncBatchNorm(C, process_set=ps)
+            with pytest.raises(ValueError, match="not a member"):
+                sync(torch.randn(4, C))
+            sync.eval()(torch.randn(4, C))  # running statistics: no collective, so any rank may run it
     finally:
         if ps is not hvd.global_process_set:
             assert hvd.remove_process_set(ps)
@@ -273,6 +278,13 @@ def test_training_keeps_ranks_identical(hvd):
             assert torch.equal(t, ref_state[name]), name
 
 
+def test_single_value_per_channel_raises_on_every_rank(hvd):
+    """One row in the whole global batch: every rank raises, none hangs (the others hold no rows)."""
+    x = torch.randn(1 if hvd.rank() == 0 else 0, C)
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        SyncBatchNorm(C)(x)
+
+
 def test_one_dimensional_input_raises(hvd):
     with pytest.raises(ValueError, match="expected at least 2D input"):
         SyncBatchNorm(C)(torch.randn(C))
@@ -285,9 +297,11 @@ def test_wrong_channel_count_raises(hvd):
         SyncBatchNorm(C)(torch.randn(4, C + 1))
 
 
-def test_single_value_per_channel_raises_on_every_rank(hvd):
-    """One row in the whole global batch: every rank raises, none hangs (the others hold no rows)."""
-    x = torch.randn(1 if hvd.rank() == 0 else 0, C)
-    with pytest.raises(ValueError, match="more than 1 value per channel"):
-        SyncBatchNorm(C)(x)
-    hvd.barrier()
+def test_non_cpu_input_raises_before_communicating(hvd):
+    """The sync path needs CPU tensors; a meta-device input stands in for a GPU one. Rank 0 alone calls it: a
+    collective would stall the job."""
+    if hvd.size() == 1:
+        pytest.skip("one rank: plain batch norm, no collective")
+    if hvd.rank() == 0:
+        with pytest.raises(NotImplementedError, match="CPU"):
+            SyncBatchNorm(C)(torch.empty(4, C, device="meta"))

@@ -25,7 +25,7 @@ import numpy as np
 from perseus.common.exceptions import PerseusInternalError, StallError
 from perseus.engine.channels import Channel
 from perseus.engine.fusion import plan_units
-from perseus.engine.messages import Entry, Handle, OpType, numpy_dtype
+from perseus.engine.messages import Entry, Handle, numpy_dtype
 from perseus.engine.negotiation import Negotiator, RoundResult
 from perseus.engine.stall import StallReport, format_stall, main_thread_location
 from perseus.transport.mpi import MpiControl
@@ -205,13 +205,7 @@ class ProcessSetRuntime:
                 entry.handle.set_error(PerseusInternalError(message))
         for name in self.negotiator.order(result.ready):
             entry = self.pending.pop(name, None)
-            if entry is None:
-                try:
-                    entry = self._phantom(name)
-                except PerseusInternalError as exc:
-                    self.engine.abort(str(exc), origin=self.engine.world_rank)
-                    return
-            ready_entries.append(entry)
+            ready_entries.append(entry if entry is not None else self._phantom(name))
         self.state = _IDLE
         if ready_entries:
             self._dispatch(ready_entries)
@@ -233,17 +227,12 @@ class ProcessSetRuntime:
             handle.set_result(self.world_ranks[last] if self.id == 0 else last)
 
     def _phantom(self, name: str) -> Entry:
-        """Stand-in for a tensor this joined rank did not submit: zeros in, results discarded."""
+        """Stand-in for an allreduce this joined rank did not submit: it contributes zeros, results are
+        discarded. (While a rank is joined only allreduce runs: see Negotiator.reject_while_joined.)"""
         sig = self.negotiator.registry.signatures[self.negotiator.registry.index[name]]
-        shape = sig.shape
-        if sig.op_type in (OpType.ALLGATHER, OpType.ALLTOALL):
-            shape = (0,) + tuple(sig.shape)
-        if sig.op_type is OpType.BROADCAST and sig.root_rank == self.rank:
-            raise PerseusInternalError(f"perseus.broadcast({name!r}): the root rank {sig.root_rank} has joined")
-        data = np.zeros(shape, numpy_dtype(sig.dtype))
-        return Entry(name=name, signature=sig, shape=shape, input=data, output=np.zeros_like(data),
-                     alloc=lambda s, dt=numpy_dtype(sig.dtype): np.empty(s, dt),
-                     splits=np.zeros(self.size, np.int64), process_set_id=self.id, phantom=True)
+        data = np.zeros(sig.shape, numpy_dtype(sig.dtype))
+        return Entry(name=name, signature=sig, shape=sig.shape, input=None, output=data, process_set_id=self.id,
+                     phantom=True)
 
     def _dispatch(self, entries: list[Entry]) -> None:
         tl = self.engine.timeline

@@ -10,7 +10,8 @@ with open(os.path.join(HERE, "perseus", "__init__.py")) as f:
     VERSION = re.search(r'__version__ = "([^"]+)"', f.read()).group(1)
 
 TORCH = ["torch==2.13.0"]
-TEST = ["pytest>=8", "pytest-timeout>=2.3", "scikit-learn>=1.3"]
+EXAMPLES = ["scikit-learn>=1.3"]  # the digits data set ships with it (no download at run time)
+TEST = ["pytest>=8", "pytest-timeout>=2.3"] + EXAMPLES
 
 setup(
     name="perseus",
@@ -29,6 +30,7 @@ setup(
         "mxnet": ["mxnet==1.9.1", "numpy<1.24"],
         "tune": ["optuna>=3.0"],
         "convert": ["libcst>=1.0"],
+        "examples": EXAMPLES,
         "test": TEST,
         "all": TORCH + ["optuna>=3.0", "libcst>=1.0"] + TEST,
     },

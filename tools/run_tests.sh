@@ -3,7 +3,7 @@
 # under mpirun at 2 and 3 ranks. Every test has a timeout; a failing rank aborts its MPI job.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BIN="$(bash tools/setup_env.sh)"
+BIN="$(bash tools/setup_env.sh torch,tensorflow,test)"
 export PATH="$BIN:$PATH"
 MPIRUN=("$BIN/mpirun" --oversubscribe --bind-to none)
 if [ "$(id -u)" = "0" ]; then MPIRUN+=(--allow-run-as-root); fi

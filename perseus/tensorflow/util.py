@@ -1,0 +1,45 @@
+"""Small TensorFlow helpers shared by the perseus.tensorflow modules (Horovod's horovod.tensorflow.util names)."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+__all__ = ["_executing_eagerly", "_make_subgraph", "_cache", "vars_to_refs", "refs_to_vars"]
+
+
+def _executing_eagerly():
+    """True when TensorFlow runs eagerly here (False while a tf.function or a graph is being built)."""
+    return tf.executing_eagerly()
+
+
+def _make_subgraph(f):
+    """Wrap ``f`` in a tf.function."""
+    return tf.function(f)
+
+
+def _cache(f):
+    """Memoise ``f`` on its (hashable) positional arguments and on whether execution is eager."""
+    memo = {}
+
+    def wrapper(*args):
+        key = (args, _executing_eagerly())
+        if key not in memo:
+            memo[key] = f(*args)
+        return memo[key]
+
+    wrapper.__wrapped__ = f
+    return wrapper
+
+
+def vars_to_refs(variables):
+    """Nested lists of variables -> nested tuples of hashable references."""
+    if isinstance(variables, (list, tuple)):
+        return tuple(vars_to_refs(v) for v in variables)
+    return variables.ref()
+
+
+def refs_to_vars(refs):
+    """Inverse of :func:`vars_to_refs` (tuples come back as lists)."""
+    if isinstance(refs, tuple):
+        return [refs_to_vars(r) for r in refs]
+    return refs.deref()

@@ -7,6 +7,7 @@ __all__ = [
     "HorovodVersionMismatchError",
     "PerseusVersionMismatchError",
     "StallError",
+    "MismatchError",
 ]
 
 
@@ -16,6 +17,11 @@ class HorovodInternalError(RuntimeError):
 
 class PerseusInternalError(HorovodInternalError):
     """A collective failed: a cross-rank mismatch, a stall, a failed or shut-down peer, or a transport error."""
+
+
+class MismatchError(PerseusInternalError):
+    """Ranks disagreed about a collective (shape, dtype, op, root rank, scale factors), or asked for one that
+    cannot run (a non-allreduce collective while ranks have joined). Raised on every rank."""
 
 
 class StallError(PerseusInternalError):

@@ -22,7 +22,7 @@ from typing import Optional
 
 import numpy as np
 
-from perseus.common.exceptions import PerseusInternalError, StallError
+from perseus.common.exceptions import MismatchError, PerseusInternalError, StallError
 from perseus.engine.channels import Channel
 from perseus.engine.fusion import plan_units
 from perseus.engine.messages import Entry, Handle, numpy_dtype
@@ -202,7 +202,7 @@ class ProcessSetRuntime:
             if entry is not None:
                 with self._names_lock:
                     self.inflight.pop(name, None)
-                entry.handle.set_error(PerseusInternalError(message))
+                entry.handle.set_error(MismatchError(message))
         for name in self.negotiator.order(result.ready):
             entry = self.pending.pop(name, None)
             ready_entries.append(entry if entry is not None else self._phantom(name))

@@ -27,7 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from perseus.common.basics import state
-from perseus.common.exceptions import PerseusInternalError, StallError
+from perseus.common.exceptions import MismatchError, PerseusInternalError
 from perseus.engine.messages import DType
 
 __all__ = ["PerseusFailedPreconditionError", "PerseusUnknownError", "engine_dtype", "to_numpy", "from_numpy",
@@ -56,11 +56,8 @@ class PerseusUnknownError(tf.errors.UnknownError, PerseusInternalError):
         tf.errors.UnknownError.__init__(self, None, None, message)
 
 
-_MISMATCH = re.compile(r"^perseus\.\w+\(")
-
-
 def _is_mismatch(exc: BaseException) -> bool:
-    return not isinstance(exc, StallError) and bool(_MISMATCH.match(str(exc)))
+    return isinstance(exc, MismatchError)
 
 
 def _tf_error(exc: PerseusInternalError, what: str):

@@ -83,13 +83,15 @@ def test_allreduce_inplace_async_and_scale(hvd, dtype):
     check(t, reduce_ref(inputs, hvd.Sum, hvd), dtype)
     h = hvd.allreduce_async(inputs[rank], name=f"as.{dtype}", op=hvd.Average)
     out = hvd.synchronize(h)
-    assert not hvd.poll(h) if False else True
+    with pytest.raises(ValueError, match="unknown handle"):
+        hvd.poll(h)  # a synchronized handle is gone
     ref = reduce_ref(inputs, hvd.Average, hvd)
     check(out, torch.trunc(ref) if dtype == "int32" else ref, dtype)
     t2 = inputs[rank].clone()
     hvd.allreduce_(t2, op=hvd.Sum, prescale_factor=0.5, postscale_factor=4.0, name=f"ip2.{dtype}")
-    check(t2, reduce_ref(inputs, hvd.Sum, hvd) * (2.0 if dtype != "int32" else 1.0)
-          if dtype != "int32" else reduce_ref([torch.trunc(x * 0.5) for x in inputs], hvd.Sum, hvd) * 4, dtype)
+    # prescale applies to each input before the sum (integers truncate, as in Horovod), postscale after
+    prescaled = [torch.trunc(x * 0.5) if dtype == "int32" else x * 0.5 for x in inputs]
+    check(t2, reduce_ref(prescaled, hvd.Sum, hvd) * 4.0, dtype)
 
 
 def test_poll_and_unknown_handle(hvd):

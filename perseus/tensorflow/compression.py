@@ -4,55 +4,28 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from perseus.common.compression import CastCompressor, Compressor, NoneCompressor
+
 __all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression"]
 
 
-class Compressor:
-    """Interface: ``compress(tensor) -> (tensor, ctx)`` and ``decompress(tensor, ctx) -> tensor``."""
+class _TFCast(CastCompressor):
+    @staticmethod
+    def _cast(tensor, dtype):
+        return tf.cast(tensor, dtype)
 
     @staticmethod
-    def compress(tensor):
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        raise NotImplementedError
+    def _is_float(dtype) -> bool:
+        return dtype.is_floating
 
 
-class NoneCompressor(Compressor):
-    """Send tensors as they are."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
-
-
-class _CastCompressor(Compressor):
-    wire_dtype = None
-
-    @classmethod
-    def compress(cls, tensor):
-        dtype = tensor.dtype
-        if dtype.is_floating and dtype != cls.wire_dtype:
-            return tf.cast(tensor, cls.wire_dtype), dtype
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor if ctx is None else tf.cast(tensor, ctx)
-
-
-class FP16Compressor(_CastCompressor):
+class FP16Compressor(_TFCast):
     """Send floating-point tensors as float16."""
 
     wire_dtype = tf.float16
 
 
-class BF16Compressor(_CastCompressor):
+class BF16Compressor(_TFCast):
     """Send floating-point tensors as bfloat16 (float32's range, so no overflow; a perseus addition)."""
 
     wire_dtype = tf.bfloat16

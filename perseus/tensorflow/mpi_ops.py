@@ -12,7 +12,11 @@ import numpy as np
 import tensorflow as tf
 
 from perseus.common import collectives as _c
-from perseus.common.basics import state as _state
+from perseus.common.api import (  # noqa: F401 - re-exported
+    _basics, ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, is_homogeneous,
+    is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
+    rocm_built, size, start_timeline, stop_timeline,
+)
 from perseus.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from perseus.common.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum, resolve_op
 from perseus.tensorflow import _core
@@ -29,27 +33,6 @@ __all__ = [
     "barrier", "handle_average_backwards_compatibility", "check_num_rank_power_of_2",
 ]
 
-_basics = _state()
-is_initialized = _basics.is_initialized
-start_timeline = _basics.start_timeline
-stop_timeline = _basics.stop_timeline
-size = _basics.size
-local_size = _basics.local_size
-cross_size = _basics.cross_size
-rank = _basics.rank
-local_rank = _basics.local_rank
-cross_rank = _basics.cross_rank
-is_homogeneous = _basics.is_homogeneous
-mpi_threads_supported = _basics.mpi_threads_supported
-mpi_enabled = _basics.mpi_enabled
-mpi_built = _basics.mpi_built
-gloo_enabled = _basics.gloo_enabled
-gloo_built = _basics.gloo_built
-nccl_built = _basics.nccl_built
-ddl_built = _basics.ddl_built
-ccl_built = _basics.ccl_built
-cuda_built = _basics.cuda_built
-rocm_built = _basics.rocm_built
 
 
 def init(comm=None, process_sets=None):
@@ -62,6 +45,19 @@ def shutdown():
     _c.handles.clear()
     _basics.shutdown()
 
+
+
+def _output_allocators(arrays):
+    """One ``alloc(shape)`` per input for outputs whose shape the engine learns (allgather, reducescatter);
+    each allocated array is kept in the matching holder list."""
+    holders = [[] for _ in arrays]
+
+    def alloc_for(arr, holder):
+        def alloc(shape):
+            holder.append(np.empty(shape, arr.dtype))
+            return holder[0]
+        return alloc
+    return [alloc_for(a, h) for a, h in zip(arrays, holders)], holders
 
 def _check_has_gpu():
     """False: perseus moves CPU tensors until the GPU transport lands."""
@@ -213,15 +209,7 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=g
     @tf.custom_gradient
     def fwd(*xs):
         def fn(arrays):
-            holders = [[] for _ in arrays]
-
-            def alloc_for(arr, holder):
-                def alloc(shape):
-                    out = np.empty(shape, arr.dtype)
-                    holder.append(out)
-                    return out
-                return alloc
-            allocs = [alloc_for(a, h) for a, h in zip(arrays, holders)]
+            allocs, holders = _output_allocators(arrays)
             finish = lambda r: [h[0] for h in holders]  # noqa: E731
             if _single:
                 h = _c.allgather_async(arrays[0], allocs[0], req, process_set, dtype=dts[0], finish=finish)
@@ -374,14 +362,7 @@ def _grouped_reducescatter(tensors, name=None, op=Sum, ignore_name_scope=False, 
     @tf.custom_gradient
     def fwd(*xs):
         def fn(arrays):
-            holders = [[] for _ in arrays]
-
-            def alloc_for(arr, holder):
-                def alloc(shape):
-                    holder.append(np.empty(shape, arr.dtype))
-                    return holder[0]
-                return alloc
-            allocs = [alloc_for(a, h) for a, h in zip(arrays, holders)]
+            allocs, holders = _output_allocators(arrays)
             h = _c.grouped_reducescatter_async(arrays, allocs, req, op, process_set, pre, post, dtypes=dts,
                                                finish=lambda r: [h[0] for h in holders], _single=_single)
             return _c.synchronize(h)

@@ -6,7 +6,11 @@ import numpy as np
 import torch
 
 from perseus.common import collectives as _c
-from perseus.common.basics import state as _state
+from perseus.common.api import (  # noqa: F401 - re-exported
+    _basics, ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, is_homogeneous,
+    is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
+    rocm_built, size, start_timeline, stop_timeline,
+)
 from perseus.common.exceptions import HorovodInternalError
 from perseus.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from perseus.common.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum, resolve_op
@@ -27,27 +31,6 @@ __all__ = [
     "HorovodInternalError",
 ]
 
-_basics = _state()
-is_initialized = _basics.is_initialized
-start_timeline = _basics.start_timeline
-stop_timeline = _basics.stop_timeline
-size = _basics.size
-local_size = _basics.local_size
-cross_size = _basics.cross_size
-rank = _basics.rank
-local_rank = _basics.local_rank
-cross_rank = _basics.cross_rank
-is_homogeneous = _basics.is_homogeneous
-mpi_threads_supported = _basics.mpi_threads_supported
-mpi_enabled = _basics.mpi_enabled
-mpi_built = _basics.mpi_built
-gloo_enabled = _basics.gloo_enabled
-gloo_built = _basics.gloo_built
-nccl_built = _basics.nccl_built
-ddl_built = _basics.ddl_built
-ccl_built = _basics.ccl_built
-cuda_built = _basics.cuda_built
-rocm_built = _basics.rocm_built
 
 
 def poll(handle):

@@ -3,8 +3,10 @@
 Eager mode: the tensor's buffer is read with ``.numpy()`` (bfloat16 through ``tf.bitcast`` to uint16), the
 collective runs at once and the result is wrapped with ``tf.convert_to_tensor``.
 
-Graph mode (inside ``tf.function``): the collective runs in a ``tf.py_function`` when the graph executes.
-py_function ops are stateful, so tf.function runs them in program order, the same on every rank. A
+Graph mode (inside ``tf.function`` or a TF1 graph): each collective is two ``tf.py_function`` ops, an
+enqueue op that hands the request to the engine and returns at once, and a wait op that blocks until the
+result is there (see :func:`run`). Enqueue ops run in the same order on every rank (program order in
+tf.function, creation order in a TF1 graph), so no TF thread waits on a peer that cannot submit. A
 collective that fails because ranks disagree (shape, dtype, op, root) makes the py_function return a failure
 status, and a guard op then raises ``tf.errors.FailedPreconditionError`` (the full message is logged by the
 ``perseus`` logger, since the graph error can only carry a fixed text). Other failures (stall, failed peer,
@@ -19,6 +21,7 @@ unique within the graph.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 import weakref
@@ -38,7 +41,7 @@ _log = logging.getLogger("perseus")
 _DTYPES = {
     tf.uint8: DType.UINT8, tf.int8: DType.INT8, tf.int16: DType.INT16, tf.int32: DType.INT32,
     tf.int64: DType.INT64, tf.float16: DType.FLOAT16, tf.bfloat16: DType.BFLOAT16, tf.float32: DType.FLOAT32,
-    tf.float64: DType.FLOAT64, tf.bool: DType.BOOL,
+    tf.float64: DType.FLOAT64, tf.bool: DType.BOOL, tf.uint16: DType.UINT16,
 }
 
 
@@ -144,26 +147,63 @@ def _guard(outputs, status, what: str):
         return [tf.identity(o) for o in outputs]
 
 
-def run(fn, inputs, out_dtypes, what: str):
-    """Run ``fn(list of arrays) -> list of arrays`` on ``inputs``; return tensors of ``out_dtypes``.
+_pending: dict = {}
+_next_id = itertools.count(1)
+_last_enqueue: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
-    Eagerly it runs now; in a graph it becomes a py_function (see the module docstring).
+
+def _chain(graph):
+    """Control inputs that order this enqueue op after the previous one of the same TF1 graph.
+
+    Inside tf.function, automatic control dependencies already run stateful ops in program order. A TF1
+    graph has no such ordering: ranks could start different collectives first and every inter-op thread
+    could end up waiting, so perseus orders its enqueue ops by creation (identical on every rank). Only the
+    enqueues are ordered; the waits float, so collectives still fuse and overlap.
+    """
+    if getattr(graph, "building_function", False):
+        return []
+    last = _last_enqueue.get(graph)
+    if last is None:
+        return []
+    context = graph._get_control_flow_context()  # noqa: SLF001 - ops in different frames cannot be chained
+    return [last] if last._get_control_flow_context() is context else []  # noqa: SLF001
+
+
+def run(fn, inputs, out_dtypes, what: str):
+    """Run a collective on ``inputs``; return tensors of ``out_dtypes``.
+
+    ``fn(list of arrays)`` submits the request and returns ``wait() -> list of arrays``. Eagerly both happen
+    now. In a graph they become two py_function ops: an enqueue op that submits and returns a request id at
+    once, and a wait op that blocks until the result is there, so a blocked TF thread never holds up the
+    submission of the other collectives the peers are waiting for (see :func:`_chain`).
     """
     if tf.executing_eagerly():
         arrays = [to_numpy(t) for t in inputs]
         try:
-            outs = fn(arrays)
+            outs = fn(arrays)()
         except PerseusInternalError as exc:
             if isinstance(exc, tf.errors.OpError):
                 raise
             raise _tf_error(exc, what) from None
         return [from_numpy(o, d) for o, d in zip(outs, out_dtypes)]
     _check_no_xla()
+    label = _normalize(what)[:200]
 
-    def body(*tensors):
+    def enqueue(*tensors):
         arrays = [to_numpy(t) for t in tensors]
+        key = next(_next_id)
         try:
-            outs = fn(arrays)
+            wait = fn(arrays)
+        except PerseusInternalError as exc:
+            wait = _raiser(exc)
+        # The eager input tensors are kept until the wait: they own the buffers the engine reads.
+        _pending[key] = (wait, tensors)
+        return tf.constant(key, tf.int64)
+
+    def finish(key):
+        wait, _inputs = _pending.pop(int(key.numpy()))
+        try:
+            outs = wait()
         except PerseusInternalError as exc:
             if not _is_mismatch(exc):
                 raise RuntimeError(f"{what}: {exc}") from None
@@ -171,5 +211,15 @@ def run(fn, inputs, out_dtypes, what: str):
             return [tf.zeros([0], d) for d in out_dtypes] + [tf.constant(1, tf.int32)]
         return [from_numpy(o, d) for o, d in zip(outs, out_dtypes)] + [tf.constant(0, tf.int32)]
 
-    results = tf.py_function(body, list(inputs), list(out_dtypes) + [tf.int32], name=_normalize(what)[:200])
+    graph = tf.compat.v1.get_default_graph()
+    with tf.control_dependencies(_chain(graph)):
+        key = tf.py_function(enqueue, list(inputs), tf.int64, name=f"{label}_enqueue")
+    _last_enqueue[graph] = key.op
+    results = tf.py_function(finish, [key], list(out_dtypes) + [tf.int32], name=label)
     return _guard(results[:-1], results[-1], what)
+
+
+def _raiser(exc):
+    def wait():
+        raise exc
+    return wait

@@ -34,6 +34,7 @@ class DType(enum.IntEnum):
     FLOAT32 = 7
     FLOAT64 = 8
     BOOL = 9
+    UINT16 = 10
 
     @property
     def itemsize(self) -> int:
@@ -48,7 +49,7 @@ _NUMPY = {
     DType.UINT8: np.dtype(np.uint8), DType.INT8: np.dtype(np.int8), DType.INT16: np.dtype(np.int16),
     DType.INT32: np.dtype(np.int32), DType.INT64: np.dtype(np.int64), DType.FLOAT16: np.dtype(np.float16),
     DType.BFLOAT16: np.dtype(np.uint16), DType.FLOAT32: np.dtype(np.float32),
-    DType.FLOAT64: np.dtype(np.float64), DType.BOOL: np.dtype(np.bool_),
+    DType.FLOAT64: np.dtype(np.float64), DType.BOOL: np.dtype(np.bool_), DType.UINT16: np.dtype(np.uint16),
 }
 _ITEMSIZE = {d: n.itemsize for d, n in _NUMPY.items()}
 _FROM_NUMPY = {v: k for k, v in _NUMPY.items() if k is not DType.BFLOAT16}

@@ -4,17 +4,19 @@ Change ``import horovod.tensorflow as hvd`` to ``import perseus.tensorflow as hv
 and inside ``tf.function`` (through ``tf.py_function``; XLA ``jit_compile=True`` is not supported), and are
 differentiable. A cross-rank mismatch raises ``tf.errors.FailedPreconditionError`` on every rank.
 
-Not here yet: the Keras ``DistributedOptimizer`` and the TF1 ``tf.compat.v1.train.Optimizer`` wrapper
-(``DistributedOptimizer`` below raises NotImplementedError), ``SyncBatchNormalization``, ``elastic``,
-``broadcast_global_variables``/``BroadcastGlobalVariablesHook`` (TF1 graph mode).
+``DistributedOptimizer`` wraps Keras optimizers (perseus.tensorflow.keras); TF1 ``tf.compat.v1.train.Optimizer``
+objects and ``BroadcastGlobalVariablesHook`` (TF1 sessions) are not supported.
 """
 
+import tensorflow as tf
+
 from perseus.common.exceptions import HorovodInternalError, PerseusInternalError
-from perseus.tensorflow import compression, functions, gradient_tape, mpi_ops, util
+from perseus.tensorflow import compression, elastic, functions, gradient_tape, mpi_ops, util
 from perseus.tensorflow._core import PerseusFailedPreconditionError, PerseusUnknownError
 from perseus.tensorflow._reduce import allreduce, grouped_allreduce, grouped_reducescatter, reducescatter
 from perseus.tensorflow.compression import Compression
-from perseus.tensorflow.functions import allgather_object, broadcast_object, broadcast_object_fn, broadcast_variables
+from perseus.tensorflow.functions import (allgather_object, broadcast_global_variables, broadcast_object,
+                                         broadcast_object_fn, broadcast_variables)
 from perseus.tensorflow.gradient_tape import (DistributedGradientTape, PartialDistributedGradientTape,
                                               _make_allreduce_grads_fn, split_list)
 from perseus.tensorflow.mpi_ops import (
@@ -37,10 +39,10 @@ __all__ = [
     "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "ProcessSet",
     "global_process_set", "add_process_set", "remove_process_set", "Average", "Sum", "Adasum", "Min", "Max",
     "Product", "ReduceOp", "broadcast_variables", "broadcast_object", "broadcast_object_fn",
-    "allgather_object", "DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer",
+    "allgather_object", "broadcast_global_variables", "DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer",
     "HorovodInternalError", "PerseusInternalError", "PerseusFailedPreconditionError", "PerseusUnknownError",
     "gpu_available", "split_list", "handle_average_backwards_compatibility", "check_num_rank_power_of_2",
-    "mpi_ops", "util",
+    "mpi_ops", "util", "elastic",
 ]
 
 
@@ -49,7 +51,25 @@ def gpu_available(ext_base_name=None, verbose=False):
     return False
 
 
-def DistributedOptimizer(optimizer, *args, **kwargs):
-    """Placeholder: the Keras / TF1 optimizer wrappers are a later step (perseus.tensorflow.keras)."""
-    raise NotImplementedError("perseus.tensorflow.DistributedOptimizer is not implemented yet; use "
-                              "perseus.tensorflow.DistributedGradientTape in a custom training loop")
+def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='', device_sparse='',
+                         compression=Compression.none, sparse_as_dense=False, backward_passes_per_step=1,
+                         op=Average, gradient_predivide_factor=1.0, average_aggregated_gradients=False,
+                         num_groups=0, groups=None, process_set=global_process_set, scale_local_gradients=True):
+    """Wrap a Keras optimizer (Keras 3 or tf-keras 2) so gradients are reduced across the ranks; see
+    :func:`perseus.tensorflow.keras.DistributedOptimizer`. Unlike Horovod, ``op`` and ``groups`` are passed
+    on to the Keras wrapper rather than dropped.
+
+    TF1 ``tf.compat.v1.train.Optimizer`` objects (session-based training) raise NotImplementedError: use a
+    Keras optimizer, or ``DistributedGradientTape`` in a custom loop.
+    """
+    if isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        raise NotImplementedError("perseus.tensorflow.DistributedOptimizer does not wrap TF1 "
+                                  "tf.compat.v1.train.Optimizer objects; use a Keras optimizer "
+                                  "(perseus.tensorflow.keras.DistributedOptimizer) or DistributedGradientTape")
+    if op == Adasum:
+        raise ValueError("op=Adasum is not supported with a Keras optimizer")
+    from perseus.tensorflow.keras import DistributedOptimizer as _keras_distributed_optimizer
+    return _keras_distributed_optimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+                                        gradient_predivide_factor, op, backward_passes_per_step,
+                                        average_aggregated_gradients, num_groups, groups, process_set,
+                                        scale_local_gradients)

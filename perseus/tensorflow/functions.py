@@ -10,7 +10,7 @@ from perseus.common.process_sets import global_process_set
 from perseus.tensorflow.mpi_ops import _ps_info, allgather, broadcast, broadcast_, rank
 from perseus.tensorflow.util import _executing_eagerly
 
-__all__ = ["broadcast_variables", "broadcast_object", "broadcast_object_fn", "allgather_object"]
+__all__ = ["broadcast_variables", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn", "allgather_object"]
 
 
 def broadcast_variables(variables, root_rank, process_set=global_process_set, inplace=False):
@@ -27,6 +27,17 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
     if _executing_eagerly():
         return None
     return tf.group(*updated)
+
+
+def broadcast_global_variables(root_rank):
+    """TF1 graph mode: an op broadcasting every global variable from ``root_rank``.
+
+    Eagerly there is no global variable collection: RuntimeError naming the replacement, as Horovod does.
+    """
+    if _executing_eagerly():
+        raise RuntimeError("hvd.broadcast_global_variables() does not support eager execution. Please use "
+                           "`hvd.broadcast_variables(<model/optimizer variables>)` instead.")
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
 
 
 def _eager_only(session, what):

@@ -17,7 +17,7 @@ from conftest import rank_data  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
-DTYPES = ["uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64", "bool"]
+DTYPES = ["uint8", "int8", "uint16", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64", "bool"]
 FLOATS = ["float16", "bfloat16", "float32", "float64"]
 MODES = ["eager", "function"]
 

@@ -1,0 +1,265 @@
+"""Keras support shared by perseus.tensorflow.keras and perseus.keras (Keras 3 and tf-keras 2).
+
+:func:`create_distributed_optimizer` returns an optimizer of a dynamically created subclass of the wrapped
+optimizer's class, with the same class name and module (a saved model loads without perseus), whose gradients
+are reduced across the ranks before they are applied:
+
+- **Keras 3** (``keras>=3``, what ``tf.keras`` is in TensorFlow >= 2.16): ``apply`` (which ``apply_gradients``
+  and ``model.fit`` call) reduces the gradients it is given, then applies them. The TensorFlow backend is
+  supported (eagerly and in ``model.fit``'s compiled step; not under XLA ``jit_compile=True``); the JAX and
+  PyTorch backends raise NotImplementedError.
+- **tf-keras 2** (``TF_USE_LEGACY_KERAS=1`` with the ``tf-keras`` package, or ``import tf_keras``), new and
+  legacy optimizers: as in Horovod, the gradients are reduced where they are computed (``minimize``,
+  ``compute_gradients``/``_compute_gradients``, ``get_gradients``); ``apply_gradients`` applies what it gets.
+
+With ``backward_passes_per_step > 1`` gradients are summed locally and reduced every that many passes
+(:mod:`perseus._keras.aggregation`).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from perseus.common.process_sets import global_process_set
+from perseus.common.reduce_ops import Average, ReduceOp, Sum
+from perseus._keras.aggregation import LocalGradientAggregationHelper, var_key
+from perseus.tensorflow.gradient_tape import _make_allreduce_grads_fn
+
+__all__ = ["create_distributed_optimizer", "distributed_class", "is_keras3_optimizer", "CallableList",
+           "load_model", "check_keras_op"]
+
+
+class CallableList(list):
+    """A list that can also be called (``opt.variables`` and ``opt.variables()`` both work)."""
+
+    def __call__(self):
+        return self
+
+
+def is_keras3_optimizer(cls) -> bool:
+    """True for Keras 3 optimizer classes (they have ``stateless_apply``), False for tf-keras 2 ones."""
+    return hasattr(cls, "stateless_apply")
+
+
+def check_keras_op(op):
+    """Keras optimizers reduce with Average or Sum only (ValueError otherwise, as Horovod)."""
+    op = ReduceOp(op)
+    if op not in (Average, Sum):
+        raise ValueError(f"perseus: the Keras DistributedOptimizer supports op=Average or op=Sum, not {op.name}"
+                         f" (Adasum, Min, Max and Product are not gradient averages)")
+    return op
+
+
+class _Settings:
+    def __init__(self, name, device_dense, device_sparse, compression, sparse_as_dense, gradient_predivide_factor,
+                 op, backward_passes_per_step, average_aggregated_gradients, groups, process_set,
+                 scale_local_gradients):
+        self.name = name
+        self.device_dense, self.device_sparse = device_dense, device_sparse
+        self.compression = compression
+        self.sparse_as_dense = sparse_as_dense
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.op = op
+        self.backward_passes_per_step = int(backward_passes_per_step)
+        self.average_aggregated_gradients = average_aggregated_gradients
+        self.groups = groups
+        self.process_set = process_set
+        self.scale_local_gradients = scale_local_gradients
+
+
+class _DistributedBase:
+    """Set-up and the gradient reduction common to both Keras generations."""
+
+    _HAS_AGGREGATE_GRAD = True
+    _perseus = None  # a _Settings, set on the dynamic class
+
+    def _perseus_setup(self):
+        s = self._perseus
+        scope = s.name or f"Distributed{type(self).__name__}"
+        self._allreduce_grads = _make_allreduce_grads_fn(scope, s.device_dense, s.device_sparse, s.compression,
+                                                         s.sparse_as_dense, s.op, s.gradient_predivide_factor,
+                                                         s.groups, s.process_set)
+        self._local_vars = set()
+        self.process_set = s.process_set
+        self.scale_local_gradients = s.scale_local_gradients
+        self._agg_helper = None
+        if s.backward_passes_per_step > 1:
+            self._agg_helper = LocalGradientAggregationHelper(
+                s.backward_passes_per_step, self._allreduce_grads, s.average_aggregated_gradients,
+                s.process_set.size, s.scale_local_gradients)
+
+    def register_local_var(self, var):
+        """Keep ``var``'s gradient local to this rank (divided by the set size when ``scale_local_gradients``)."""
+        if self._agg_helper:
+            self._agg_helper.register_local_var(var)
+        else:
+            self._local_vars.add(var_key(var))
+
+    def _allreduce(self, grads, variables):
+        """Reduce ``grads`` (one per variable, None allowed) across the process set; local ones stay local."""
+        grads, variables = list(grads), list(variables)
+        if self._agg_helper:
+            return self._agg_helper.compute_gradients(grads, variables)
+        glob = [i for i, v in enumerate(variables) if var_key(v) not in self._local_vars]
+        out = list(grads)
+        for i, r in zip(glob, self._allreduce_grads([grads[i] for i in glob], [variables[i] for i in glob])):
+            out[i] = r
+        if self.scale_local_gradients and self._local_vars:
+            n = float(self.process_set.size())
+            for i, (g, v) in enumerate(zip(grads, variables)):
+                if g is not None and var_key(v) in self._local_vars:
+                    out[i] = tf.IndexedSlices(g.values / n, g.indices, g.dense_shape) \
+                        if isinstance(g, tf.IndexedSlices) else g / n
+        return out
+
+
+class _Keras3Distributed(_DistributedBase):
+    """Keras 3: ``apply`` reduces the gradients, then applies them."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._perseus_setup()
+
+    @property
+    def variables(self):
+        return CallableList(super().variables)
+
+    def apply(self, grads, trainable_variables=None):
+        """Reduce ``grads`` across the ranks, then apply them (Keras 3 ``Optimizer.apply``)."""
+        import keras
+        if keras.backend.backend() != "tensorflow":
+            raise NotImplementedError(
+                f"perseus: the Keras DistributedOptimizer supports the TensorFlow backend of Keras 3, not "
+                f"'{keras.backend.backend()}'; use perseus.torch for PyTorch models")
+        grads = list(grads)
+        if not grads:
+            return super().apply(grads, trainable_variables)
+        if trainable_variables is None:
+            variables = list(self._trainable_variables)
+        else:
+            trainable_variables = list(trainable_variables)
+            variables = trainable_variables
+            if not self.built:
+                self.build(variables)
+                self.built = True
+        reduced = self._allreduce(grads, variables)
+        if self._agg_helper is None:
+            return super().apply(reduced, trainable_variables)
+        parent = super()
+
+        def apply_now():
+            parent.apply(reduced, trainable_variables)
+            return tf.constant(True)
+        return self._agg_helper.apply_gradients(apply_now, self)
+
+
+class _Keras2Distributed(_DistributedBase):
+    """tf-keras 2: gradients are reduced where they are computed, as Horovod does."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._perseus_setup()
+
+    def compute_gradients(self, loss, var_list, tape=None):
+        """Compute the gradients of ``loss`` and reduce them across the ranks; a list of (grad, var)."""
+        return self._compute_gradients(loss, var_list, None, tape)
+
+    def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
+        tape = tf.GradientTape() if tape is None else tape
+        parent = super()
+        if hasattr(parent, "_compute_gradients"):
+            grads_and_vars = parent._compute_gradients(loss, var_list, grad_loss, tape=tape)
+        else:
+            grads_and_vars = parent.compute_gradients(loss, var_list, tape=tape)
+        grads, variables = zip(*grads_and_vars)
+        return list(zip(self._allreduce(grads, variables), variables))
+
+    def get_gradients(self, loss, params):
+        """Legacy-optimizer gradients of ``loss``, reduced across the ranks."""
+        return self._allreduce(super().get_gradients(loss, params), params)
+
+    def apply_gradients(self, *args, **kwargs):
+        """Apply (already reduced) gradients; with local aggregation only at the end of a cycle."""
+        if self._agg_helper is None:
+            return super().apply_gradients(*args, **kwargs)
+        if args and not isinstance(args[0], (list, tuple)):
+            args = (list(args[0]),) + tuple(args[1:])
+        parent = super()
+
+        def apply_now():
+            parent.apply_gradients(*args, **kwargs)
+            return tf.constant(True)
+        return self._agg_helper.apply_gradients(apply_now, self)
+
+
+def _variables_is_property(cls) -> bool:
+    for klass in cls.__mro__:
+        if "variables" in klass.__dict__:
+            return isinstance(klass.__dict__["variables"], property)
+    return False
+
+
+def distributed_class(cls, settings: _Settings):
+    """The distributed subclass of optimizer class ``cls`` (same ``__name__`` and ``__module__``)."""
+    if is_keras3_optimizer(cls):
+        mixin = _Keras3Distributed
+        body = {}
+    else:
+        mixin = _Keras2Distributed
+        if _variables_is_property(cls):
+            body = {"variables": property(lambda self: CallableList(super(mixin, self).variables))}
+        else:
+            body = {"variables": property(lambda self: CallableList(super(mixin, self).variables()))}
+    body.update(_perseus=settings, __module__=cls.__module__, __qualname__=cls.__qualname__)
+    return type(cls.__name__, (mixin, cls), body)
+
+
+def create_distributed_optimizer(optimizer, name=None, device_dense='', device_sparse='', compression=None,
+                                 sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average,
+                                 backward_passes_per_step=1, average_aggregated_gradients=False, groups=None,
+                                 process_set=global_process_set, scale_local_gradients=True):
+    """A new optimizer configured like ``optimizer`` whose gradients are reduced across ``process_set``.
+
+    The result is built from ``optimizer.get_config()`` (its slot variables are not copied, as in Horovod).
+    Raises ValueError for an op other than Average/Sum, or ``gradient_predivide_factor`` with Sum.
+    """
+    from perseus.tensorflow.compression import Compression
+    op = check_keras_op(op)
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if groups is not None and not (isinstance(groups, list) or int(groups) > 0):
+        raise ValueError("groups should be a non-negative integer or a list of list of variables.")
+    if backward_passes_per_step < 1:
+        raise ValueError("backward_passes_per_step must be >= 1")
+    settings = _Settings(name, device_dense, device_sparse, compression or Compression.none, sparse_as_dense,
+                         gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients,
+                         groups, process_set, scale_local_gradients)
+    cls = distributed_class(type(optimizer), settings)
+    return cls.from_config(optimizer.get_config())
+
+
+def load_model(keras, wrap_optimizer, optimizer_modules, filepath, custom_optimizers=None, custom_objects=None):
+    """``keras.models.load_model`` whose optimizer comes back wrapped by ``wrap_optimizer(cls)``.
+
+    Every optimizer class found in ``optimizer_modules`` (and ``custom_optimizers``) is registered under its
+    class name and its lower-case name as a distributed subclass, so the saved optimizer configuration is
+    deserialised straight into a DistributedOptimizer.
+    """
+    classes = {}
+    for module in optimizer_modules:
+        for value in vars(module).values():
+            if isinstance(value, type) and hasattr(value, "get_config") and hasattr(value, "from_config") \
+                    and "optimizer" in getattr(value, "__module__", "").lower():
+                classes[value.__name__] = value
+    for cls in custom_optimizers or []:
+        classes[cls.__name__] = cls
+    objects = {}
+    for cls_name, cls in classes.items():
+        try:
+            wrapped = wrap_optimizer(cls)
+        except (TypeError, ValueError):
+            continue
+        objects[cls_name] = wrapped
+        objects[cls_name.lower()] = wrapped
+    objects.update(custom_objects or {})
+    return keras.models.load_model(filepath, custom_objects=objects)

@@ -1,0 +1,66 @@
+"""Elastic training for TensorFlow 2 (Horovod's ``horovod.tensorflow.elastic``).
+
+``TensorFlowKerasState`` keeps a Keras model and optimizer, ``TensorFlowState`` a list of ``tf.Variable``;
+``run`` is the retry loop of :mod:`perseus.common.elastic` (a rank that dies cannot be replaced: perseus has no
+elastic launcher yet). TF1 sessions are not supported.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from perseus.common.elastic import ObjectState, run_fn
+from perseus.common.process_sets import global_process_set
+from perseus._keras.elastic import KerasState as TensorFlowKerasState
+from perseus.tensorflow.functions import broadcast_object, broadcast_variables
+from perseus.tensorflow.mpi_ops import init, rank, shutdown
+
+__all__ = ["TensorFlowKerasState", "TensorFlowState", "run", "ObjectState"]
+
+
+class TensorFlowState(ObjectState):
+    """Elastic state of ``tf.Variable`` objects plus keyword values.
+
+    Args:
+        variables: the variables to keep (required: TF2 has no global variable collection).
+        session: must be None (TF1 sessions are not supported).
+        kwargs: more values to keep, exposed as attributes.
+    """
+
+    def __init__(self, variables=None, session=None, **kwargs):
+        if session is not None:
+            raise NotImplementedError("perseus.tensorflow.elastic.TensorFlowState does not support TF1 sessions")
+        if variables is None:
+            raise ValueError("TensorFlowState needs the list of variables to keep (TF2 has no global "
+                             "variable collection)")
+        self.variables = list(variables)
+        self._values = [tf.identity(v) for v in self.variables]
+        super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
+
+    def save(self):
+        self._values = [tf.identity(v) for v in self.variables]
+        super().save()
+
+    def restore(self):
+        for var, value in zip(self.variables, self._values):
+            var.assign(value)
+        super().restore()
+
+    def sync(self):
+        if self.variables:
+            broadcast_variables(self.variables, root_rank=0)
+        self._values = [tf.identity(v) for v in self.variables]
+        super().sync()
+
+
+def run(func):
+    """Decorator running ``func(state, *args, **kwargs)`` in the elastic retry loop (see
+    :func:`perseus.common.elastic.run_fn`): on ``HorovodInternalError`` every rank restores its last commit,
+    perseus restarts, the state is synced from rank 0 and ``func`` runs again."""
+    return run_fn(func, _reset)
+
+
+def _reset():
+    comm = global_process_set.mpi_comm
+    shutdown()
+    init(comm=comm)

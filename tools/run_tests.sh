@@ -5,6 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN="$(bash tools/setup_env.sh torch,tensorflow,test)"
 export PATH="$BIN:$PATH"
+# tf-keras 2 (for the TF_USE_LEGACY_KERAS=1 tests) matching the installed TensorFlow; --no-deps because its
+# metadata asks for the full "tensorflow" wheel while tensorflow-cpu provides the same module.
+TF_MINOR="$("$BIN/python" -c 'import tensorflow as tf; print(".".join(tf.__version__.split(".")[:2]))' 2>/dev/null)"
+"$BIN/python" -m pip install -q --no-deps "tf-keras==${TF_MINOR}.*"
 MPIRUN=("$BIN/mpirun" --oversubscribe --bind-to none)
 if [ "$(id -u)" = "0" ]; then MPIRUN+=(--allow-run-as-root); fi
 PYTEST=("$BIN/python" -m pytest -p no:cacheprovider --color=no)

@@ -5,7 +5,8 @@ and inside ``tf.function`` (through ``tf.py_function``; XLA ``jit_compile=True``
 differentiable. A cross-rank mismatch raises ``tf.errors.FailedPreconditionError`` on every rank.
 
 ``DistributedOptimizer`` wraps Keras optimizers (perseus.tensorflow.keras); TF1 ``tf.compat.v1.train.Optimizer``
-objects and ``BroadcastGlobalVariablesHook`` (TF1 sessions) are not supported.
+objects and ``BroadcastGlobalVariablesHook`` (TF1 sessions) are not supported. ``SyncBatchNormalization`` is a
+``tf.keras`` layer with global batch statistics.
 """
 
 import tensorflow as tf
@@ -19,6 +20,7 @@ from perseus.tensorflow.functions import (allgather_object, broadcast_global_var
                                          broadcast_object_fn, broadcast_variables)
 from perseus.tensorflow.gradient_tape import (DistributedGradientTape, PartialDistributedGradientTape,
                                               _make_allreduce_grads_fn, split_list)
+from perseus.tensorflow.sync_batch_norm import SyncBatchNormalization
 from perseus.tensorflow.mpi_ops import (
     Adasum, Average, Max, Min, Product, ProcessSet, ReduceOp, Sum, _allreduce, _check_has_gpu, _grouped_allreduce,
     _grouped_reducescatter, _reducescatter, add_process_set, allgather, alltoall, barrier, broadcast, broadcast_,
@@ -42,7 +44,7 @@ __all__ = [
     "allgather_object", "broadcast_global_variables", "DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer",
     "HorovodInternalError", "PerseusInternalError", "PerseusFailedPreconditionError", "PerseusUnknownError",
     "gpu_available", "split_list", "handle_average_backwards_compatibility", "check_num_rank_power_of_2",
-    "mpi_ops", "util", "elastic",
+    "mpi_ops", "util", "elastic", "SyncBatchNormalization",
 ]
 
 

@@ -35,3 +35,12 @@ def test_synthetic_benchmark_reports_throughput():
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert re.search(r"Total img/sec on 2 rank\(s\): [0-9.]+", out), out
+
+
+def test_keras_fit_example_with_callbacks():
+    proc = perseusrun("examples/keras_digits.py", "--epochs", "6")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    accuracy = [float(x) for x in re.findall(r"test accuracy ([0-9.]+)", out)]
+    assert len(accuracy) == 6 and accuracy[-1] > 0.85, out
+    assert "best model saved: True" in out and "weights identical on all 2 ranks: True" in out, out

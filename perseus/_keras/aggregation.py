@@ -12,13 +12,9 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from perseus.tensorflow.util import var_key
+
 __all__ = ["LocalGradientAggregationHelper", "var_key"]
-
-
-def var_key(var):
-    """A hashable key for a TF or Keras variable (``ref()`` where it exists, else the object's identity)."""
-    ref = getattr(var, "ref", None)
-    return ref() if callable(ref) else id(var)
 
 
 class LocalGradientAggregationHelper:

@@ -33,7 +33,7 @@ from perseus.common.basics import state
 from perseus.common.exceptions import MismatchError, PerseusInternalError
 from perseus.engine.messages import DType
 
-__all__ = ["PerseusFailedPreconditionError", "PerseusUnknownError", "engine_dtype", "to_numpy", "from_numpy",
+__all__ = ["PerseusFailedPreconditionError", "PerseusInvalidArgumentError", "PerseusUnknownError", "engine_dtype", "to_numpy", "from_numpy",
            "run", "op_name", "ps_info"]
 
 _log = logging.getLogger("perseus")
@@ -50,6 +50,13 @@ class PerseusFailedPreconditionError(tf.errors.FailedPreconditionError, PerseusI
 
     def __init__(self, message):
         tf.errors.FailedPreconditionError.__init__(self, None, None, message)
+
+
+class PerseusInvalidArgumentError(tf.errors.InvalidArgumentError, ValueError):
+    """A collective's arguments are invalid on this rank (eager mode); also a ValueError."""
+
+    def __init__(self, message):
+        tf.errors.InvalidArgumentError.__init__(self, None, None, message)
 
 
 class PerseusUnknownError(tf.errors.UnknownError, PerseusInternalError):
@@ -180,7 +187,12 @@ def run(fn, inputs, out_dtypes, what: str):
     if tf.executing_eagerly():
         arrays = [to_numpy(t) for t in inputs]
         try:
-            outs = fn(arrays)()
+            wait = fn(arrays)
+        except ValueError as exc:
+            # As in a graph, where TF turns a py_function's ValueError into InvalidArgumentError.
+            raise PerseusInvalidArgumentError(f"{what}: {exc}") from None
+        try:
+            outs = wait()
         except PerseusInternalError as exc:
             if isinstance(exc, tf.errors.OpError):
                 raise

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import cloudpickle
-import numpy as np
 import tensorflow as tf
 
+from perseus.common import objects as _objects
 from perseus.common.process_sets import global_process_set
-from perseus.tensorflow.mpi_ops import _ps_info, allgather, broadcast, broadcast_, rank
+from perseus.tensorflow.mpi_ops import broadcast_
 from perseus.tensorflow.util import _executing_eagerly
 
-__all__ = ["broadcast_variables", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn", "allgather_object"]
+__all__ = ["broadcast_variables", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
+           "allgather_object"]
 
 
 def broadcast_variables(variables, root_rank, process_set=global_process_set, inplace=False):
@@ -40,31 +40,14 @@ def broadcast_global_variables(root_rank):
     return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
 
 
-def _eager_only(session, what):
-    if session is not None or not _executing_eagerly():
-        raise NotImplementedError(f"perseus.tensorflow.{what} runs eagerly (TensorFlow 2); TF1 sessions and "
-                                  "graph mode are not supported")
-
-
 def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=global_process_set):
     """Return the root's ``obj`` on every rank of ``process_set`` (serialised with cloudpickle).
 
-    ``root_rank`` is a job rank. Collective: every rank of the set calls it; only the root's ``obj`` matters.
+    Runs at once in Python, eagerly or while a graph is being built (``session`` is accepted for
+    compatibility and not needed). ``root_rank`` is a job rank. Collective: every rank of the set calls it;
+    only the root's ``obj`` matters.
     """
-    _eager_only(session, "broadcast_object")
-    name = name or type(obj).__name__
-    if rank() == root_rank:
-        payload = tf.constant(np.frombuffer(cloudpickle.dumps(obj), np.uint8))
-        length = tf.constant([int(payload.shape[0])], tf.int64)
-    else:
-        payload, length = None, tf.zeros([1], tf.int64)
-    length = int(broadcast(length, root_rank, name=f"{name}.sz", process_set=process_set).numpy()[0])
-    if payload is None:
-        payload = tf.zeros([length], tf.uint8)
-    data = broadcast(payload, root_rank, name=f"{name}.t", process_set=process_set)
-    if rank() == root_rank:
-        return obj
-    return cloudpickle.loads(data.numpy().tobytes())
+    return _objects.broadcast_object(obj, root_rank, name, process_set)
 
 
 def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global_process_set):
@@ -79,15 +62,7 @@ def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global
 def allgather_object(obj, session=None, name=None, process_set=global_process_set):
     """Return the list of every rank's ``obj`` (ranks of ``process_set``, in order), via cloudpickle.
 
-    Collective: every rank of the set calls it.
+    Runs at once in Python, in any mode (``session`` is accepted for compatibility). Collective: every rank of
+    the set calls it.
     """
-    _eager_only(session, "allgather_object")
-    name = name or type(obj).__name__
-    data = np.frombuffer(cloudpickle.dumps(obj), np.uint8)
-    sizes = allgather(tf.constant([data.size], tf.int64), name=f"{name}.sz", process_set=process_set).numpy()
-    gathered = allgather(tf.constant(data), name=f"{name}.t", process_set=process_set).numpy().tobytes()
-    out, offset = [], 0
-    for n in sizes.tolist()[:_ps_info(process_set)[1]]:
-        out.append(cloudpickle.loads(gathered[offset:offset + n]))
-        offset += n
-    return out
+    return _objects.allgather_object(obj, name, process_set)

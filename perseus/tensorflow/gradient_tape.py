@@ -16,6 +16,7 @@ from perseus.common.process_sets import global_process_set
 from perseus.common.reduce_ops import Average, ReduceOp
 from perseus.tensorflow._reduce import grouped_allreduce
 from perseus.tensorflow.compression import Compression
+from perseus.tensorflow.util import var_key
 
 __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "_make_allreduce_grads_fn",
            "split_list"]
@@ -52,10 +53,10 @@ def _make_allreduce_grads_fn(name, device_dense, device_sparse, compression, spa
         if isinstance(groups, list):
             if variables is None:
                 raise ValueError("groups given as lists of variables need the variables of the gradients")
-            where = {variables[i].ref(): i for i in present}
+            where = {var_key(variables[i]): i for i in present}
             parts = []
             for group in groups:
-                part = [where.pop(v.ref()) for v in group if v.ref() in where]
+                part = [where.pop(var_key(v)) for v in group if var_key(v) in where]
                 if part:
                     parts.append(sorted(part))
             parts.extend([i] for i in sorted(where.values()))
@@ -89,7 +90,7 @@ class _DistributedGradientTape:
     def register_local_source(self, source):
         """Exclude ``source`` from the reduction: its gradient stays local (divided by the set size when
         ``scale_local_gradients``)."""
-        self._local_sources.add(source.ref())
+        self._local_sources.add(var_key(source))
 
     def gradient(self, target, sources, output_gradients=None, use_generic_names=False,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
@@ -97,7 +98,7 @@ class _DistributedGradientTape:
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients=unconnected_gradients)
         flat_sources = tf.nest.flatten(sources)
         flat_grads = tf.nest.flatten(grads)
-        global_idx = [i for i, s in enumerate(flat_sources) if s.ref() not in self._local_sources]
+        global_idx = [i for i, s in enumerate(flat_sources) if var_key(s) not in self._local_sources]
         reduced = self._allreduce_grads([flat_grads[i] for i in global_idx], [flat_sources[i] for i in global_idx],
                                         use_generic_names)
         out = list(flat_grads)
@@ -107,7 +108,7 @@ class _DistributedGradientTape:
             n = float(self._process_set.size())
             for i, s in enumerate(flat_sources):
                 g = out[i]
-                if s.ref() in self._local_sources and g is not None:
+                if var_key(s) in self._local_sources and g is not None:
                     out[i] = tf.IndexedSlices(g.values / n, g.indices, g.dense_shape) \
                         if isinstance(g, tf.IndexedSlices) else g / n
         return tf.nest.pack_sequence_as(sources, out)
@@ -117,7 +118,7 @@ class _DistributedGradientTape:
         grads = self.gradient(target, sources, output_gradients, use_generic_names)
         local, glob = [], []
         for s, g in zip(sources, grads):
-            (local if s.ref() in self._local_sources else glob).append((s, g))
+            (local if var_key(s) in self._local_sources else glob).append((s, g))
         return local, glob
 
 

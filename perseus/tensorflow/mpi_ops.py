@@ -303,8 +303,13 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     updated = []
     for var, out in zip(variables, outs):
         out.set_shape(var.shape)
-        var.assign(out)
-        updated.append(var.read_value() if not _executing_eagerly() else tf.convert_to_tensor(var))
+        if _executing_eagerly():
+            var.assign(out)
+            updated.append(tf.convert_to_tensor(var))
+        else:
+            # In a TF1 graph nothing orders a read after an assignment unless it is told to.
+            with tf.control_dependencies([var.assign(out)]):
+                updated.append(var.read_value())
     return updated
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-__all__ = ["_executing_eagerly", "_make_subgraph", "_cache", "vars_to_refs", "refs_to_vars"]
+__all__ = ["_executing_eagerly", "_make_subgraph", "_cache", "vars_to_refs", "refs_to_vars", "var_key"]
 
 
 def _executing_eagerly():
@@ -43,3 +43,10 @@ def refs_to_vars(refs):
     if isinstance(refs, tuple):
         return [refs_to_vars(r) for r in refs]
     return refs.deref()
+
+
+def var_key(var):
+    """A hashable key for a tf.Variable, tensor or Keras 3 variable (``ref()`` where it exists, else the
+    object's identity: Keras 3 variables have no ``ref``)."""
+    ref = getattr(var, "ref", None)
+    return ref() if callable(ref) else id(var)

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import io
 
-import cloudpickle
 import torch
 
-from perseus.common.basics import state
+from perseus.common import objects as _objects
 
 from perseus.common.process_sets import global_process_set
-from perseus.torch.mpi_ops import allgather, broadcast_, broadcast_async_, synchronize
+from perseus.torch.mpi_ops import broadcast_, broadcast_async_, synchronize
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object"]
 
@@ -123,22 +121,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
 
     Collective: every rank of ``process_set`` calls it; only the root's ``obj`` matters.
     """
-    name = name or type(obj).__name__
-    me = state().rank()
-    if me == root_rank:
-        buf = io.BytesIO()
-        cloudpickle.dump(obj, buf)
-        payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-        length = torch.tensor([payload.numel()], dtype=torch.int64)
-    else:
-        payload, length = None, torch.zeros(1, dtype=torch.int64)
-    broadcast_(length, root_rank, name=f"{name}.sz", process_set=process_set)
-    if payload is None:
-        payload = torch.empty(int(length.item()), dtype=torch.uint8)
-    broadcast_(payload, root_rank, name=f"{name}.t", process_set=process_set)
-    if me == root_rank:
-        return obj
-    return cloudpickle.loads(payload.numpy().tobytes())
+    return _objects.broadcast_object(obj, root_rank, name, process_set)
 
 
 def allgather_object(obj, name=None):
@@ -146,14 +129,5 @@ def allgather_object(obj, name=None):
 
     Collective: every rank calls it.
     """
-    name = name or type(obj).__name__
-    data = cloudpickle.dumps(obj)
-    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    sizes = allgather(torch.tensor([len(data)], dtype=torch.int64), name=f"{name}.sz")
-    gathered = allgather(payload, name=f"{name}.t").numpy().tobytes()
-    out, offset = [], 0
-    for n in sizes.tolist():
-        out.append(cloudpickle.loads(gathered[offset:offset + n]))
-        offset += n
-    return out
+    return _objects.allgather_object(obj, name)
 

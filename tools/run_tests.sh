@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set everything up and run every test: unit and integration tests in one process, then the MPI suite
-# under mpirun at 2 and 3 ranks. Every test has a timeout; a failing rank aborts its MPI job.
+# under mpirun at 2 and 3 ranks, then the MXNet suite in its own environment (tools/run_mxnet_tests.sh).
+# Every test has a timeout; a failing rank aborts its MPI job.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN="$(bash tools/setup_env.sh torch,tensorflow,test)"
@@ -20,4 +21,6 @@ for np in 2 3; do
   # Every rank runs every test and prints its own summary line.
   "${MPIRUN[@]}" -np "$np" "${PYTEST[@]}" -q tests/mpi || status=1
 done
+echo "== perseus.mxnet (MXNet 1.9.1 in its own environment, .venv-mxnet)"
+bash tools/run_mxnet_tests.sh || status=1
 exit $status

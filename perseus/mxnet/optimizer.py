@@ -1,0 +1,243 @@
+"""Data-parallel training for MXNet: DistributedOptimizer (any mx.optimizer.Optimizer) and DistributedTrainer
+(a gluon.Trainer). Both average every gradient over the ranks of their process set before the update.
+
+Averaging: each gradient is multiplied by ``1 / gradient_predivide_factor`` before the sum and by
+``gradient_predivide_factor / set size`` after it, so the update uses the mean gradient whatever the factor
+(a factor above 1 keeps float16 sums from overflowing). With ``Trainer.step(batch_size)`` and the per-rank
+batch size, N ranks therefore train exactly like one process on the global batch.
+
+Gradients are handed to the engine as MXNet finishes computing them: the requests are submitted from the
+last parameter to the first (the order backward produces them) and awaited together, so the reduction of
+late layers overlaps the backward pass of early ones.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+
+import mxnet as mx
+import numpy as np
+
+from perseus.common.process_sets import global_process_set
+from perseus.common.reduce_ops import Average
+from perseus.common.util import split_list
+from perseus.mxnet.compression import Compression
+from perseus.mxnet.mpi_ops import _start_allreduce
+
+__all__ = ["DistributedOptimizer", "DistributedTrainer"]
+
+
+def _check_factor(gradient_predivide_factor) -> float:
+    factor = float(gradient_predivide_factor)
+    if factor <= 0:
+        raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor}")
+    return factor
+
+
+class _GradientAverager:
+    """Submits in-place averaging allreduces of named gradients and waits for them all."""
+
+    def __init__(self, gradient_predivide_factor, num_groups, process_set):
+        self.factor = _check_factor(gradient_predivide_factor)
+        if int(num_groups) < 0:
+            raise ValueError(f"num_groups must be >= 0, got {num_groups}")
+        self.num_groups = int(num_groups)
+        self.process_set = process_set
+
+    def active(self) -> bool:
+        return bool(self.process_set.included()) and self.process_set.size() > 1
+
+    def _start(self, grads, name, priority, what):
+        return _start_allreduce(list(grads), True, Average, name, priority, 1.0 / self.factor, self.factor,
+                                self.process_set, what, len(grads) == 1 and not self.num_groups)
+
+    def reduce(self, names, grads, what: str) -> None:
+        """Average ``grads`` (NDArrays, in parameter order) in place; ``names`` identify them across ranks."""
+        pending = []
+        if self.num_groups > 0:
+            groups = [g for g in zip(split_list(list(names), self.num_groups),
+                                     split_list(list(grads), self.num_groups)) if g[0]]
+            for i in reversed(range(len(groups))):
+                by_dtype = defaultdict(list)
+                for n, g in zip(*groups[i]):
+                    by_dtype[np.dtype(g.dtype)].append((n, g))
+                for entries in by_dtype.values():
+                    ns, gs = zip(*entries)
+                    pending.append(self._start(gs, f"{ns[0]}:{ns[-1]}", -i, what))
+        else:
+            for i in reversed(range(len(grads))):
+                pending.append(self._start([grads[i]], names[i], -i, what))
+        for p in pending:
+            p.wait()
+
+
+class DistributedOptimizer(mx.optimizer.Optimizer):
+    """Wrap ``optimizer`` so that ``update``/``update_multi_precision`` first average the gradients over the
+    ranks of ``process_set`` (in place), then apply the wrapped update.
+
+    Every other attribute and method is the wrapped optimizer's: reading and setting ``lr``,
+    ``rescale_grad``, ``param_dict``... act on it. Use it with ``mx.mod.Module`` or a ``gluon.Trainer`` with
+    ``kvstore=None``; with Gluon, :class:`DistributedTrainer` is the usual choice. Gradients are named by
+    the optimizer's parameter index, so two DistributedOptimizers reducing at the same time need
+    different process sets.
+
+    Args:
+        optimizer: the ``mx.optimizer.Optimizer`` to wrap.
+        gradient_predivide_factor: see the module docstring (must be positive).
+        num_groups: 0 to reduce each gradient on its own; N to reduce the gradients of one update call in N
+            grouped allreduces.
+        process_set: the ranks to average over; ranks outside it update with their local gradients.
+
+    Collective: every rank of the set makes the same updates in the same order.
+    """
+
+    _OWN = ("_optimizer", "_averager")
+
+    def __init__(self, optimizer, gradient_predivide_factor=1.0, num_groups=0, process_set=global_process_set):
+        if not isinstance(optimizer, mx.optimizer.Optimizer):
+            raise TypeError(f"DistributedOptimizer wraps an mx.optimizer.Optimizer, got {type(optimizer).__name__}")
+        object.__setattr__(self, "_optimizer", optimizer)
+        object.__setattr__(self, "_averager", _GradientAverager(gradient_predivide_factor, num_groups,
+                                                                process_set))
+
+    def __getattr__(self, item):
+        if item in DistributedOptimizer._OWN or item.startswith("__"):
+            raise AttributeError(item)
+        return getattr(self._optimizer, item)
+
+    def __setattr__(self, key, value):
+        if key in DistributedOptimizer._OWN:
+            object.__setattr__(self, key, value)
+        else:
+            setattr(self._optimizer, key, value)
+
+    def __getstate__(self):
+        return {"_optimizer": self._optimizer, "_averager": self._averager}
+
+    def __setstate__(self, state):
+        for key, value in state.items():
+            object.__setattr__(self, key, value)
+
+    @property
+    def learning_rate(self):
+        return self._optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value):
+        self._optimizer.learning_rate = value
+
+    def _allreduce(self, index, grad) -> None:
+        averager = self._averager
+        if not averager.active():
+            return
+        if isinstance(index, (list, tuple)):
+            averager.reduce([str(i) for i in index], list(grad), "DistributedOptimizer")
+        else:
+            averager.reduce([str(index)], [grad], "DistributedOptimizer")
+
+    def update(self, index, weight, grad, state):
+        """Average ``grad`` over the process set in place, then apply the wrapped optimizer's update."""
+        self._allreduce(index, grad)
+        self._optimizer.update(index, weight, grad, state)
+
+    def update_multi_precision(self, index, weight, grad, state):
+        """Average ``grad`` in place, then apply the wrapped optimizer's multi-precision update."""
+        self._allreduce(index, grad)
+        self._optimizer.update_multi_precision(index, weight, grad, state)
+
+    # Forwarded explicitly: the base class defines these, so attribute lookup would not reach __getattr__.
+    def create_state(self, index, weight):
+        return self._optimizer.create_state(index, weight)
+
+    def create_state_multi_precision(self, index, weight):
+        return self._optimizer.create_state_multi_precision(index, weight)
+
+    def set_learning_rate(self, lr):
+        self._optimizer.set_learning_rate(lr)
+
+    def set_lr_scale(self, args_lrscale):
+        self._optimizer.set_lr_scale(args_lrscale)
+
+    def set_lr_mult(self, args_lr_mult):
+        self._optimizer.set_lr_mult(args_lr_mult)
+
+    def set_wd_mult(self, args_wd_mult):
+        self._optimizer.set_wd_mult(args_wd_mult)
+
+    def _set_current_context(self, device_id):
+        self._optimizer._set_current_context(device_id)
+
+    def _update_count(self, index):
+        self._optimizer._update_count(index)
+
+    def _get_lrs(self, indices):
+        return self._optimizer._get_lrs(indices)
+
+    def _get_lr(self, index):
+        return self._optimizer._get_lr(index)
+
+    def _get_wds(self, indices):
+        return self._optimizer._get_wds(indices)
+
+    def _get_wd(self, index):
+        return self._optimizer._get_wd(index)
+
+
+class DistributedTrainer(mx.gluon.Trainer):
+    """A ``gluon.Trainer`` that averages gradients over the ranks of ``process_set`` instead of using a
+    kvstore (it is created with ``kvstore=None``).
+
+    Args:
+        params: the parameters (a ParameterDict, dict or list of Parameters).
+        optimizer, optimizer_params: as for ``gluon.Trainer``. A :class:`DistributedOptimizer` is unwrapped
+            (with a warning): the trainer averages the gradients itself.
+        compression: ``Compression.none`` or ``Compression.fp16`` (floating-point gradients travel as
+            float16 and are cast back).
+        gradient_predivide_factor: see the module docstring (must be positive).
+        prefix: prepended to the gradient names; programs with several DistributedTrainers must give each
+            a different prefix.
+        num_groups: 0 to reduce each gradient on its own (still fused by the engine); N to submit them as
+            N grouped allreduces (split by dtype).
+        process_set: the ranks to average over; ranks outside it train on their local gradients.
+
+    Collective: every rank of the set calls ``step``/``allreduce_grads`` with the same parameters. Each
+    parameter must live on one context (one device per process).
+    """
+
+    def __init__(self, params, optimizer, optimizer_params=None, compression=Compression.none,
+                 gradient_predivide_factor=1.0, prefix=None, num_groups=0, process_set=global_process_set):
+        if prefix is not None and not isinstance(prefix, str):
+            raise ValueError(f"DistributedTrainer: prefix must be a string, got {type(prefix).__name__}")
+        if isinstance(optimizer, DistributedOptimizer):
+            optimizer = optimizer._optimizer
+            warnings.warn("DistributedTrainer averages gradients itself; the DistributedOptimizer passed to it "
+                          "has been unwrapped.")
+        averager = _GradientAverager(gradient_predivide_factor, num_groups, process_set)
+        super().__init__(params, optimizer, optimizer_params=optimizer_params, kvstore=None)
+        self._compression = compression
+        self._process_set = process_set
+        self._prefix = prefix or ""
+        self._averager = averager
+
+    def _allreduce_grads(self):
+        if not self._averager.active():
+            return
+        names, grads, originals = [], [], []
+        for i, param in enumerate(self._params):
+            if param.grad_req == "null":
+                continue
+            grad_list = param.list_grad()
+            if len(grad_list) != 1:
+                raise NotImplementedError(f"DistributedTrainer: parameter {param.name} lives on {len(grad_list)} "
+                                          "contexts; perseus.mxnet supports one context per process")
+            compressed, ctx = self._compression.compress(grad_list[0])
+            names.append(self._prefix + str(i))
+            grads.append(compressed)
+            originals.append((grad_list[0], compressed, ctx))
+        if not grads:
+            return
+        self._averager.reduce(names, grads, "DistributedTrainer")
+        for grad, compressed, ctx in originals:
+            if compressed is not grad:
+                grad[:] = self._compression.decompress(compressed, ctx)

@@ -237,3 +237,9 @@ def poll(handle: int) -> bool:
 
 def synchronize(handle: int):
     return handles.synchronize(handle)
+
+
+def on_done(handle: int, callback) -> None:
+    """Call ``callback()`` when ``handle`` has finished (collect the result with synchronize)."""
+    handles.on_done(handle, callback)
+

@@ -131,6 +131,14 @@ KNOBS: tuple[Knob, ...] = (
     Knob("idle_poll_max_ms", ("PERSEUS_IDLE_POLL_MAX_MS",), float, 50.0, unit="ms",
          doc="Longest sleep of an idle engine between checks for control messages from peers (stall probes, "
              "aborts). Only diagnostics wait on it; data never does."),
+    Knob("cache_dir", ("PERSEUS_CACHE_DIR",), str, "",
+         doc="Where perseus keeps what it builds on first use (the TensorFlow await op). Empty: "
+             "$XDG_CACHE_HOME/perseus, else ~/.cache/perseus."),
+    Knob("tf_async_op", ("PERSEUS_TF_ASYNC_OP",), bool, True,
+         doc="Build (once, with the system C++ compiler) and use an asynchronous TensorFlow op that waits for a "
+             "graph-mode collective without holding a TensorFlow thread. Off, or when it cannot be built, the "
+             "wait blocks a thread, and a TF1 session with more concurrent collectives than inter-op threads "
+             "can stall."),
     Knob("autotune", _both("AUTOTUNE"), bool, False,
          doc="Tune fusion and channel settings at run time. Accepted; the tuner is not wired in yet."),
     Knob("autotune_log", _both("AUTOTUNE_LOG"), str, "", doc="CSV log of autotune trials (rank 0)."),

@@ -43,6 +43,26 @@ class HandleTable:
             raise ValueError(f"perseus.poll(): unknown handle {hid!r} (already synchronized, or never issued)")
         return all(h.done() for h in item[0])
 
+    def on_done(self, hid: int, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once every request of ``hid`` has finished (at once if they have; otherwise on
+        the engine thread that finishes the last one). Unknown ``hid``: at once."""
+        with self._lock:
+            item = self._map.get(hid)
+        handles = item[0] if item is not None else []
+        remaining = [len(handles)]
+        lock = threading.Lock()
+
+        def one(_handle):
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                callback()
+        if not handles:
+            callback()
+        for h in handles:
+            h.add_callback(one)
+
     def synchronize(self, hid: int) -> Any:
         """Wait for ``hid`` and return its result; None for an unknown handle (as Horovod does).
 

@@ -3,10 +3,9 @@
 Eager mode: the tensor's buffer is read with ``.numpy()`` (bfloat16 through ``tf.bitcast`` to uint16), the
 collective runs at once and the result is wrapped with ``tf.convert_to_tensor``.
 
-Graph mode (inside ``tf.function`` or a TF1 graph): each collective is two ``tf.py_function`` ops, an
-enqueue op that hands the request to the engine and returns at once, and a wait op that blocks until the
-result is there (see :func:`run`). Enqueue ops run in the same order on every rank (program order in
-tf.function, creation order in a TF1 graph), so no TF thread waits on a peer that cannot submit. A
+Graph mode (inside ``tf.function`` or a TF1 graph): each collective is an enqueue op that hands the request
+to the engine and returns at once, and a wait op (see :func:`run` for why no TF thread ends up waiting on a
+peer that cannot submit). A
 collective that fails because ranks disagree (shape, dtype, op, root) makes the py_function return a failure
 status, and a guard op then raises ``tf.errors.FailedPreconditionError`` (the full message is logged by the
 ``perseus`` logger, since the graph error can only carry a fixed text). Other failures (stall, failed peer,
@@ -24,17 +23,20 @@ from __future__ import annotations
 import itertools
 import logging
 import re
+import threading
 import weakref
 
 import numpy as np
 import tensorflow as tf
 
+from perseus.common import collectives as _c
 from perseus.common.basics import state
 from perseus.common.exceptions import MismatchError, PerseusInternalError
 from perseus.engine.messages import DType
+from perseus.tensorflow import _await
 
 __all__ = ["PerseusFailedPreconditionError", "PerseusInvalidArgumentError", "PerseusUnknownError", "engine_dtype", "to_numpy", "from_numpy",
-           "run", "op_name", "ps_info"]
+           "run", "op_name", "ps_info", "Pending"]
 
 _log = logging.getLogger("perseus")
 
@@ -122,18 +124,27 @@ def _normalize(name: str) -> str:
     return re.sub(r"[^a-zA-Z0-9_]", "_", name)
 
 
+def _tensor_label(tensor, graph):
+    """The normalised name of ``tensor``, or None when it is a capture of an outside tensor."""
+    if any(tensor is c for c in getattr(graph, "internal_captures", ())):
+        return None
+    return _normalize(tensor.name)
+
+
 def op_name(kind: str, name, tensors, ignore_name_scope: bool = False):
     """The request name: ``name`` itself eagerly; in a graph a deterministic, graph-unique name."""
     if tf.executing_eagerly():
         return name
+    graph = tf.compat.v1.get_default_graph()
     if name is None:
-        first, last = tensors[0].name, tensors[-1].name
-        name = f"{kind}_{_normalize(first)}" if len(tensors) == 1 else f"{kind}_{_normalize(first)}_{_normalize(last)}"
+        labels = [_tensor_label(t, graph) for t in (tensors[:1] if len(tensors) == 1 else [tensors[0], tensors[-1]])]
+        # A tensor captured from outside a tf.function is named after a global counter that differs between
+        # ranks: such requests are numbered within the graph instead.
+        name = f"{kind}_captured" if None in labels else "_".join([kind] + labels)
     if not ignore_name_scope:
         scope = tf.get_current_name_scope()
         if scope:
             name = f"{scope}/{name}"
-    graph = tf.compat.v1.get_default_graph()
     used = _graph_names.setdefault(graph, {})
     n = used.get(name, 0)
     used[name] = n + 1
@@ -154,45 +165,74 @@ def _guard(outputs, status, what: str):
         return [tf.identity(o) for o in outputs]
 
 
+class Pending:
+    """Submitted requests (handle-table ids) and how to turn their results into the op's outputs."""
+
+    __slots__ = ("handles", "combine")
+
+    def __init__(self, handles, combine=None):
+        self.handles = list(handles)
+        self.combine = combine if combine is not None else (lambda results: results[0])
+
+    def on_done(self, callback):
+        """Call ``callback()`` once every request has finished."""
+        remaining = [len(self.handles)]
+        lock = threading.Lock()
+
+        def one():
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                callback()
+        if not self.handles:
+            callback()
+        for h in self.handles:
+            _c.on_done(h, one)
+
+    def wait(self):
+        return self.combine([_c.synchronize(h) for h in self.handles])
+
+
+class _Failed:
+    """A submission that failed at once: done, and raises on wait."""
+
+    def __init__(self, exc):
+        self.exc = exc
+
+    def on_done(self, callback):
+        callback()
+
+    def wait(self):
+        raise self.exc
+
+
 _pending: dict = {}
 _next_id = itertools.count(1)
-_last_enqueue: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _chain(graph):
-    """Control inputs that order this enqueue op after the previous one of the same TF1 graph.
-
-    Inside tf.function, automatic control dependencies already run stateful ops in program order. A TF1
-    graph has no such ordering: ranks could start different collectives first and every inter-op thread
-    could end up waiting, so perseus orders its enqueue ops by creation (identical on every rank). Only the
-    enqueues are ordered; the waits float, so collectives still fuse and overlap.
-    """
-    if getattr(graph, "building_function", False):
-        return []
-    last = _last_enqueue.get(graph)
-    if last is None:
-        return []
-    context = graph._get_control_flow_context()  # noqa: SLF001 - ops in different frames cannot be chained
-    return [last] if last._get_control_flow_context() is context else []  # noqa: SLF001
 
 
 def run(fn, inputs, out_dtypes, what: str):
     """Run a collective on ``inputs``; return tensors of ``out_dtypes``.
 
-    ``fn(list of arrays)`` submits the request and returns ``wait() -> list of arrays``. Eagerly both happen
-    now. In a graph they become two py_function ops: an enqueue op that submits and returns a request id at
-    once, and a wait op that blocks until the result is there, so a blocked TF thread never holds up the
-    submission of the other collectives the peers are waiting for (see :func:`_chain`).
+    ``fn(list of arrays)`` submits the request and returns a :class:`Pending`. Eagerly it is waited for at
+    once. In a graph the collective is three ops: an enqueue op (a py_function that submits and outputs a
+    request key at once), the asynchronous PerseusAwait op (:mod:`perseus.tensorflow._await`), which completes
+    when the engine has finished without holding a TensorFlow thread meanwhile, and a finish op (a
+    py_function that collects the result). Since no thread waits, TensorFlow can always run the enqueue ops
+    the peers are waiting for, in any order, in tf.function and in TF1 sessions alike. Without the await op
+    (it could not be built) the finish op blocks instead; inside tf.function that is still safe (automatic
+    control dependencies run the stateful ops in program order on every rank), in a TF1 session with more
+    concurrent collectives than inter-op threads it can stall.
     """
     if tf.executing_eagerly():
         arrays = [to_numpy(t) for t in inputs]
         try:
-            wait = fn(arrays)
+            pending = fn(arrays)
         except ValueError as exc:
             # As in a graph, where TF turns a py_function's ValueError into InvalidArgumentError.
             raise PerseusInvalidArgumentError(f"{what}: {exc}") from None
         try:
-            outs = wait()
+            outs = pending.wait()
         except PerseusInternalError as exc:
             if isinstance(exc, tf.errors.OpError):
                 raise
@@ -200,22 +240,25 @@ def run(fn, inputs, out_dtypes, what: str):
         return [from_numpy(o, d) for o, d in zip(outs, out_dtypes)]
     _check_no_xla()
     label = _normalize(what)[:200]
+    awaiter = _await.load()
 
     def enqueue(*tensors):
         arrays = [to_numpy(t) for t in tensors]
         key = next(_next_id)
         try:
-            wait = fn(arrays)
+            pending = fn(arrays)
         except PerseusInternalError as exc:
-            wait = _raiser(exc)
-        # The eager input tensors are kept until the wait: they own the buffers the engine reads.
-        _pending[key] = (wait, tensors)
+            pending = _Failed(exc)
+        # The eager input tensors are kept until the finish op: they own the buffers the engine reads.
+        _pending[key] = (pending, tensors)
+        if awaiter is not None:
+            pending.on_done(lambda: awaiter[1](key))
         return tf.constant(key, tf.int64)
 
     def finish(key):
-        wait, _inputs = _pending.pop(int(key.numpy()))
+        pending, _inputs = _pending.pop(int(key.numpy()))
         try:
-            outs = wait()
+            outs = pending.wait()
         except PerseusInternalError as exc:
             if not _is_mismatch(exc):
                 raise RuntimeError(f"{what}: {exc}") from None
@@ -223,15 +266,8 @@ def run(fn, inputs, out_dtypes, what: str):
             return [tf.zeros([0], d) for d in out_dtypes] + [tf.constant(1, tf.int32)]
         return [from_numpy(o, d) for o, d in zip(outs, out_dtypes)] + [tf.constant(0, tf.int32)]
 
-    graph = tf.compat.v1.get_default_graph()
-    with tf.control_dependencies(_chain(graph)):
-        key = tf.py_function(enqueue, list(inputs), tf.int64, name=f"{label}_enqueue")
-    _last_enqueue[graph] = key.op
+    key = tf.py_function(enqueue, list(inputs), tf.int64, name=f"{label}_enqueue")
+    if awaiter is not None:
+        key = awaiter[0].perseus_await(key, name=f"{label}_await")
     results = tf.py_function(finish, [key], list(out_dtypes) + [tf.int32], name=label)
     return _guard(results[:-1], results[-1], what)
-
-
-def _raiser(exc):
-    def wait():
-        raise exc
-    return wait

@@ -161,7 +161,7 @@ def _grouped_allreduce(tensors, name=None, op=Sum, prescale_factor=1.0, postscal
             else:
                 h = _c.grouped_allreduce_async(arrays, outs, req, op, pre, post, process_set, dtypes=dts,
                                                finish=lambda r: outs)
-            return lambda: _c.synchronize(h)
+            return _core.Pending([h])
 
         ys = _core.run(fn, list(xs), [x.dtype for x in xs], f"perseus.allreduce({req or 'noname'})")
         for y, x in zip(ys, xs):
@@ -215,7 +215,7 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=g
                 h = _c.allgather_async(arrays[0], allocs[0], req, process_set, dtype=dts[0], finish=finish)
             else:
                 h = _c.grouped_allgather_async(arrays, allocs, req, process_set, dtypes=dts, finish=finish)
-            return lambda: _c.synchronize(h)
+            return _core.Pending([h])
 
         ys = _core.run(fn, list(xs), [x.dtype for x in xs], f"perseus.allgather({req or 'noname'})")
         for y, x in zip(ys, xs):
@@ -250,11 +250,7 @@ def _broadcast_arrays(arrays, dts, root_rank, names, process_set):
     hs = [_c.broadcast_async(a, o, root_rank, n, process_set, dtype=d, finish=lambda r: None)
           for a, o, d, n in zip(arrays, outs, dts, names)]
 
-    def wait():
-        for h in hs:
-            _c.synchronize(h)
-        return outs
-    return wait
+    return _core.Pending(hs, lambda results: outs)
 
 
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=global_process_set):
@@ -335,7 +331,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
             sp = arrays[1].astype(np.int64) if arrays[1].size else None
             h = _c.alltoall_async(arrays[0], sp, alloc, req, process_set, dtype=dt,
                                   finish=lambda r: [holder[0], r[0].received_splits.astype(np.int32)])
-            return lambda: _c.synchronize(h)
+            return _core.Pending([h])
 
         y, received = _core.run(fn, [x, splits_t], [x.dtype, tf.int32], f"perseus.alltoall({req or 'noname'})")
         y.set_shape(_rows(x.shape) if x.shape.rank != 0 else tf.TensorShape([None]))
@@ -373,7 +369,7 @@ def _grouped_reducescatter(tensors, name=None, op=Sum, ignore_name_scope=False, 
             allocs, holders = _output_allocators(arrays)
             h = _c.grouped_reducescatter_async(arrays, allocs, req, op, process_set, pre, post, dtypes=dts,
                                                finish=lambda r: [h[0] for h in holders], _single=_single)
-            return lambda: _c.synchronize(h)
+            return _core.Pending([h])
 
         ys = _core.run(fn, list(xs), [x.dtype for x in xs], f"perseus.reducescatter({req or 'noname'})")
         for y, x in zip(ys, xs):

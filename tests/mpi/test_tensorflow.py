@@ -408,3 +408,28 @@ def test_distributed_gradient_tape_groups_and_predivide():
         factor = np.mean([r + 1.0 for r in ranks()]) * (hvd.size() if kwargs.get("op") == hvd.Sum else 1)
         for i, g in enumerate(grads):
             np.testing.assert_allclose(g.numpy(), np.full(3, 2.0 * (i + 1) * factor), rtol=1e-6)
+
+
+def test_tf1_session_runs_more_collectives_than_threads():
+    """A TF1 graph whose one session.run holds many independent collectives, on a single inter-op thread: the
+    asynchronous await op must keep the thread free for the enqueues the peers wait for (a blocking wait
+    would stall here)."""
+    import shutil
+
+    from perseus.tensorflow import _await
+    if shutil.which("g++") is None:
+        pytest.skip("no C++ compiler: the await op cannot be built here")
+    assert _await.load() is not None
+    r, n = hvd.rank(), hvd.size()
+    graph = tf.Graph()
+    with graph.as_default():
+        outs = [hvd.allreduce(tf.fill([3 + i], float(r + i)), op=hvd.Sum) for i in range(12)]
+        gathered = [hvd.allgather(tf.fill([1 + (r + i) % 2, 2], float(i))) for i in range(6)]
+        config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1, intra_op_parallelism_threads=1)
+        with tf.compat.v1.Session(graph=graph, config=config) as sess:
+            for _ in range(2):
+                values, gathers = sess.run([outs, gathered])
+    for i, v in enumerate(values):
+        np.testing.assert_allclose(v, np.full(3 + i, sum(k + i for k in range(n))))
+    for i, g in enumerate(gathers):
+        assert g.shape == (sum(1 + (k + i) % 2 for k in range(n)), 2)

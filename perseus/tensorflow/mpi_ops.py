@@ -278,17 +278,19 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
 
 
 def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
-    """Overwrite each of ``variables`` (a tf.Variable or a list of them) with the root's values, in place.
+    """Overwrite each of ``variables`` (a tf.Variable or Keras variable, or a list of them) with the root's
+    values, in place.
 
     Returns the updated values (a list). Collective: every rank passes variables of the same shapes and
     dtypes, in the same order.
     """
-    single = isinstance(variables, tf.Variable)
+    single = _is_variable(variables)
     variables = [variables] if single else list(variables)
     if not variables:
         return []
-    if not all(isinstance(v, tf.Variable) for v in variables):
-        raise TypeError("perseus.broadcast_: expected tf.Variable objects; use broadcast() for tensors")
+    if not all(_is_variable(v) for v in variables):
+        raise TypeError("perseus.broadcast_: expected tf.Variable or Keras variable objects; use broadcast() "
+                        "for tensors")
     values = [tf.convert_to_tensor(v) for v in variables]
     dts = [_dtype(v) for v in values]
     _ps_info(process_set)
@@ -307,6 +309,12 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
             with tf.control_dependencies([var.assign(out)]):
                 updated.append(var.read_value())
     return updated
+
+
+def _is_variable(v) -> bool:
+    """tf.Variable, or a Keras 3 variable (no tf.Variable subclass, but assignable and convertible)."""
+    return isinstance(v, tf.Variable) or (hasattr(v, "assign") and hasattr(v, "dtype") and hasattr(v, "shape")
+                                          and not isinstance(v, (list, tuple)))
 
 
 # -- alltoall ------------------------------------------------------------------------------------------------

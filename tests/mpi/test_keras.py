@@ -276,3 +276,10 @@ def test_mismatched_models_fail_on_every_rank():
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     # The engine is still usable afterwards.
     np.testing.assert_allclose(hvd.allreduce(np.ones(2), op=hvd.Sum), np.full(2, N))
+
+
+def test_broadcast_variables_accepts_keras_variables():
+    import perseus.tensorflow as hvd_tf
+    model = make_model(seed=30 + R)
+    hvd_tf.broadcast_variables(model.variables, root_rank=0)
+    np.testing.assert_array_equal(flat(model), flat(make_model(seed=30)))

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up .venv-mxnet (MXNet 1.9.1, NumPy < 1.24) and run the perseus.mxnet tests under mpirun at 2 and 3
-# ranks, then the Gluon digits example on 2 ranks. Every test has a timeout; a failing rank aborts its MPI
-# job; every mpirun is bounded by `timeout`. Exits non-zero if anything failed.
+# ranks, then the Gluon digits example on 2 ranks, then the perseus-convert MXNet rules and the MXNet corpus
+# script. Every test has a timeout; a failing rank aborts its MPI job; every mpirun is bounded by `timeout`.
+# Exits non-zero if anything failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN="$(bash tools/setup_mxnet_env.sh)"
@@ -38,4 +39,9 @@ else
   status=1
 fi
 rm -f "$log"
+echo "== perseus-convert: the MXNet Gluon corpus script, converted and run on 2 ranks"
+# The converter (libcst) runs in .venv-mxnet too; the test compares 2 ranks with the unconverted script run
+# alone on the global batch, and needs identical parameters on both ranks.
+timeout 300 "${PYTEST[@]}" -q tests/unit/test_convert_mxnet_rules.py \
+  "tests/integration/test_convert_corpus.py::test_converted_script_trains_on_two_ranks[mxnet_gluon.py]" || status=1
 exit $status

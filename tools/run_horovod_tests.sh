@@ -2,9 +2,11 @@
 # Run Horovod's own test files against perseus through the import alias (never commit Horovod's tests).
 #
 #   bash tools/run_horovod_tests.sh /path/to/horovod-checkout [test_torch.py ...]
+#   TF_USE_LEGACY_KERAS=1 bash tools/run_horovod_tests.sh /path/to/horovod-checkout test_tensorflow2_keras.py
 #
 # A checkout comes from `git clone https://github.com/horovod/horovod` (tests in test/parallel, helpers in
-# test/utils). Each file runs under mpirun with 2 ranks; results go to docs/compatibility.md by hand.
+# test/utils). Each file runs under mpirun with 2 ranks; test_mxnet*.py files run from .venv-mxnet. With
+# TF_USE_LEGACY_KERAS=1, tf-keras 2 is installed and used as tf.keras. Results go to docs/compatibility.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$(pwd)"
@@ -12,13 +14,25 @@ HVD="${1:?usage: $0 /path/to/horovod-checkout [test files]}"
 shift
 FILES=("$@")
 [ ${#FILES[@]} -gt 0 ] || FILES=(test_torch.py)
-BIN="$(bash tools/setup_env.sh)"
-"$BIN/python" -m pip install -q mock
-MPIRUN=("$BIN/mpirun" --oversubscribe --bind-to none -np 2)
-if [ "$(id -u)" = "0" ]; then MPIRUN+=(--allow-run-as-root); fi
+MAIN_BIN="$(bash tools/setup_env.sh torch,tensorflow,test)"
+"$MAIN_BIN/python" -m pip install -q mock parameterized
+if [ "${TF_USE_LEGACY_KERAS:-0}" = "1" ]; then
+  TF_MINOR="$("$MAIN_BIN/python" -c 'import tensorflow as tf; print(".".join(tf.__version__.split(".")[:2]))')"
+  "$MAIN_BIN/python" -m pip install -q --no-deps "tf-keras==${TF_MINOR}.*"
+fi
 cd "$HVD/test/parallel"
 for f in "${FILES[@]}"; do
+  BIN="$MAIN_BIN"
+  if [[ "$f" == test_mxnet* ]]; then
+    BIN="$(cd "$ROOT" && bash tools/setup_mxnet_env.sh)"
+    "$BIN/python" -m pip install -q mock parameterized
+  fi
+  MPIRUN=("$BIN/mpirun" --oversubscribe --bind-to none -np 2 -x PYTHONPATH -x TF_USE_LEGACY_KERAS
+          -x PERSEUS_STALL_SHUTDOWN_TIME_SECONDS)
+  if [ "$(id -u)" = "0" ]; then MPIRUN+=(--allow-run-as-root); fi
   echo "== $f"
-  PYTHONPATH="$HVD/test/utils:$ROOT" "${MPIRUN[@]}" -x PYTHONPATH "$BIN/python" -m pytest \
+  # A short stall shutdown: a test that leaves ranks diverged fails in 30 s instead of holding the file.
+  TF_USE_LEGACY_KERAS="${TF_USE_LEGACY_KERAS:-0}" PERSEUS_STALL_SHUTDOWN_TIME_SECONDS=30 \
+    PYTHONPATH="$HVD/test/utils:$ROOT" timeout 3600 "${MPIRUN[@]}" "$BIN/python" -m pytest \
     -p perseus.compat.horovod_alias -p no:cacheprovider --color=no -q -rs --timeout 120 "$f" || true
 done

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Run every benchmark side by side on 2 ranks and print the figures that go into docs/benchmarks.md.
 #
-#   bash benchmarks/run_benchmarks.sh [HOROVOD_VENV]
+#   bash benchmarks/run_benchmarks.sh [HOROVOD_VENV [HOROVOD_TF_VENV]]
 #
 # Uses the project's .venv (tools/setup_env.sh). With HOROVOD_VENV (see tools/install_horovod_baseline.sh),
-# Horovod 0.28.1 is measured too, in separate jobs (it cannot share a process with perseus).
+# Horovod 0.28.1 is measured too, in separate jobs (it cannot share a process with perseus). The TensorFlow
+# section compares against Horovod from HOROVOD_TF_VENV (tools/install_horovod_tf_baseline.sh; default:
+# HOROVOD_VENV) when horovod.tensorflow imports there, and measures perseus alone otherwise.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BIN="$(bash tools/setup_env.sh)"
+BIN="$(bash tools/setup_env.sh torch,tensorflow,test)"
 HVD="${1:-}"
+HVD_TF="${2:-$HVD}"
 OUT=benchmarks/results
 mkdir -p "$OUT"
 STAMP=$(date +%Y%m%d-%H%M%S)
@@ -36,6 +39,22 @@ run "$BIN" examples/pytorch_synthetic_benchmark.py | grep -E "Model|Total"
 if [ -n "$HVD" ]; then
   run "$HVD/bin" examples/pytorch_synthetic_benchmark.py --library horovod | grep -E "Model|Total"
 fi
+echo "== TensorFlow 2 synthetic ResNet-18 training throughput (benchmarks/tensorflow2_synthetic_benchmark.py)"
+TFB=benchmarks/tensorflow2_synthetic_benchmark.py
+tf_libs=(perseus)
+if [ -n "$HVD_TF" ] && "$HVD_TF/bin/python" -c "import horovod.tensorflow" 2>/dev/null; then
+  tf_libs+=(horovod)
+else
+  echo "(no Horovod with TensorFlow: perseus only; see tools/install_horovod_tf_baseline.sh)"
+fi
+for round in 1 2 3; do  # libraries interleaved round by round; 1 rank (no communication) for scale
+  "$BIN/python" "$TFB" --json "$J" | grep -E "Model|Total"
+  for lib in "${tf_libs[@]}"; do
+    bin="$BIN"; [ "$lib" = horovod ] && bin="$HVD_TF/bin"
+    run "$bin" "$TFB" --library "$lib" --json "$J" | grep -E "Model|Total"
+  done
+done
+"$BIN/python" "$TFB" --summarize "$J"
 echo "== idle engine: compute loop slowdown (5 alternating trials per library)"
 libs=(none perseus)
 [ -n "$HVD" ] && libs+=(horovod)

@@ -12,7 +12,7 @@ with open(os.path.join(HERE, "perseus", "__init__.py")) as f:
 TORCH = ["torch==2.13.0"]
 EXAMPLES = ["scikit-learn>=1.3"]  # the digits data set ships with it (no download at run time)
 TEST = ["pytest>=8", "pytest-timeout>=2.3"] + EXAMPLES
-TEST += ["libcst>=1.0,<2", "hypothesis>=6.0"]  # perseus-convert tests
+TEST += ["libcst>=1.0,<2", "hypothesis>=6.0", "tqdm>=4"]  # perseus-convert tests (tqdm: a corpus script uses it)
 
 setup(
     name="perseus",

@@ -1,5 +1,8 @@
 """perseus.keras: Horovod's horovod.keras on perseus, for the stand-alone ``keras`` package (Keras 3 with the
 TensorFlow backend). Change ``import horovod.keras as hvd`` to ``import perseus.keras as hvd``.
+
+The functions are those of :mod:`perseus.tensorflow.keras`, except that ``allreduce`` averages by default (as
+Horovod's ``horovod.keras.allreduce``) and ``load_model`` loads with the ``keras`` package.
 """
 
 import keras as _keras
@@ -8,6 +11,10 @@ from perseus.common.process_sets import ProcessSet, add_process_set, global_proc
 from perseus.common.reduce_ops import Adasum, Average, Sum
 from perseus._keras import frontend as _frontend
 from perseus.tensorflow.compression import Compression
+from perseus.tensorflow.keras import (  # noqa: F401 - re-exported
+    DistributedOptimizer, PartialDistributedOptimizer, allgather, broadcast, broadcast_global_variables,
+    reducescatter,
+)
 from perseus.tensorflow.mpi_ops import (  # noqa: F401 - re-exported
     ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init, is_initialized,
     local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
@@ -25,73 +32,12 @@ __all__ = [
 ]
 
 
-def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse='', compression=Compression.none,
-                         sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average,
-                         backward_passes_per_step=1, average_aggregated_gradients=False, num_groups=0,
-                         groups=None, process_set=global_process_set, scale_local_gradients=True):
-    """Wrap a Keras optimizer so that gradients are averaged (or summed) across the ranks before they are
-    applied.
-
-    Returns a new optimizer of a subclass of ``optimizer``'s class with the same name, configured from
-    ``optimizer.get_config()``. ``op`` is Average or Sum (ValueError otherwise). ``compression`` compresses the
-    gradients on the wire; ``sparse_as_dense`` densifies ``tf.IndexedSlices`` gradients (embeddings) before
-    the reduction; ``gradient_predivide_factor`` splits the averaging before/after the sum;
-    ``backward_passes_per_step`` > 1 sums gradients locally and reduces every that many passes (divided by
-    the count when ``average_aggregated_gradients``); ``groups`` splits the reduction into several groups.
-
-    Every rank of ``process_set`` must wrap the same optimizer and train the same model. Keras 3 with the
-    TensorFlow backend, or tf-keras 2; XLA-compiled steps (``jit_compile=True``) raise NotImplementedError.
-    """
-    return _frontend.distributed_optimizer(optimizer, name, device_dense, device_sparse, compression,
-                                           sparse_as_dense, gradient_predivide_factor, op,
-                                           backward_passes_per_step, average_aggregated_gradients, num_groups,
-                                           groups, process_set, scale_local_gradients)
-
-
-def PartialDistributedOptimizer(optimizer, name=None, device_dense='', device_sparse='',
-                                compression=Compression.none, sparse_as_dense=False, gradient_predivide_factor=1.0,
-                                op=Average, backward_passes_per_step=1, average_aggregated_gradients=False,
-                                groups=None, process_set=global_process_set, local_layers=None,
-                                scale_local_gradients=True):
-    """A :func:`DistributedOptimizer` whose ``local_layers`` keep their gradients local to each rank (divided
-    by the number of ranks when ``scale_local_gradients``)."""
-    return _frontend.partial_distributed_optimizer(
-        optimizer, local_layers, name=name, device_dense=device_dense, device_sparse=device_sparse,
-        compression=compression, sparse_as_dense=sparse_as_dense,
-        gradient_predivide_factor=gradient_predivide_factor, op=op,
-        backward_passes_per_step=backward_passes_per_step,
-        average_aggregated_gradients=average_aggregated_gradients, groups=groups, process_set=process_set,
-        scale_local_gradients=scale_local_gradients)
-
-
-def broadcast_global_variables(root_rank):
-    """TF1 graph mode only, as in Horovod: eagerly raises RuntimeError (broadcast the model's variables with
-    ``perseus.tensorflow.broadcast_variables`` or use ``callbacks.BroadcastGlobalVariablesCallback``)."""
-    from perseus.tensorflow.functions import broadcast_global_variables as _bgv
-    return _bgv(root_rank)
-
-
-def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,
+def allreduce(value, name=None, average=True, prescale_factor=1.0, postscale_factor=1.0, op=None,
               compression=Compression.none):
     """Reduce ``value`` (array, tensor or number) across all ranks now (default: average); a NumPy array."""
-    if average is None and op is None:
-        average = True
+    if op is not None:
+        average = None
     return _frontend.value_allreduce(value, name, average, prescale_factor, postscale_factor, op, compression)
-
-
-def allgather(value, name=None):
-    """Concatenate ``value`` from every rank along its first dimension; a NumPy array."""
-    return _frontend.value_allgather(value, name)
-
-
-def broadcast(value, root_rank, name=None):
-    """Rank ``root_rank``'s ``value`` on every rank; a NumPy array."""
-    return _frontend.value_broadcast(value, root_rank, name)
-
-
-def reducescatter(value, name=None, op=Average):
-    """Reduce ``value`` and return this rank's share of its first dimension; a NumPy array."""
-    return _frontend.value_reducescatter(value, name, op)
 
 
 def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none,
@@ -99,6 +45,6 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
     """``keras.models.load_model`` with the saved optimizer re-created as a DistributedOptimizer.
 
     ``custom_optimizers`` lists optimizer classes beyond Keras' own; ``custom_objects`` is passed through.
-    ``legacy_opts`` is accepted for compatibility (legacy optimizers are registered whenever Keras has them).
+    ``legacy_opts`` is accepted for compatibility.
     """
     return _frontend.keras_load_model(_keras, filepath, custom_optimizers, custom_objects, compression)

@@ -40,21 +40,24 @@ if [ -n "$HVD" ]; then
   run "$HVD/bin" examples/pytorch_synthetic_benchmark.py --library horovod | grep -E "Model|Total"
 fi
 echo "== TensorFlow 2 synthetic ResNet-18 training throughput (benchmarks/tensorflow2_synthetic_benchmark.py)"
-TFB=benchmarks/tensorflow2_synthetic_benchmark.py
+TFB=(benchmarks/tensorflow2_synthetic_benchmark.py --num-iters 3 --num-batches-per-iter 4 --num-warmup-batches 2)
 tf_libs=(perseus)
 if [ -n "$HVD_TF" ] && "$HVD_TF/bin/python" -c "import horovod.tensorflow" 2>/dev/null; then
   tf_libs+=(horovod)
 else
   echo "(no Horovod with TensorFlow: perseus only; see tools/install_horovod_tf_baseline.sh)"
 fi
-for round in 1 2 3; do  # libraries interleaved round by round; 1 rank (no communication) for scale
-  "$BIN/python" "$TFB" --json "$J" | grep -E "Model|Total"
-  for lib in "${tf_libs[@]}"; do
-    bin="$BIN"; [ "$lib" = horovod ] && bin="$HVD_TF/bin"
-    run "$bin" "$TFB" --library "$lib" --json "$J" | grep -E "Model|Total"
-  done
+tf_run() {  # tf_run LIBRARY: one 2-rank job
+  local bin="$BIN"; [ "$1" = horovod ] && bin="$HVD_TF/bin"
+  run "$bin" "${TFB[@]}" --library "$1" --json "$J" | grep -E "Model|Total"
+}
+for round in 1 2 3 4 5; do  # 1 rank (no communication) for scale, then the libraries, order alternating
+  "$BIN/python" "${TFB[@]}" --json "$J" | grep -E "Model|Total"
+  order=("${tf_libs[@]}")
+  if [ $((round % 2)) = 0 ] && [ ${#tf_libs[@]} = 2 ]; then order=(horovod perseus); fi
+  for lib in "${order[@]}"; do tf_run "$lib"; done
 done
-"$BIN/python" "$TFB" --summarize "$J"
+"$BIN/python" "${TFB[0]}" --summarize "$J"
 echo "== idle engine: compute loop slowdown (5 alternating trials per library)"
 libs=(none perseus)
 [ -n "$HVD" ] && libs+=(horovod)

@@ -64,8 +64,11 @@ def _build(path: str) -> None:
         os.replace(tmp, path)
 
 
+@tf.autograph.experimental.do_not_convert
 def load():
-    """``(op module, complete(key))`` for the await op, building it on first use; None if unavailable."""
+    """``(op module, complete(key))`` for the await op, building it on first use; None if unavailable.
+
+    Called while a graph is traced; AutoGraph is told to leave it (and what it calls) alone."""
     global _loaded
     with _lock:
         if _loaded is None:
@@ -73,6 +76,7 @@ def load():
         return _loaded or None
 
 
+@tf.autograph.experimental.do_not_convert
 def _try_load():
     if not load_settings().tf_async_op:
         return False

@@ -9,7 +9,6 @@ rank 0 prints the loss, accuracy and throughput. The data ships with scikit-lear
 import argparse
 import time
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

@@ -8,7 +8,6 @@ rank and in total. ``--library horovod`` runs the same script on Horovod, for si
 
 import argparse
 import importlib
-import time
 import timeit
 
 import numpy as np

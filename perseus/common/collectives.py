@@ -239,7 +239,7 @@ def synchronize(handle: int):
     return handles.synchronize(handle)
 
 
-def on_done(handle: int, callback) -> None:
-    """Call ``callback()`` when ``handle`` has finished (collect the result with synchronize)."""
-    handles.on_done(handle, callback)
+def on_done(handle_ids, callback) -> None:
+    """Call ``callback()`` when every handle in ``handle_ids`` has finished (collect results with synchronize)."""
+    handles.on_done(list(handle_ids), callback)
 

@@ -4,7 +4,7 @@ DistributedGradientTape in custom loops, variable broadcast, tf.data sharding, r
 from __future__ import annotations
 
 import re
-from typing import List, Optional
+from typing import Optional
 
 import libcst as cst
 

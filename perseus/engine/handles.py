@@ -43,12 +43,11 @@ class HandleTable:
             raise ValueError(f"perseus.poll(): unknown handle {hid!r} (already synchronized, or never issued)")
         return all(h.done() for h in item[0])
 
-    def on_done(self, hid: int, callback: Callable[[], None]) -> None:
-        """Call ``callback()`` once every request of ``hid`` has finished (at once if they have; otherwise on
-        the engine thread that finishes the last one). Unknown ``hid``: at once."""
+    def on_done(self, hids: list[int], callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once every request of every id in ``hids`` has finished (at once if they have;
+        otherwise on the engine thread that finishes the last one). Unknown ids count as finished."""
         with self._lock:
-            item = self._map.get(hid)
-        handles = item[0] if item is not None else []
+            handles = [h for hid in hids for h in self._map.get(hid, ([], None))[0]]
         remaining = [len(handles)]
         lock = threading.Lock()
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import itertools
 import logging
 import re
-import threading
 import weakref
 
 import numpy as np
@@ -176,19 +175,7 @@ class Pending:
 
     def on_done(self, callback):
         """Call ``callback()`` once every request has finished."""
-        remaining = [len(self.handles)]
-        lock = threading.Lock()
-
-        def one():
-            with lock:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if last:
-                callback()
-        if not self.handles:
-            callback()
-        for h in self.handles:
-            _c.on_done(h, one)
+        _c.on_done(self.handles, callback)
 
     def wait(self):
         return self.combine([_c.synchronize(h) for h in self.handles])

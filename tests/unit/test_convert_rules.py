@@ -1,6 +1,5 @@
 """perseus-convert: every rewrite rule on a small input, compared as exact text."""
 
-import os
 import subprocess
 import sys
 

@@ -6,6 +6,7 @@ produces it, so communication overlaps the rest of backward; ``step()`` waits fo
 
 from __future__ import annotations
 
+import numbers
 import os
 import warnings
 from contextlib import contextmanager
@@ -13,10 +14,10 @@ from contextlib import contextmanager
 import torch
 
 from perseus.common.process_sets import global_process_set
-from perseus.common.reduce_ops import Adasum, Average, ReduceOp
+from perseus.common.reduce_ops import Adasum, Average, ReduceOp, Sum
 from perseus.torch.compression import Compression
-from perseus.torch.mpi_ops import (allreduce_async_, grouped_allreduce_async_, size, sparse_allreduce_async,
-                                   synchronize)
+from perseus.torch.mpi_ops import (allreduce, allreduce_async_, grouped_allreduce_async_, size,
+                                   sparse_allreduce_async, synchronize)
 
 __all__ = ["DistributedOptimizer"]
 
@@ -249,6 +250,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure=None):
+        """One optimizer step with the gradients averaged over the ranks; returns the closure's loss, if any.
+
+        Without ``closure``: waits for the gradients submitted during backward (unless inside
+        ``skip_synchronize()``), then steps.
+
+        With ``closure`` (L-BFGS, or any optimizer given one): the wrapped optimizer may evaluate the closure
+        several times; every evaluation's gradients are averaged over the ranks before the optimizer reads
+        them, and the loss it returns is averaged too (a detached tensor of the same dtype, device and
+        shape, or a float), so every rank sees the same values, takes the same decisions and evaluates the
+        closure the same number of times. Each evaluation is reduced at its end, whatever
+        ``backward_passes_per_step`` says.
+
+        Collective: every rank of the process set calls it, with a closure on every rank or on none.
+        The closure must return a tensor or a number on every rank, or None on every rank.
+
+        Raises:
+            RuntimeError: with a closure, the ranks disagree on whether to evaluate it once more (their
+                optimizers diverged); every rank raises instead of waiting forever.
+            TypeError: the closure returned something other than a tensor, a number or None.
+        """
+        if closure is not None and self._hook_handles and self.process_set.included():
+            return self._step_with_closure(closure)
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
@@ -258,6 +281,52 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self.synchronize()
         self._synchronized = False
         return super(self.__class__, self).step(closure)
+
+    def _step_with_closure(self, closure):
+        """``step(closure)`` across ranks: see :meth:`step`."""
+        if self._handles:  # a backward pass made before step(): finish its reductions before the closure runs
+            self.synchronize()
+
+        def evaluate():
+            self._closure_rendezvous(evaluating=True)
+            loss = closure()
+            self.synchronize()  # the gradients of this evaluation, averaged, before the optimizer reads them
+            return self._average_loss(loss)
+
+        loss = super(self.__class__, self).step(evaluate)
+        self._closure_rendezvous(evaluating=False)
+        self._synchronized = False
+        return loss
+
+    def _closure_rendezvous(self, evaluating):
+        """Every rank says whether it is about to evaluate the closure again (before any gradient is
+        submitted); a disagreement raises on every rank rather than leaving some ranks waiting forever."""
+        flag = torch.tensor([1.0 if evaluating else 0.0], dtype=torch.float64)
+        count = int(allreduce(flag, name="perseus.closure.evaluating", op=Sum, process_set=self.process_set))
+        members = self.process_set.size() or size()
+        if count not in (0, members):
+            raise RuntimeError(
+                f"optimizer.step(closure): {count} of {members} ranks evaluate the closure once more and the "
+                f"others have finished the step; the ranks' optimizers have diverged (this rank "
+                f"{'evaluates again' if evaluating else 'has finished'}). Every rank must compute the same "
+                "parameters: broadcast them from one rank, and give every rank the same data layout and "
+                "number of samples per step.")
+
+    def _average_loss(self, loss):
+        """The closure's loss averaged over the ranks (float64 on the wire), as the same kind of value."""
+        if loss is None:
+            return None
+        if torch.is_tensor(loss):
+            value = loss.detach()
+            mean = allreduce(value.to("cpu", torch.float64), name="perseus.closure.loss", op=Average,
+                             process_set=self.process_set)
+            return mean.to(device=value.device, dtype=value.dtype)
+        if isinstance(loss, numbers.Real):
+            mean = allreduce(torch.tensor([float(loss)], dtype=torch.float64), name="perseus.closure.loss",
+                             op=Average, process_set=self.process_set)
+            return float(mean[0])
+        raise TypeError(f"optimizer.step(closure): the closure returned a {type(loss).__name__}; it must return "
+                        "the loss as a tensor or a number, or None")
 
     def _perseus_local_step(self, closure=None):
         """The wrapped optimizer's own step, with no communication (used to initialise state)."""
@@ -286,6 +355,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
 
     The result is an instance of a subclass of the wrapped optimizer's class, with the same class name,
     the same parameter groups and the same state.
+
+    ``step(closure)`` works too (``torch.optim.LBFGS``, or any optimizer given a closure): each evaluation of
+    the closure gets gradients averaged over the ranks, and the loss it returns is averaged as well, so every
+    rank's optimizer makes the same decisions (L-BFGS's line search, its stopping tests) and evaluates the
+    closure the same number of times; ranks that still disagree raise ``RuntimeError`` rather than hang.
 
     Args:
         optimizer: the torch.optim.Optimizer to wrap.

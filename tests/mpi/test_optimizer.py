@@ -256,3 +256,122 @@ def test_broadcast_and_allgather_object(hvd):
     everyone = hvd.allgather_object(obj, name="agobj")
     assert everyone == [{"rank": r, "payload": list(range(r * 100))} for r in range(size)]
     assert hvd.broadcast_object(None, root_rank=0, name="bnone") is None
+
+
+# -- step(closure): L-BFGS and other optimizers that evaluate the loss themselves ----------------------------
+
+def _closure(model, opt, x, y, counter):
+    def closure():
+        counter.append(1)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+    return closure
+
+
+@pytest.mark.parametrize("line_search", [None, "strong_wolfe"])
+def test_lbfgs_closure_matches_single_process_on_global_batch(hvd, line_search):
+    size, rank = hvd.size(), hvd.rank()
+    torch.manual_seed(6)
+    reference = Net().double()
+    model = copy.deepcopy(reference)
+    make = lambda p: torch.optim.LBFGS(p, lr=0.5, max_iter=6, history_size=4,  # noqa: E731
+                                       line_search_fn=line_search)
+    ref_opt = make(reference.parameters())
+    opt = hvd.DistributedOptimizer(make(model.parameters()),
+                                   named_parameters=[(f"lbfgs.{n}", p) for n, p in model.named_parameters()])
+    for step in range(3):
+        x, y = global_batch(step, size)
+        x = x.double()
+        ref_evals, evals = [], []
+        ref_loss = ref_opt.step(_closure(reference, ref_opt, x, y, ref_evals))
+        lo, hi = rank * 4, (rank + 1) * 4
+        loss = opt.step(_closure(model, opt, x[lo:hi], y[lo:hi], evals))
+        # the returned loss is the first evaluation's, averaged over the ranks: the global batch's loss
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-12)
+        assert loss.dtype == torch.float64 and not loss.requires_grad
+        assert len(evals) == len(ref_evals) > 1, (len(evals), len(ref_evals))
+        assert hvd.allgather_object(len(evals), name=f"lbfgs.evals.{line_search}.{step}") == [len(evals)] * size
+        torch.testing.assert_close(flat(model), flat(reference), rtol=1e-8, atol=1e-10)
+        assert_same_on_all_ranks(hvd, flat(model), f"lbfgs.same.{line_search}.{step}")
+    assert opt.state[opt._params[0]]["func_evals"] == ref_opt.state[ref_opt._params[0]]["func_evals"]
+
+
+def test_sgd_closure_matches_single_process_on_global_batch(hvd):
+    size, rank = hvd.size(), hvd.rank()
+    torch.manual_seed(7)
+    reference = Net()
+    model = copy.deepcopy(reference)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=[(f"sgdc.{n}", p) for n, p in model.named_parameters()])
+    for step in range(4):
+        x, y = global_batch(step, size)
+        ref_evals, evals = [], []
+        ref_loss = ref_opt.step(_closure(reference, ref_opt, x, y, ref_evals))
+        lo, hi = rank * 4, (rank + 1) * 4
+        loss = opt.step(_closure(model, opt, x[lo:hi], y[lo:hi], evals))
+        assert len(evals) == len(ref_evals) == 1
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(flat(model), flat(reference), rtol=1e-4, atol=1e-6)
+        assert_same_on_all_ranks(hvd, flat(model), f"sgdc.same.{step}")
+    # the usual loop (backward, then step without a closure) still works on the same optimizer
+    x, y = global_batch(9, size)
+    opt.zero_grad()
+    F.cross_entropy(model(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4]).backward()
+    opt.step()
+    assert_same_on_all_ranks(hvd, flat(model), "sgdc.after")
+
+
+def test_closure_returning_a_float_or_none(hvd):
+    rank = hvd.rank()
+    model = nn.Linear(3, 1)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=[(f"cf.{n}", p) for n, p in model.named_parameters()])
+
+    def closure_float():
+        opt.zero_grad()
+        loss = model(torch.ones(1, 3) * (rank + 1)).sum()
+        loss.backward()
+        return float(rank)
+
+    def closure_none():
+        opt.zero_grad()
+        model(torch.ones(1, 3)).sum().backward()
+
+    got = opt.step(closure_float)
+    assert isinstance(got, float) and got == pytest.approx((hvd.size() - 1) / 2)
+    assert opt.step(closure_none) is None
+    assert_same_on_all_ranks(hvd, flat(model), "closure.float")
+    with pytest.raises(TypeError, match="closure returned a str"):
+        opt.step(lambda: "loss")
+
+
+def test_diverging_closure_evaluations_raise_on_every_rank(hvd):
+    size, rank = hvd.size(), hvd.rank()
+    if size == 1:
+        pytest.skip("needs several ranks")
+
+    class Uneven(torch.optim.SGD):  # evaluates the closure rank + 1 times: the ranks disagree
+        def step(self, closure=None):
+            loss = None
+            for _ in range(rank + 1):
+                loss = closure()
+            return loss
+
+    model = nn.Linear(3, 1)
+    opt = hvd.DistributedOptimizer(Uneven(model.parameters(), lr=0.1),
+                                   named_parameters=[(f"uneven.{n}", p) for n, p in model.named_parameters()])
+
+    def closure():
+        opt.zero_grad()
+        loss = model(torch.ones(2, 3)).sum()
+        loss.backward()
+        return loss
+
+    with pytest.raises(RuntimeError, match="diverged"):
+        opt.step(closure)
+    # every rank raised at the same rendezvous: the job can still communicate
+    assert hvd.allgather_object(rank, name="uneven.after") == list(range(size))

@@ -9,7 +9,7 @@
 # HOROVOD_VENV) when horovod.tensorflow imports there, and measures perseus alone otherwise.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BIN="$(bash tools/setup_env.sh torch,tensorflow,test)"
+BIN="$(bash tools/setup_env.sh torch,tensorflow-cpu,test)"
 HVD="${1:-}"
 HVD_TF="${2:-$HVD}"
 OUT=benchmarks/results

@@ -14,7 +14,7 @@ HVD="${1:?usage: $0 /path/to/horovod-checkout [test files]}"
 shift
 FILES=("$@")
 [ ${#FILES[@]} -gt 0 ] || FILES=(test_torch.py)
-MAIN_BIN="$(bash tools/setup_env.sh torch,tensorflow,test)"
+MAIN_BIN="$(bash tools/setup_env.sh torch,tensorflow-cpu,test)"
 "$MAIN_BIN/python" -m pip install -q mock parameterized
 if [ "${TF_USE_LEGACY_KERAS:-0}" = "1" ]; then
   TF_MINOR="$("$MAIN_BIN/python" -c 'import tensorflow as tf; print(".".join(tf.__version__.split(".")[:2]))')"

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Set everything up and run every test: unit and integration tests in one process, then the MPI suite
-# under mpirun at 2 and 3 ranks, then the MXNet suite in its own environment (tools/run_mxnet_tests.sh).
+# under mpirun at 2 and 3 ranks, then the wheel as a user installs it (tools/check_wheel.sh), then the MXNet
+# suite in its own environment (tools/run_mxnet_tests.sh).
 # Every test has a timeout; a failing rank aborts its MPI job.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BIN="$(bash tools/setup_env.sh torch,tensorflow,test)"
+BIN="$(bash tools/setup_env.sh torch,tensorflow-cpu,test)"
 export PATH="$BIN:$PATH"
 # tf-keras 2 (for the TF_USE_LEGACY_KERAS=1 tests) matching the installed TensorFlow; --no-deps because its
 # metadata asks for the full "tensorflow" wheel while tensorflow-cpu provides the same module.
 TF_MINOR="$("$BIN/python" -c 'import tensorflow as tf; print(".".join(tf.__version__.split(".")[:2]))' 2>/dev/null)"
-"$BIN/python" -m pip install -q --no-deps "tf-keras==${TF_MINOR}.*"
+"$BIN/python" -m pip install -q --no-deps "tf-keras==${TF_MINOR}.*" -c tools/constraints.txt
 MPIRUN=("$BIN/mpirun" --oversubscribe --bind-to none)
 if [ "$(id -u)" = "0" ]; then MPIRUN+=(--allow-run-as-root); fi
 PYTEST=("$BIN/python" -m pytest -p no:cacheprovider --color=no)
@@ -21,6 +22,8 @@ for np in 2 3; do
   # Every rank runs every test and prints its own summary line.
   "${MPIRUN[@]}" -np "$np" "${PYTEST[@]}" -q tests/mpi || status=1
 done
+echo "== the wheel, installed into a new environment outside the source tree"
+bash tools/check_wheel.sh || status=1
 echo "== perseus.mxnet (MXNet 1.9.1 in its own environment, .venv-mxnet)"
 bash tools/run_mxnet_tests.sh || status=1
 exit $status

@@ -15,9 +15,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV" >&2
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip >&2
-# The extras pin mxnet==1.9.1 and numpy<1.24 (setup.py); "test" brings pytest, pytest-timeout and scikit-learn;
-# "convert" brings libcst, for the perseus-convert MXNet corpus test that tools/run_mxnet_tests.sh runs last.
-"$VENV/bin/python" -m pip install -q -e ".[mxnet,test,convert]" >&2
+# tools/constraints.txt pins mxnet 1.9.1 and the extra asks for numpy<1.24 (setup.py); "test" brings pytest, pytest-timeout and scikit-learn;
+# libcst (a base dependency) serves the perseus-convert MXNet corpus test that tools/run_mxnet_tests.sh runs last.
+"$VENV/bin/python" -m pip install -q -e ".[mxnet,test]" -c tools/constraints.txt >&2
 # Fail here, with pip's words, rather than in the first test, if the environment cannot import MXNet.
 "$VENV/bin/python" -c "import mxnet, numpy, sklearn, libcst; assert mxnet.__version__ == '1.9.1', mxnet.__version__" >&2
 echo "$(cd "$VENV/bin" && pwd)"

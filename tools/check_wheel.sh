@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Check perseus as a user installs it: build a wheel from this checkout, install it (with the torch and
+# examples extras) into a new virtual environment outside the source tree, and from a directory that holds
+# no perseus sources:
+#   - compare the wheel's modules with the repository's (every perseus/**/*.py and the TF await-op source);
+#   - run both console scripts (perseus-convert --help, perseusrun --check-build);
+#   - import every perseus module whose framework is installed there;
+#   - train examples/pytorch_digits.py on 2 ranks with perseusrun.
+# Exits non-zero on the first failure, saying what is missing. Usage: bash tools/check_wheel.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT="$(pwd)"
+PY="${PYTHON:-python3}"
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/perseus-wheel.XXXXXX")"
+trap 'rm -rf "$WORK"' EXIT
+
+echo "-- building the wheel"
+"$PY" -m pip wheel -q --no-deps -w "$WORK/dist" "$ROOT" >/dev/null
+WHEEL="$(ls "$WORK"/dist/perseus-*.whl)"
+
+echo "-- comparing its files with the repository's"
+"$PY" - "$WHEEL" "$ROOT" <<'EOF'
+import os, subprocess, sys, zipfile
+wheel, root = sys.argv[1], sys.argv[2]
+tracked = subprocess.run(["git", "-C", root, "ls-files", "perseus"], capture_output=True, text=True,
+                         check=True).stdout.split()
+wanted = {p for p in tracked if p.endswith((".py", ".cc"))}
+have = set(zipfile.ZipFile(wheel).namelist())
+missing = sorted(wanted - have)
+if missing:
+    sys.exit("the wheel leaves out " + ", ".join(missing) + " (a folder without __init__.py, or package_data)")
+print(f"   {len(wanted)} files, all present")
+EOF
+
+echo "-- installing it into a new virtual environment"
+"$PY" -m venv "$WORK/venv"
+BIN="$WORK/venv/bin"
+"$BIN/python" -m pip install -q --upgrade pip >/dev/null
+"$BIN/python" -m pip install -q "$WHEEL[torch,examples]" -c "$ROOT/tools/constraints.txt"
+
+RUN="$WORK/run"  # no perseus sources here: imports must come from site-packages
+mkdir -p "$RUN"
+cp "$ROOT/examples/pytorch_digits.py" "$RUN/"
+cd "$RUN"
+echo "-- console scripts"
+"$BIN/perseus-convert" --help >/dev/null
+"$BIN/perseusrun" --check-build
+echo "-- importing every module"
+"$BIN/python" - <<'EOF'
+import importlib, importlib.util, pkgutil, sys
+import perseus
+if not perseus.__file__.startswith(sys.prefix):
+    sys.exit(f"perseus was imported from {perseus.__file__}, not from the new environment")
+# Subpackages that need a framework, and the framework.
+needs = {"perseus.torch": "torch", "perseus.tensorflow": "tensorflow", "perseus.keras": "tensorflow",
+         "perseus._keras": "tensorflow", "perseus.mxnet": "mxnet"}
+count = 0
+pending = [perseus]
+while pending:
+    package = pending.pop()
+    for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+        framework = needs.get(info.name)
+        if framework and importlib.util.find_spec(framework) is None:
+            continue
+        module = importlib.import_module(info.name)
+        count += 1
+        if info.ispkg:
+            pending.append(module)
+print(f"   {count} modules imported")
+EOF
+echo "-- training on 2 ranks"
+timeout 600 "$BIN/perseusrun" -np 2 "$BIN/python" pytorch_digits.py --epochs 2
+echo "wheel check: passed"

@@ -5,7 +5,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from perseus.common.knobs import KNOBS  # noqa: E402
+from perseus.common.knobs import KNOBS, parse_reset_limit  # noqa: E402
 
 
 def main() -> None:
@@ -20,16 +20,21 @@ def main() -> None:
         "",
         "This file is generated from `perseus/common/knobs.py` by `tools/gen_config_docs.py`.",
         "",
-        "| Setting | Environment variables | Type | Default | Unit | Meaning |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| Setting | Environment variables | `perseusrun` flag | Type | Default | Unit | Meaning |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for k in KNOBS:
         env = "<br>".join(f"`{e}`" for e in k.env)
         default = repr(k.default) if k.default != "" else "unset"
-        kind = k.type.__name__
+        kind = {parse_reset_limit: "int or none"}.get(k.type) or k.type.__name__
         if k.choices:
             kind += " (" + ", ".join(k.choices) + ")"
-        lines.append(f"| `{k.name}` | {env} | {kind} | {default} | {k.unit} | {k.doc} |")
+        flag = ""
+        if k.flag is not None:
+            flag = f"`{k.flag.name}`" + (f"<br>`{k.flag.negation}`" if k.flag.negation else "")
+            if k.flag.scale == 1 << 20:
+                flag += " (MB)"
+        lines.append(f"| `{k.name}` | {env} | {flag} | {kind} | {default} | {k.unit} | {k.doc} |")
     lines += [
         "",
         "## Differences from Horovod",
@@ -41,8 +46,10 @@ def main() -> None:
         "- `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS` defaults to 300 s: a stalled job fails instead of hanging.",
         "- `HOROVOD_CACHE_CAPACITY` defaults to 4096 (Horovod: 1024), so models with more gradient tensors",
         "  than Horovod's default still negotiate with one bit-vector all-reduce per step.",
-        "- `HOROVOD_MPI_THREADS_DISABLE` is rejected: perseus needs `MPI_THREAD_MULTIPLE`.",
-        "- `HOROVOD_AUTOTUNE*` are accepted and exported by the launcher; run-time tuning is not wired yet.",
+        "- `HOROVOD_MPI_THREADS_DISABLE` (`--mpi-threads-disable`) is accepted and ignored with a warning at",
+        "  `init()`: perseus needs `MPI_THREAD_MULTIPLE`.",
+        "- `HOROVOD_AUTOTUNE*` (`--autotune*`) are accepted and ignored, with a warning at `init()` when",
+        "  `HOROVOD_AUTOTUNE` is set: perseus has no run-time tuner yet.",
         "- `HOROVOD_TIMELINE=DYNAMIC` is not needed: `start_timeline()` works whenever perseus is initialized.",
         "",
     ]

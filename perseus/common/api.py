@@ -7,12 +7,32 @@ binding them again, so the list lives in one place.
 from perseus.common.basics import state
 
 __all__ = [
-    "_basics", "is_initialized", "start_timeline", "stop_timeline", "size", "local_size", "cross_size", "rank",
+    "_basics", "init", "shutdown", "is_initialized", "start_timeline", "stop_timeline", "size", "local_size", "cross_size", "rank",
     "local_rank", "cross_rank", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built",
     "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
 ]
 
 _basics = state()
+
+
+def init(comm=None, process_sets=None):
+    """Start perseus on this process; a no-op when it is running already (e.g. started by another framework
+    module). See :meth:`perseus.common.basics.PerseusBasics.init` for the arguments.
+
+    Collective: every rank of ``comm`` (default: every rank of the job) must call it.
+
+    Raises:
+        ValueError: bad arguments, or MPI cannot run perseus (the message says what to do).
+    """
+    _basics.init(comm, process_sets)
+
+
+def shutdown():
+    """Stop perseus on this rank: pending requests fail, and per-job state (handles, the numbering of unnamed
+    requests) is forgotten, so that a later ``init()`` starts afresh. Safe to call more than once."""
+    _basics.shutdown()
+
+
 is_initialized = _basics.is_initialized
 start_timeline = _basics.start_timeline
 stop_timeline = _basics.stop_timeline

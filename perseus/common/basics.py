@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 import threading
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from perseus.common.knobs import Settings, load_settings
 from perseus.common.process_sets import ProcessSet, global_process_set
@@ -36,6 +36,17 @@ class PerseusBasics:
         self._atexit = False
         self._timeline = None
         self._topology = (0, 1, 0, 1, 0, 1, True)
+        self._job_state_resets: list[Callable[[], None]] = []
+
+    def register_job_state(self, reset: Callable[[], None]) -> None:
+        """Have ``reset()`` called at every :meth:`shutdown`, after the engine has stopped.
+
+        Modules that keep state for one job (counters that name unnamed requests, handle tables, keys given
+        to modules) register here, so that after an elastic reset every rank starts the new job from the same
+        state, however many calls each made before the failure.
+        """
+        with self._lock:
+            self._job_state_resets.append(reset)
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def init(self, comm=None, process_sets=None) -> None:
@@ -52,14 +63,13 @@ class PerseusBasics:
         with self._lock:
             if self._engine is not None:
                 return
-            if process_sets == "dynamic":
-                os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
+            overrides = {}
+            if process_sets == "dynamic":  # for this job only, not for a later init()
+                overrides["dynamic_process_sets"] = True
                 process_sets = None
-            settings = load_settings()
+            settings = load_settings(**overrides)
             _configure_logging(settings)
-            if settings.mpi_threads_disable:
-                raise ValueError("perseus needs MPI_THREAD_MULTIPLE (its engine and channel threads call MPI "
-                                 "concurrently); unset HOROVOD_MPI_THREADS_DISABLE/PERSEUS_MPI_THREADS_DISABLE.")
+            _warn_ignored_settings(settings)
             from perseus.transport.mpi import load_mpi
 
             MPI = load_mpi()
@@ -126,6 +136,8 @@ class PerseusBasics:
                 if ps_id != 0:
                     ps._invalidate()
             self._sets, self._comms = {}, {}
+            for reset in self._job_state_resets:
+                reset()
 
     def _exit_shutdown(self) -> None:
         """At interpreter exit: shut down; if a failure left a channel thread inside a collective, abort
@@ -382,6 +394,17 @@ def _configure_logging(settings) -> None:
     handler.setFormatter(logging.Formatter(f"{stamp}[perseus rank {rank}] %(levelname)s: %(message)s"))
     logger.addHandler(handler)
     logger.propagate = False
+
+
+def _warn_ignored_settings(settings) -> None:
+    """Say once per init() which Horovod settings perseus accepts but does not act on."""
+    log = logging.getLogger("perseus")
+    if settings.mpi_threads_disable:
+        log.warning("HOROVOD_MPI_THREADS_DISABLE/PERSEUS_MPI_THREADS_DISABLE is ignored: perseus's engine and "
+                    "channel threads need MPI_THREAD_MULTIPLE, so MPI is always initialised with it.")
+    if settings.autotune:
+        log.warning("HOROVOD_AUTOTUNE/PERSEUS_AUTOTUNE is ignored: perseus has no autotuner yet; the fusion "
+                    "and channel settings stay as configured (see docs/configuration.md).")
 
 
 def _topology(MPI, base):

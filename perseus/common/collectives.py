@@ -18,7 +18,7 @@ import numpy as np
 
 from perseus.common.basics import state
 from perseus.common.process_sets import ProcessSet, global_process_set
-from perseus.common.reduce_ops import ReduceOp
+from perseus.common.reduce_ops import ReduceOp, reject_adasum
 from perseus.engine.handles import HandleTable
 from perseus.engine.messages import DType, Entry, OpType, dtype_of, make_signature
 
@@ -50,6 +50,19 @@ def _name(prefix: str, name: Optional[str], ps_id: int) -> str:
     return f"{prefix}.noname.{n}"
 
 
+def _reset_job_state() -> None:
+    """Forget this job's handles and the counters that name unnamed requests and barriers (at shutdown), so
+    that after an elastic reset every rank numbers its requests from 1 again."""
+    handles.clear()
+    with _noname_lock:
+        _noname_counts.clear()
+    with _barrier_lock:
+        _barrier_counts.clear()
+
+
+state().register_job_state(_reset_job_state)
+
+
 def _info(process_set: ProcessSet):
     return state().process_set_info(process_set)
 
@@ -73,13 +86,6 @@ def _submit(entries: list[Entry], ps_id: int, finish) -> int:
     return handles.register(hs, finish)
 
 
-def _reduce_op(op: ReduceOp, what: str, allow_adasum: bool = False) -> ReduceOp:
-    op = ReduceOp(op)
-    if op == ReduceOp.ADASUM:
-        raise NotImplementedError(f"perseus.{what}: op=Adasum is not implemented yet; use Average or Sum")
-    return op
-
-
 def allreduce_async(array: np.ndarray, output: np.ndarray, name: Optional[str] = None, op=ReduceOp.AVERAGE,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set, priority: int = 0,
@@ -94,7 +100,7 @@ def grouped_allreduce_async(arrays: Sequence[np.ndarray], outputs: Sequence[np.n
                             process_set: ProcessSet = global_process_set, priority: int = 0,
                             dtypes=None, finish: Callable[[list], Any] = lambda r: r, _single=False) -> int:
     """Start allreduces of several arrays, negotiated together. Returns one handle for the group."""
-    op = _reduce_op(op, "allreduce")
+    op = reject_adasum(op, "allreduce")
     ps_id, _, _ = _info(process_set)
     sigs = []
     for i, arr in enumerate(arrays):
@@ -191,9 +197,7 @@ def reducescatter_async(array, alloc: Alloc, name=None, op=ReduceOp.AVERAGE, pro
 def grouped_reducescatter_async(arrays, allocs, name=None, op=ReduceOp.AVERAGE, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0, priority: int = 0, dtypes=None,
                                 finish=lambda r: r, _single=False) -> int:
-    op = ReduceOp(op)
-    if op == ReduceOp.ADASUM:
-        raise NotImplementedError("perseus.reducescatter: op=Adasum is not supported for reducescatter")
+    op = reject_adasum(op, "reducescatter")
     if op not in (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT):
         raise ValueError(f"perseus.reducescatter: unsupported op {op!r}")
     ps_id, _, _ = _info(process_set)

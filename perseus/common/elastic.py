@@ -30,14 +30,13 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-import os
 import queue
 import threading
 from enum import IntFlag
 from typing import Callable, Optional
 
 from perseus.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
-from perseus.common.knobs import knob
+from perseus.common.knobs import knob, read_knob
 
 __all__ = [
     "HostUpdateResult",
@@ -55,7 +54,7 @@ __all__ = [
 log = logging.getLogger("perseus.elastic")
 
 #: Resets allowed per ``run`` call in a job not started by an elastic launcher.
-DEFAULT_RESET_LIMIT = 3
+DEFAULT_RESET_LIMIT = knob("elastic_reset_limit").default
 #: Environment variable overriding the reset limit (an integer >= 0; ``none``/``unlimited`` for no limit).
 RESET_LIMIT_ENV = knob("elastic_reset_limit").env[0]
 
@@ -288,27 +287,21 @@ def reset_limit() -> Optional[int]:
 
     ``PERSEUS_ELASTIC_RESET_LIMIT`` if set. Otherwise :data:`DEFAULT_RESET_LIMIT` in a static job; with an elastic
     launcher attached, no limit here (the launcher's own ``--reset-limit`` governs).
+
+    Raises:
+        ValueError: the variable is set to something other than an integer >= 0 or ``none``.
     """
-    raw = os.environ.get(RESET_LIMIT_ENV)
-    if raw is None or not raw.strip():
+    value, explicit = read_knob("elastic_reset_limit")
+    if not explicit:
         return None if notification_manager.attached else DEFAULT_RESET_LIMIT
-    text = raw.strip().lower()
-    if text in ("none", "unlimited"):
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"{RESET_LIMIT_ENV}={raw!r}: expected an integer >= 0, or 'none' for no limit")
     return value
 
 
 def _give_up(error: BaseException, resets: int, limit: int) -> BaseException:
     """``error``'s type, with a message saying why the loop stopped."""
-    configured = os.environ.get(RESET_LIMIT_ENV, "").strip()
-    if configured:
-        source = f"{RESET_LIMIT_ENV}={configured}"
+    value, explicit = read_knob("elastic_reset_limit")
+    if explicit:
+        source = f"{RESET_LIMIT_ENV}={'none' if value is None else value}"
     else:
         source = f"the default for a job without an elastic launcher; set {RESET_LIMIT_ENV} to change it"
     detail = str(error) or "(no message)"
@@ -319,12 +312,10 @@ def _give_up(error: BaseException, resets: int, limit: int) -> BaseException:
                     " helps when a collective failed on every rank for a passing reason. A rank that died cannot"
                     " be replaced, and an error that recurs at every attempt will not go away.")
         try:
-            from perseus.common.knobs import load_settings
-
-            if load_settings().elastic:
+            if read_knob("elastic")[0]:
                 message += (" (HOROVOD_ELASTIC/PERSEUS_ELASTIC is set, but no elastic launcher is attached to"
                             " this process.)")
-        except Exception:  # noqa: BLE001 - the note is optional
+        except ValueError:  # an unreadable value: the note is optional
             pass
     if isinstance(error, HostsUpdatedInterrupt):
         new = type(error)(error.skip_sync)

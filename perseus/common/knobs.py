@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
-__all__ = ["Knob", "KNOBS", "Settings", "load_settings", "knob", "parse_bool"]
+__all__ = ["Knob", "KNOBS", "Settings", "load_settings", "read_knob", "knob", "parse_bool", "parse_reset_limit",
+           "external", "set_external_default"]
 
 _TRUE = {"1", "true", "yes", "on", "y", "t"}
 _FALSE = {"0", "false", "no", "off", "n", "f", ""}
@@ -31,9 +32,40 @@ def parse_bool(text: str) -> bool:
         raise ValueError(f"invalid truth value {text!r}; use 1/0, true/false, yes/no or on/off") from None
 
 
+def parse_reset_limit(text: str) -> Optional[int]:
+    """An elastic reset limit: an integer >= 0, or ``none``/``unlimited`` (None) for no limit."""
+    low = text.strip().lower()
+    if low in ("none", "unlimited"):
+        return None
+    try:
+        value = int(low)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"expected an integer >= 0, or 'none' for no limit, got {text!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Flag:
+    """How ``perseusrun`` offers a knob on its command line (horovodrun's spelling and unit).
+
+    A bool knob's flag is a switch that sets it (``negation``, if given, clears it); any other knob's flag
+    takes a value, which is multiplied by ``scale`` (MB on the command line, bytes in the knob) and must be
+    at least ``minimum``. The help text of a flag is its own ``help``, else the knob's ``doc``.
+    """
+
+    name: str
+    group: str
+    help: str = ""
+    negation: str = ""
+    scale: float = 1.0
+    minimum: float = 0.0
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Knob:
-    """One setting: its name, environment variables, type, default, unit and meaning."""
+    """One setting: its name, environment variables, type, default, unit, meaning, and perseusrun flag."""
 
     name: str
     env: tuple[str, ...]
@@ -43,6 +75,7 @@ class Knob:
     unit: str = ""
     tunable: bool = False
     choices: tuple[str, ...] = ()
+    flag: Optional[Flag] = None
 
     def parse(self, text: str, var: str = "") -> Any:
         """Convert the string ``text`` (read from ``var``) to this knob's type; ``ValueError`` names ``var``."""
@@ -70,19 +103,25 @@ def _both(suffix: str) -> tuple[str, str]:
     return (f"PERSEUS_{suffix}", f"HOROVOD_{suffix}")
 
 
+_AUTOTUNE = "autotune (not implemented yet: accepted and ignored)"
+
+
 KNOBS: tuple[Knob, ...] = (
     Knob("fusion_threshold_bytes", _both("FUSION_THRESHOLD"), int, 4 << 20, unit="bytes", tunable=True,
          doc="Largest all-reduce unit. Ready tensors smaller than this are packed together up to it; larger "
              "tensors are split into units of this size. 0 disables packing (every tensor is its own unit). "
-             "Horovod's default is 128 MiB; perseus measured 1-6 MiB units fastest on shared memory."),
+             "Horovod's default is 128 MiB; perseus measured 1-6 MiB units fastest on shared memory.",
+         flag=Flag("--fusion-threshold-mb", "tuning", "largest all-reduce unit, in MB", scale=1 << 20)),
     Knob("inplace_threshold_bytes", ("PERSEUS_INPLACE_THRESHOLD",), int, 256 << 10, unit="bytes", tunable=True,
          doc="Tensors at least this large are reduced where they lie (no copy into a fusion buffer)."),
     Knob("cycle_time_ms", _both("CYCLE_TIME"), float, 0.5, unit="ms", tunable=True,
          doc="How long the engine waits after the first new request before it negotiates, so that requests "
-             "arriving together are negotiated together."),
+             "arriving together are negotiated together.",
+         flag=Flag("--cycle-time-ms", "tuning", "wait before negotiating new requests, in ms")),
     Knob("num_channels", ("PERSEUS_NUM_CHANNELS",), int, 1, unit="channels", tunable=True,
          doc="Concurrent communication channels per process set; each is a duplicated communicator driven "
-             "by its own thread. 1 measured fastest on a single shared-memory host; networks gain from more."),
+             "by its own thread. 1 measured fastest on a single shared-memory host; networks gain from more.",
+         flag=Flag("--num-channels", "tuning", "concurrent communication channels", minimum=1)),
     Knob("allreduce_algorithm", ("PERSEUS_ALLREDUCE_ALGORITHM",), str, "auto", tunable=True,
          choices=("auto", "mpi", "ring"),
          doc="How a large unit is all-reduced: mpi (MPI_Allreduce, then a scaling pass for Average), ring "
@@ -91,36 +130,50 @@ KNOBS: tuple[Knob, ...] = (
     Knob("cache_capacity", _both("CACHE_CAPACITY"), int, 4096, unit="tensors",
          doc="How many negotiated tensor signatures each process set keeps (least recently used names are "
              "dropped beyond it and negotiated again if they return). A steady-state step whose names are all "
-             "kept costs one bit-vector all-reduce; 0 negotiates every name every time."),
+             "kept costs one bit-vector all-reduce; 0 negotiates every name every time.",
+         flag=Flag("--cache-capacity", "tuning", "negotiated tensor signatures kept per process set")),
     Knob("stall_check_disable", _both("STALL_CHECK_DISABLE"), bool, False,
-         doc="Disable the stall inspector (no warnings, no stall shutdown)."),
+         doc="Disable the stall inspector (no warnings, no stall shutdown).",
+         flag=Flag("--no-stall-check", "stall check", "disable the stall inspector", negation="--stall-check")),
     Knob("stall_check_time_s", ("PERSEUS_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_CHECK_TIME_SECONDS"),
          float, 60.0, unit="s",
          doc="Seconds a request may wait for other ranks before a warning names the tensor and the ranks "
-             "that have not submitted it."),
+             "that have not submitted it.",
+         flag=Flag("--stall-check-warning-time-seconds", "stall check", "warn after a request waited this long")),
     Knob("stall_shutdown_time_s", ("PERSEUS_STALL_SHUTDOWN_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"),
          float, 300.0, unit="s",
          doc="Seconds a request may wait before every rank fails with the stall message instead of hanging. "
-             "0 waits forever (Horovod's default; perseus fails loudly by default)."),
+             "0 waits forever (Horovod's default; perseus fails loudly by default).",
+         flag=Flag("--stall-check-shutdown-time-seconds", "stall check",
+                   "fail every rank after a request waited this long (0: never)")),
     Knob("timeline", _both("TIMELINE"), str, "",
          doc="Path of a Chrome-trace JSON timeline written by rank 0, or DYNAMIC to allow "
-             "start_timeline()/stop_timeline() without starting one."),
+             "start_timeline()/stop_timeline() without starting one.",
+         flag=Flag("--timeline-filename", "timeline", "write a Chrome-trace timeline to this file (rank 0)")),
     Knob("timeline_mark_cycles", _both("TIMELINE_MARK_CYCLES"), bool, False,
-         doc="Mark every negotiation cycle (CYCLE_START) in the timeline."),
+         doc="Mark every negotiation cycle (CYCLE_START) in the timeline.",
+         flag=Flag("--timeline-mark-cycles", "timeline", "mark negotiation cycles in the timeline",
+                   negation="--no-timeline-mark-cycles")),
     Knob("timeline_max_bytes", ("PERSEUS_TIMELINE_MAX_BYTES",), int, 256 << 20, unit="bytes",
          doc="The timeline stops recording (and says so in the file) once it reaches this size."),
     Knob("dynamic_process_sets", _both("DYNAMIC_PROCESS_SETS"), bool, False,
          doc="Allow add_process_set()/remove_process_set() after init()."),
     Knob("elastic", _both("ELASTIC"), bool, False, doc="Elastic mode (set by an elastic launcher)."),
-    Knob("elastic_reset_limit", ("PERSEUS_ELASTIC_RESET_LIMIT",), str, "", unit="resets",
+    Knob("elastic_reset_limit", ("PERSEUS_ELASTIC_RESET_LIMIT",), parse_reset_limit, 3, unit="resets",
          doc="Resets one elastic run() call may do before it re-raises: an integer >= 0, or none for no limit. "
-             "Unset: 3 in a job not started by an elastic launcher."),
+             "Unset: 3 in a job not started by an elastic launcher, no limit under one (its own limit "
+             "governs)."),
     Knob("log_level", _both("LOG_LEVEL"), str, "warning",
          choices=("trace", "debug", "info", "warning", "error", "fatal"),
-         doc="Engine log level."),
-    Knob("log_hide_time", _both("LOG_HIDE_TIME"), bool, False, doc="Omit timestamps from engine log lines."),
+         doc="Engine log level.",
+         flag=Flag("--log-level", "logging", "engine log level")),
+    Knob("log_hide_time", _both("LOG_HIDE_TIME"), bool, False, doc="Omit timestamps from engine log lines.",
+         flag=Flag("--log-without-timestamp", "logging", "omit timestamps from engine log lines")),
     Knob("mpi_threads_disable", _both("MPI_THREADS_DISABLE"), bool, False,
-         doc="Rejected with a clear error: perseus's engine and channel threads need MPI_THREAD_MULTIPLE."),
+         doc="Accepted for Horovod compatibility and ignored, with a warning at init(): perseus's engine and "
+             "channel threads need MPI_THREAD_MULTIPLE, so MPI is always initialised with it.",
+         flag=Flag("--mpi-threads-disable", "tuning",
+                   "accepted for horovodrun compatibility and ignored (perseus needs MPI_THREAD_MULTIPLE)")),
     Knob("abort_on_exception", ("PERSEUS_ABORT_ON_EXCEPTION",), bool, True,
          doc="After init(), an uncaught exception on any rank prints its traceback and aborts the whole MPI "
              "job, so the other ranks do not hang."),
@@ -140,16 +193,25 @@ KNOBS: tuple[Knob, ...] = (
              "wait blocks a thread, and a TF1 session with more concurrent collectives than inter-op threads "
              "can stall."),
     Knob("autotune", _both("AUTOTUNE"), bool, False,
-         doc="Tune fusion and channel settings at run time. Accepted; the tuner is not wired in yet."),
-    Knob("autotune_log", _both("AUTOTUNE_LOG"), str, "", doc="CSV log of autotune trials (rank 0)."),
+         doc="Tune fusion and channel settings at run time. NOT IMPLEMENTED YET: accepted for Horovod "
+             "compatibility and ignored, with a warning at init(); the settings stay as configured.",
+         flag=Flag("--autotune", _AUTOTUNE, "tune settings at run time", negation="--no-autotune")),
+    Knob("autotune_log", _both("AUTOTUNE_LOG"), str, "",
+         doc="CSV log of autotune trials (rank 0). Accepted and ignored: there is no autotuner yet.",
+         flag=Flag("--autotune-log-file", _AUTOTUNE, "CSV log of autotune trials")),
     Knob("autotune_warmup_samples", _both("AUTOTUNE_WARMUP_SAMPLES"), int, 3, unit="samples",
-         doc="Samples discarded before tuning starts."),
+         doc="Samples discarded before tuning starts. Accepted and ignored: there is no autotuner yet.",
+         flag=Flag("--autotune-warmup-samples", _AUTOTUNE)),
     Knob("autotune_steps_per_sample", _both("AUTOTUNE_STEPS_PER_SAMPLE"), int, 10, unit="steps",
-         doc="Steps per autotune sample."),
+         doc="Steps per autotune sample. Accepted and ignored: there is no autotuner yet.",
+         flag=Flag("--autotune-steps-per-sample", _AUTOTUNE, minimum=1)),
     Knob("autotune_bayes_opt_max_samples", _both("AUTOTUNE_BAYES_OPT_MAX_SAMPLES"), int, 20, unit="samples",
-         doc="Most samples the autotuner takes before it settles."),
+         doc="Most samples the autotuner takes before it settles. Accepted and ignored: there is no autotuner "
+             "yet.",
+         flag=Flag("--autotune-bayes-opt-max-samples", _AUTOTUNE, minimum=1)),
     Knob("autotune_gaussian_process_noise", _both("AUTOTUNE_GAUSSIAN_PROCESS_NOISE"), float, 0.8,
-         doc="Accepted for Horovod compatibility (noise of Horovod's Gaussian process)."),
+         doc="Noise of Horovod's Gaussian process. Accepted and ignored: there is no autotuner yet.",
+         flag=Flag("--autotune-gaussian-process-noise", _AUTOTUNE)),
 )
 
 _BY_NAME = {k.name: k for k in KNOBS}
@@ -199,6 +261,15 @@ class Settings:
         return f"Settings({self._values!r})"
 
 
+def read_knob(name: str, environ: Mapping[str, str] | None = None) -> tuple[Any, bool]:
+    """Resolve the knob ``name`` now: ``(value, explicitly_set)`` from ``environ`` (default ``os.environ``).
+
+    For settings consulted outside ``init()`` (the elastic reset limit); everything else reads the
+    :class:`Settings` that ``init()`` loaded.
+    """
+    return knob(name).read(os.environ if environ is None else environ)
+
+
 def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
     """Resolve every knob from ``environ`` (default ``os.environ``), then apply ``overrides`` by knob name."""
     environ = os.environ if environ is None else environ
@@ -212,3 +283,19 @@ def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) ->
         values[name] = value
         explicit.add(name)
     return Settings(values, frozenset(explicit))
+
+
+# -- variables that belong to others ---------------------------------------------------------------------
+# Launchers (rank and size), the C++ toolchain (CXX), the XDG base directories and MPI's own parameters are
+# not perseus settings, but perseus reads or presets some of them. They pass through here so that this
+# module stays the one place that touches the process environment.
+
+def external(name: str, default: Optional[str] = None) -> Optional[str]:
+    """The value of the environment variable ``name`` that another program defines, or ``default``."""
+    return os.environ.get(name, default)
+
+
+def set_external_default(name: str, value: str) -> None:
+    """Set the environment variable ``name`` for libraries loaded later in this process (MPI reads its
+    ``OMPI_MCA_*`` parameters at initialisation), unless the user already chose a value."""
+    os.environ.setdefault(name, value)

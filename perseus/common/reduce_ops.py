@@ -2,7 +2,8 @@
 
 import enum
 
-__all__ = ["ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product", "resolve_op"]
+__all__ = ["ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product", "resolve_op",
+           "reject_adasum"]
 
 
 class ReduceOp(enum.IntEnum):
@@ -45,3 +46,15 @@ def resolve_op(op=None, average=None, default=Average) -> ReduceOp:
     except (ValueError, TypeError):
         raise ValueError(f"unknown reduction op {op!r}; use one of Average, Sum, Adasum, Min, Max, Product") \
             from None
+
+
+def reject_adasum(op, what: str, error: type = NotImplementedError) -> ReduceOp:
+    """Return ``op`` as a :class:`ReduceOp`; raise ``error`` naming the API ``what`` when it is Adasum.
+
+    Every entry point that takes an ``op`` checks through here, on the caller's thread, so that the message is
+    the same everywhere. ``error`` is ``ValueError`` where Horovod raises that (the Keras optimizer).
+    """
+    op = ReduceOp(op)
+    if op == ReduceOp.ADASUM:
+        raise error(f"perseus.{what}: op=Adasum is not implemented; use Average or Sum")
+    return op

@@ -8,6 +8,8 @@ import os
 import warnings
 from contextlib import contextmanager
 
+from perseus.common.partition import split_list
+
 __all__ = [
     "extension_available", "gpu_available", "mpi_built", "gloo_built", "nccl_built", "ddl_built", "ccl_built",
     "env", "get_average_backwards_compatibility_fun", "num_rank_is_power_2", "split_list",
@@ -118,17 +120,6 @@ def get_average_backwards_compatibility_fun(reduce_ops):
 def num_rank_is_power_2(num_rank):
     """True when ``num_rank`` is a power of two."""
     return num_rank > 0 and num_rank & (num_rank - 1) == 0
-
-
-def split_list(items, n):
-    """Split ``items`` into ``n`` chunks whose lengths differ by at most one (earlier chunks longer)."""
-    base, extra = divmod(len(items), n)
-    out, start = [], 0
-    for i in range(n):
-        end = start + base + (1 if i < extra else 0)
-        out.append(items[start:end])
-        start = end
-    return out
 
 
 def is_iterable(x):

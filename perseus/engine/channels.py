@@ -8,13 +8,15 @@ An idle channel thread sleeps on its queue.
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from typing import Callable
 
 import numpy as np
 
-from perseus._native import scale_into
+from perseus.common.partition import even_counts
+from perseus.transport.kernels import scale_into
 from perseus.engine.fusion import Unit, UnitKind
 from perseus.engine.messages import DType, Entry, OpType, numpy_dtype
 from perseus.transport.mpi import MpiComm
@@ -134,17 +136,10 @@ def _allreduce(comm: MpiComm, unit: Unit, fusion_buffer, timeline, algorithm: st
             np.copyto(dst, part)
 
 
-def _row_elems(entry: Entry) -> int:
-    n = 1
-    for d in entry.shape[1:]:
-        n *= d
-    return n
-
-
 def _allgather(comm: MpiComm, entry: Entry) -> None:
     rows = entry.shape[0] if entry.shape else 1
     counts_rows = comm.allgather_ints(np.array([rows], np.int64))[:, 0]
-    row = _row_elems(entry)
+    row = math.prod(entry.shape[1:])
     out_shape = (int(counts_rows.sum()),) + tuple(entry.shape[1:])
     out = entry.alloc(out_shape)
     comm.allgatherv(_flat(entry.input), _flat(out), [int(c) * row for c in counts_rows])
@@ -161,7 +156,7 @@ def _broadcast(comm: MpiComm, entry: Entry) -> None:
 
 
 def _alltoall(comm: MpiComm, entry: Entry) -> None:
-    row = _row_elems(entry)
+    row = math.prod(entry.shape[1:])
     send_rows = np.ascontiguousarray(entry.splits, dtype=np.int64)
     recv_rows = comm.alltoall_ints(send_rows)
     out = entry.alloc((int(recv_rows.sum()),) + tuple(entry.shape[1:]))
@@ -173,15 +168,14 @@ def _alltoall(comm: MpiComm, entry: Entry) -> None:
 
 def reducescatter_rows(first_dim: int, size: int) -> list[int]:
     """Rows of the first dimension each rank receives from reducescatter (earlier ranks take the remainder)."""
-    base, extra = divmod(first_dim, size)
-    return [base + (1 if r < extra else 0) for r in range(size)]
+    return even_counts(first_dim, size)
 
 
 def _reducescatter(comm: MpiComm, unit: Unit) -> None:
     entry = unit.pieces[0].entry
     bf16 = unit.dtype is DType.BFLOAT16
     rows = reducescatter_rows(entry.shape[0] if entry.shape else 1, comm.size)
-    row = _row_elems(entry)
+    row = math.prod(entry.shape[1:])
     out = entry.alloc((rows[comm.rank],) + tuple(entry.shape[1:]))
     src = _flat(entry.input)
     if unit.prescale != 1.0:

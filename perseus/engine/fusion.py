@@ -48,13 +48,6 @@ class Unit:
         return self.numel * self.dtype.itemsize
 
 
-def _numel(entry: Entry) -> int:
-    n = 1
-    for d in entry.shape:
-        n *= d
-    return n
-
-
 def plan_units(entries: list[Entry], fusion_threshold_bytes: int, inplace_threshold_bytes: int,
                average_divisor: int) -> list[Unit]:
     """Split ``entries`` (already in execution order) into units; set each entry's ``remaining`` count.
@@ -70,11 +63,11 @@ def plan_units(entries: list[Entry], fusion_threshold_bytes: int, inplace_thresh
         sig = entry.signature
         if sig.op_type is not OpType.ALLREDUCE:
             entry.remaining = 1
-            units.append(Unit(UnitKind.SINGLE, sig.op_type, sig.dtype, [Piece(entry, 0, _numel(entry))],
-                              _numel(entry), sig.reduce_op, sig.prescale,
+            units.append(Unit(UnitKind.SINGLE, sig.op_type, sig.dtype, [Piece(entry, 0, entry.numel)],
+                              entry.numel, sig.reduce_op, sig.prescale,
                               _postscale(sig, average_divisor)))
             continue
-        numel, item = _numel(entry), sig.dtype.itemsize
+        numel, item = entry.numel, sig.dtype.itemsize
         post = _postscale(sig, average_divisor)
         reduce_op = 1 if sig.reduce_op == 0 else sig.reduce_op  # Average travels as Sum
         nbytes = numel * item

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import math
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -39,10 +40,6 @@ class DType(enum.IntEnum):
     @property
     def itemsize(self) -> int:
         return _ITEMSIZE[self]
-
-    @property
-    def is_float(self) -> bool:
-        return self in (DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32, DType.FLOAT64)
 
 
 _NUMPY = {
@@ -107,10 +104,7 @@ class Signature:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def _show(field: str, value: Any) -> str:
@@ -215,14 +209,11 @@ class Entry:
     phantom: bool = False  # stands in for a tensor this (joined) rank did not submit
 
     @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
     def nbytes(self) -> int:
-        return self.signature.dtype.itemsize * _prod(self.shape)
-
-
-def _prod(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+        return self.signature.dtype.itemsize * self.numel
 
 

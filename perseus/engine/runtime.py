@@ -169,7 +169,7 @@ class ProcessSetRuntime:
             for e in incoming.popleft():
                 pending[e.name] = e
         joined = self.join_handle is not None
-        words, self._needs_exchange = self.negotiator.build_words(pending, self._round_dirty, joined)
+        words, _ = self.negotiator.build_words(pending, self._round_dirty, joined)
         if joined and self._join_round < 0:
             self._join_round = self.round
         timeline = eng.timeline

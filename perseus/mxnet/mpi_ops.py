@@ -20,12 +20,13 @@ import numpy as np
 
 from perseus.common import collectives as _c
 from perseus.common.api import (  # noqa: F401 - re-exported
-    _basics, ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, is_homogeneous,
-    is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
-    rocm_built, size, start_timeline, stop_timeline,
+    _basics, ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
+    is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
+    nccl_built, rank, rocm_built, shutdown, size, start_timeline, stop_timeline,
 )
 from perseus.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
-from perseus.common.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum, resolve_op
+from perseus.common.reduce_ops import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, reject_adasum,
+                                       resolve_op)
 from perseus.engine.channels import reducescatter_rows
 from perseus.mxnet._bridge import (Output, Pending, PerseusMXNetValueError, WriteTarget, check_ndarray, ps_info,
                                    read_view)
@@ -41,30 +42,13 @@ __all__ = [
 ]
 
 
-def init(*args, **kwargs):
-    """Start perseus: ``init(comm=None, process_sets=None)``; see :meth:`perseus.common.basics.PerseusBasics.init`.
-
-    A no-op when perseus is already running (e.g. started by another framework module). Collective.
-    """
-    _basics.init(*args, **kwargs)
-
-
-def shutdown():
-    """Stop perseus on this rank; pending requests fail."""
-    _c.handles.clear()
-    _basics.shutdown()
-
-
 def handle_average_backwards_compatibility(op, average):
     """Horovod's op/average reconciliation: default Average; ValueError when both are given."""
     return resolve_op(op, average)
 
 
 def _reduce_op(op, average, what: str) -> ReduceOp:
-    op = resolve_op(op, average)
-    if op == Adasum:
-        raise NotImplementedError(f"perseus.mxnet.{what}: op=Adasum is not implemented; use Average or Sum")
-    return op
+    return reject_adasum(resolve_op(op, average), f"mxnet.{what}")
 
 
 def _as_list(tensors, what: str) -> list:
@@ -258,9 +242,7 @@ def alltoall(tensor, splits=None, name=None, priority=0, process_set=global_proc
 def _start_reducescatter(tensors, op, name, priority, process_set, prescale_factor, postscale_factor, what,
                          single):
     dtypes = [check_ndarray(tensors[0], what)] if single else _check_all(tensors, what)
-    op = ReduceOp(op)
-    if op == Adasum:
-        raise NotImplementedError(f"perseus.mxnet.{what}: op=Adasum is not supported; use Average or Sum")
+    op = reject_adasum(op, f"mxnet.{what}")
     if any(t.ndim == 0 for t in tensors):
         raise PerseusMXNetValueError(f"perseus.mxnet.{what}: scalar inputs are not supported; the tensor needs a "
                                      "first dimension to scatter")

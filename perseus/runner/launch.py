@@ -17,10 +17,9 @@ import subprocess
 import sys
 from typing import Any, Callable, Sequence
 
-from perseus.common.knobs import knob
+from perseus.common.knobs import KNOBS
 from perseus.runner import hosts as hostlib
 from perseus.runner import mpi_run
-from perseus.runner.common.util.env import LOG_LEVEL_STR
 
 __all__ = ["LaunchError", "main", "parse_args", "flags_to_env", "check_build"]
 
@@ -50,8 +49,6 @@ def _number(kind: Callable[[str], Any], low: float, what: str) -> Callable[[str]
 
 
 _pos_int = _number(int, 1, "a positive integer")
-_nonneg_int = _number(int, 0, "an integer >= 0")
-_nonneg_float = _number(float, 0, "a number >= 0")
 
 
 def _text(value: Any) -> str:
@@ -62,31 +59,35 @@ def _text(value: Any) -> str:
     return str(value)
 
 
-def _mb_to_bytes(mb: float) -> int:
-    return int(round(mb * 1024 * 1024))
+def _add_knob_flags(p: argparse.ArgumentParser) -> None:
+    """Add one option per knob that declares a :class:`~perseus.common.knobs.Flag`, grouped as declared.
 
-
-# (argparse dest, knob name, conversion of the flag value before it is written out)
-_FLAG_KNOBS: tuple[tuple[str, str, Callable[[Any], Any]], ...] = (
-    ("fusion_threshold_mb", "fusion_threshold_bytes", _mb_to_bytes),
-    ("cycle_time_ms", "cycle_time_ms", float),
-    ("cache_capacity", "cache_capacity", int),
-    ("num_channels", "num_channels", int),
-    ("timeline_filename", "timeline", str),
-    ("timeline_mark_cycles", "timeline_mark_cycles", bool),
-    ("autotune", "autotune", bool),
-    ("autotune_log_file", "autotune_log", str),
-    ("autotune_warmup_samples", "autotune_warmup_samples", int),
-    ("autotune_steps_per_sample", "autotune_steps_per_sample", int),
-    ("autotune_bayes_opt_max_samples", "autotune_bayes_opt_max_samples", int),
-    ("autotune_gaussian_process_noise", "autotune_gaussian_process_noise", float),
-    ("no_stall_check", "stall_check_disable", bool),
-    ("stall_check_warning_time_seconds", "stall_check_time_s", float),
-    ("stall_check_shutdown_time_seconds", "stall_shutdown_time_s", float),
-    ("mpi_threads_disable", "mpi_threads_disable", bool),
-    ("log_without_timestamp", "log_hide_time", bool),
-    ("log_level", "log_level", str),
-)
+    The option's destination is the knob's name; a flag not given leaves it None (nothing is exported).
+    """
+    groups: dict[str, Any] = {}
+    for k in KNOBS:
+        f = k.flag
+        if f is None:
+            continue
+        if f.group not in groups:
+            groups[f.group] = p.add_argument_group(f.group)
+        g = groups[f.group]
+        text = f.help or k.doc
+        if k.type is bool:
+            g.add_argument(f.name, dest=k.name, action="store_const", const=True, help=text)
+            if f.negation:
+                g.add_argument(f.negation, dest=k.name, action="store_const", const=False,
+                               help=f"undo {f.name}")
+        elif k.choices:
+            # Upper case, as horovodrun spells and exports log levels; the knob accepts either case.
+            g.add_argument(f.name, dest=k.name, type=str.upper, choices=[c.upper() for c in k.choices], help=text)
+        elif k.type in (int, float):
+            what = "a positive" if f.minimum >= 1 else "a non-negative"
+            kind = k.type if f.scale == 1 else float
+            convert = _number(kind, f.minimum, f"{what} {'integer' if kind is int else 'number'}")
+            g.add_argument(f.name, dest=k.name, type=convert, help=text)
+        else:
+            g.add_argument(f.name, dest=k.name, help=text)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -118,35 +119,7 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("-H", "--hosts", help="host:slots list, e.g. node1:4,node2:4 (default localhost:<np>)")
     g.add_argument("-hostfile", "--hostfile", help="file with one 'host slots=N' (or host:N) per line")
 
-    g = p.add_argument_group("tuning (exported as PERSEUS_* variables)")
-    g.add_argument("--fusion-threshold-mb", type=_nonneg_float, help="fusion buffer threshold in MB")
-    g.add_argument("--cycle-time-ms", type=_nonneg_float, help="negotiation cycle time in ms")
-    g.add_argument("--cache-capacity", type=_nonneg_int, help="response cache capacity (Horovod compat)")
-    g.add_argument("--num-channels", type=_pos_int, help="concurrent communication channels")
-    g.add_argument("--autotune", action="store_const", const=True, help="tune settings at run time")
-    g.add_argument("--no-autotune", dest="autotune", action="store_const", const=False)
-    g.add_argument("--autotune-log-file", help="CSV log of autotune trials")
-    g.add_argument("--autotune-warmup-samples", type=_nonneg_int)
-    g.add_argument("--autotune-steps-per-sample", type=_pos_int)
-    g.add_argument("--autotune-bayes-opt-max-samples", type=_pos_int)
-    g.add_argument("--autotune-gaussian-process-noise", type=_nonneg_float)
-    g.add_argument("--mpi-threads-disable", action="store_const", const=True,
-                   help="request MPI_THREAD_SINGLE (one channel)")
-
-    g = p.add_argument_group("timeline")
-    g.add_argument("--timeline-filename", help="write a Chrome-trace timeline to this file (rank 0)")
-    g.add_argument("--timeline-mark-cycles", action="store_const", const=True)
-    g.add_argument("--no-timeline-mark-cycles", dest="timeline_mark_cycles", action="store_const", const=False)
-
-    g = p.add_argument_group("stall check")
-    g.add_argument("--no-stall-check", action="store_const", const=True, help="disable the stall inspector")
-    g.add_argument("--stall-check", dest="no_stall_check", action="store_const", const=False)
-    g.add_argument("--stall-check-warning-time-seconds", type=_nonneg_float)
-    g.add_argument("--stall-check-shutdown-time-seconds", type=_nonneg_float)
-
-    g = p.add_argument_group("logging")
-    g.add_argument("--log-level", type=str.upper, choices=list(reversed(LOG_LEVEL_STR)))
-    g.add_argument("--log-without-timestamp", action="store_const", const=True)
+    _add_knob_flags(p)
 
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program to run and its arguments")
     return p
@@ -166,19 +139,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def flags_to_env(args: argparse.Namespace) -> dict[str, str]:
-    """Return the ``PERSEUS_*`` variables the given tuning flags set (flags not given set nothing)."""
+    """Return the ``PERSEUS_*`` variables the given knob flags set (flags not given set nothing)."""
     env = {}
-    for dest, name, convert in _FLAG_KNOBS:
-        value = getattr(args, dest, None)
-        if value is None:
+    for k in KNOBS:
+        value = getattr(args, k.name, None)
+        if k.flag is None or value is None:
             continue
-        k = knob(name)
-        text = _text(convert(value))
+        if k.flag.scale != 1:
+            value = k.type(round(value * k.flag.scale))
+        text = _text(value)
         try:
             k.parse(text)
         except ValueError as exc:
-            flag = "--" + dest.replace("_", "-")
-            raise LaunchError(f"{flag} {value!r} is not accepted: {exc}") from None
+            raise LaunchError(f"{k.flag.name} {value!r} is not accepted: {exc}") from None
         env[k.env[0]] = text
     return env
 

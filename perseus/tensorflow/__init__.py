@@ -11,7 +11,9 @@ objects and ``BroadcastGlobalVariablesHook`` (TF1 sessions) are not supported. `
 
 import tensorflow as tf
 
+from perseus._keras.keras2_api import allow_optimizer_variables_call
 from perseus.common.exceptions import HorovodInternalError, PerseusInternalError
+from perseus.common.reduce_ops import reject_adasum
 from perseus.tensorflow import compression, elastic, functions, gradient_tape, mpi_ops, util
 from perseus.tensorflow._core import PerseusFailedPreconditionError, PerseusUnknownError
 from perseus.tensorflow._reduce import allreduce, grouped_allreduce, grouped_reducescatter, reducescatter
@@ -48,6 +50,11 @@ __all__ = [
 ]
 
 
+# Horovod's TF2 examples call optimizer.variables() (Keras 2); Keras 3 made it a list property.
+allow_optimizer_variables_call(tf.keras)
+util.keep_autograph_out_of_perseus()
+
+
 def gpu_available(ext_base_name=None, verbose=False):
     """False: perseus moves host memory until its GPU transport lands."""
     return False
@@ -68,8 +75,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
         raise NotImplementedError("perseus.tensorflow.DistributedOptimizer does not wrap TF1 "
                                   "tf.compat.v1.train.Optimizer objects; use a Keras optimizer "
                                   "(perseus.tensorflow.keras.DistributedOptimizer) or DistributedGradientTape")
-    if op == Adasum:
-        raise ValueError("op=Adasum is not supported with a Keras optimizer")
+    reject_adasum(op, "tensorflow.DistributedOptimizer", ValueError)  # ValueError, as Horovod for Keras
     from perseus.tensorflow.keras import DistributedOptimizer as _keras_distributed_optimizer
     return _keras_distributed_optimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
                                         gradient_predivide_factor, op, backward_passes_per_step,

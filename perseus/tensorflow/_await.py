@@ -19,7 +19,7 @@ import threading
 
 import tensorflow as tf
 
-from perseus.common.knobs import load_settings
+from perseus.common.knobs import external, load_settings
 
 __all__ = ["load", "cache_dir"]
 
@@ -34,12 +34,12 @@ def cache_dir() -> str:
     configured = load_settings().cache_dir
     if configured:
         return configured
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = external("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "perseus")
 
 
 def _command(output: str) -> list:
-    cxx = os.environ.get("CXX", "g++")
+    cxx = external("CXX") or "g++"
     return [cxx, "-O2", "-w", "-shared", "-fPIC", _SOURCE, "-o", output, *tf.sysconfig.get_compile_flags(),
             *tf.sysconfig.get_link_flags()]
 

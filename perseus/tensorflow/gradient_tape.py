@@ -16,21 +16,11 @@ from perseus.common.process_sets import global_process_set
 from perseus.common.reduce_ops import Average, ReduceOp
 from perseus.tensorflow._reduce import grouped_allreduce
 from perseus.tensorflow.compression import Compression
+from perseus.common.partition import split_list
 from perseus.tensorflow.util import var_key
 
 __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "_make_allreduce_grads_fn",
            "split_list"]
-
-
-def split_list(items, n):
-    """Split ``items`` into ``n`` contiguous parts whose lengths differ by at most one (Horovod's helper)."""
-    q, r = divmod(len(items), n)
-    out, start = [], 0
-    for i in range(n):
-        end = start + q + (1 if i < r else 0)
-        out.append(items[start:end])
-        start = end
-    return out
 
 
 def _make_allreduce_grads_fn(name, device_dense, device_sparse, compression, sparse_as_dense, op,

@@ -13,12 +13,13 @@ import tensorflow as tf
 
 from perseus.common import collectives as _c
 from perseus.common.api import (  # noqa: F401 - re-exported
-    _basics, ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, is_homogeneous,
-    is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
-    rocm_built, size, start_timeline, stop_timeline,
+    _basics, ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
+    is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
+    nccl_built, rank, rocm_built, shutdown, size, start_timeline, stop_timeline,
 )
 from perseus.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
-from perseus.common.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum, resolve_op
+from perseus.common.reduce_ops import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, reject_adasum,
+                                       resolve_op)
 from perseus.tensorflow import _core
 from perseus.tensorflow._core import engine_dtype as _dtype, op_name as _op_name, ps_info as _ps_info
 from perseus.tensorflow.util import _executing_eagerly
@@ -32,19 +33,6 @@ __all__ = [
     "process_set_included_op", "allgather", "grouped_allgather", "broadcast", "broadcast_", "alltoall", "join",
     "barrier", "handle_average_backwards_compatibility", "check_num_rank_power_of_2",
 ]
-
-
-
-def init(comm=None, process_sets=None):
-    """Start perseus (a no-op when already started, e.g. by perseus.torch). Collective."""
-    _basics.init(comm, process_sets)
-
-
-def shutdown():
-    """Stop perseus on this rank; pending requests fail."""
-    _c.handles.clear()
-    _basics.shutdown()
-
 
 
 def _output_allocators(arrays):
@@ -124,9 +112,7 @@ def _grad_or_zeros(dy, y):
 
 
 def _reduce_op(op, dts, what):
-    op = ReduceOp(op)
-    if op == Adasum:
-        raise NotImplementedError(f"perseus.{what}: op=Adasum is not implemented yet; use Average or Sum")
+    op = reject_adasum(op, what)
     if op == Average and any(d == tf.bool for d in dts):
         raise ValueError(f"perseus.{what}: op=Average is not defined for bool tensors; use Sum, Min or Max")
     return op
@@ -301,13 +287,16 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     updated = []
     for var, out in zip(variables, outs):
         out.set_shape(var.shape)
-        if _executing_eagerly():
+        backing = _backing_variable(var)
+        if _executing_eagerly() or backing is None:
+            # Eagerly, and in tf.function (automatic control dependencies order the read after the write).
             var.assign(out)
             updated.append(tf.convert_to_tensor(var))
         else:
-            # In a TF1 graph nothing orders a read after an assignment unless it is told to.
-            with tf.control_dependencies([var.assign(out)]):
-                updated.append(var.read_value())
+            # In a TF1 graph nothing orders a read after an assignment unless it is told to, so assign the
+            # tf.Variable itself (a Keras 3 variable's assign() returns the value, not the assignment op).
+            with tf.control_dependencies([backing.assign(out)]):
+                updated.append(backing.read_value())
     return updated
 
 
@@ -315,6 +304,15 @@ def _is_variable(v) -> bool:
     """tf.Variable, or a Keras 3 variable (no tf.Variable subclass, but assignable and convertible)."""
     return isinstance(v, tf.Variable) or (hasattr(v, "assign") and hasattr(v, "dtype") and hasattr(v, "shape")
                                           and not isinstance(v, (list, tuple)))
+
+
+def _backing_variable(v):
+    """The tf.Variable holding ``v``'s value: ``v`` itself, a Keras 3 variable's ``value`` (a tf.Variable
+    under the TensorFlow backend), or None when there is none to reach."""
+    if isinstance(v, tf.Variable):
+        return v
+    value = getattr(v, "value", None)
+    return value if isinstance(value, tf.Variable) else None
 
 
 # -- alltoall ------------------------------------------------------------------------------------------------

@@ -7,6 +7,24 @@ import tensorflow as tf
 __all__ = ["_executing_eagerly", "_make_subgraph", "_cache", "vars_to_refs", "refs_to_vars", "var_key"]
 
 
+def keep_autograph_out_of_perseus() -> None:
+    """Tell AutoGraph not to rewrite perseus's own Python when a ``tf.function`` calls into it.
+
+    perseus builds its graph ops with explicit ``tf.cond``/``tf.py_function`` and needs no conversion; left to
+    itself, AutoGraph re-parses perseus's source at every trace (slow, and wrong when the installed source
+    changes while a job runs), as it skips TensorFlow, NumPy and Keras. Uses AutoGraph's module rules, an
+    internal table; if that moves in a future TensorFlow, conversion simply stays on. Idempotent.
+    """
+    try:
+        from tensorflow.python.autograph.core import config as autograph_config
+    except ImportError:  # pragma: no cover - a TensorFlow without the table
+        return
+    rules = tuple(getattr(autograph_config, "CONVERSION_RULES", ()))
+    if any(getattr(rule, "_prefix", None) == "perseus" for rule in rules):
+        return
+    autograph_config.CONVERSION_RULES = (autograph_config.DoNotConvert("perseus"),) + rules
+
+
 def _executing_eagerly():
     """True when TensorFlow runs eagerly here (False while a tf.function or a graph is being built)."""
     return tf.executing_eagerly()

@@ -7,9 +7,9 @@ import torch
 
 from perseus.common import collectives as _c
 from perseus.common.api import (  # noqa: F401 - re-exported
-    _basics, ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, is_homogeneous,
-    is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
-    rocm_built, size, start_timeline, stop_timeline,
+    _basics, ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
+    is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
+    nccl_built, rank, rocm_built, shutdown, size, start_timeline, stop_timeline,
 )
 from perseus.common.exceptions import HorovodInternalError
 from perseus.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
@@ -32,7 +32,6 @@ __all__ = [
 ]
 
 
-
 def poll(handle):
     """True when the async request ``handle`` has finished (then :func:`synchronize` returns at once).
 
@@ -40,17 +39,6 @@ def poll(handle):
         ValueError: ``handle`` is unknown (already synchronized, or never issued).
     """
     return _c.poll(handle)
-
-
-def init(comm=None, process_sets=None):
-    """Start perseus; see :meth:`perseus.common.basics.PerseusBasics.init`. Collective."""
-    _basics.init(comm, process_sets)
-
-
-def shutdown():
-    """Stop perseus on this rank; pending requests fail."""
-    _c.handles.clear()
-    _basics.shutdown()
 
 
 def synchronize(handle):

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from perseus.common.basics import state as _basics_state
 from perseus.torch.mpi_ops import Sum, allreduce_async, global_process_set, synchronize
 
 __all__ = ["SyncBatchNorm"]
@@ -23,6 +24,18 @@ __all__ = ["SyncBatchNorm"]
 _keys_lock = threading.Lock()
 _keys: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 _key_counts: dict = {}
+
+
+def _reset_keys() -> None:
+    """At shutdown: forget every module's key, so that after an elastic reset all ranks number the modules
+    afresh in the order of their first calls, whatever each rank did before the failure."""
+    global _keys
+    with _keys_lock:
+        _keys = weakref.WeakKeyDictionary()
+        _key_counts.clear()
+
+
+_basics_state().register_job_state(_reset_keys)
 
 
 def _collective_name(module: torch.nn.Module, process_set) -> str:

@@ -8,16 +8,17 @@ blocking calls busy-poll a core.
 
 from __future__ import annotations
 
-import os
 import pickle
 import time
 from typing import Any, Optional
 
 import numpy as np
 
-from perseus._native import combine, scale_into
+from perseus.common.knobs import set_external_default
+from perseus.common.partition import even_counts
 from perseus.common.reduce_ops import ReduceOp
 from perseus.engine.messages import DType
+from perseus.transport.kernels import combine, scale_into
 
 __all__ = ["load_mpi", "MpiComm", "MpiControl", "Sleeper", "mpi_flavour", "tighten_timer_slack"]
 
@@ -33,7 +34,7 @@ def load_mpi(thread_multiple: bool = True):
     global _MPI
     if _MPI is not None:
         return _MPI
-    os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    set_external_default("OMPI_MCA_mpi_yield_when_idle", "1")
     import mpi4py
 
     if not thread_multiple:
@@ -153,7 +154,7 @@ class MpiComm:
             if postscale != 1.0:
                 scale_into(recv, recv, postscale, dtype is DType.BFLOAT16)
             return
-        counts = _even_counts(recv.size, self.size)
+        counts = even_counts(recv.size, self.size)
         self._ring_reduce_scatter(recv, counts, dtype, op, src=send)
         if postscale != 1.0 or self.size == 1:
             start = sum(counts[: self.rank])
@@ -240,11 +241,6 @@ class MpiComm:
             s, q = (r - step) % n, (r - step - 1) % n
             self.comm.Sendrecv(buf[displs[s]: displs[s] + counts[s]], dest=right, sendtag=18,
                                recvbuf=buf[displs[q]: displs[q] + counts[q]], source=left, recvtag=18)
-
-
-def _even_counts(total: int, parts: int) -> list[int]:
-    base, extra = divmod(total, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
 def _displacements(counts: list[int]) -> list[int]:

@@ -362,6 +362,33 @@ def test_run_stops_after_the_reset_limit_on_every_rank(hvd, monkeypatch):
     assert out.tolist() == [hvd.size()] * 2
 
 
+def test_reset_renumbers_unnamed_requests_on_every_rank(hvd):
+    # Before the failure rank 0 made one more unnamed allreduce than the others (its peers never submit it).
+    # After the reset every rank must name its unnamed requests from the same start again, or the first
+    # unnamed collective of the new attempt would wait forever for names that differ by rank.
+    attempts = []
+
+    @elastic.run
+    def train(state):
+        attempts.append(len(attempts))
+        if len(attempts) == 1:
+            if hvd.rank() == 0:
+                hvd.allreduce_async(torch.ones(2))  # allreduce.noname.N on rank 0 only
+            shape = (2,) if hvd.rank() == 0 else (3,)
+            hvd.allreduce(torch.ones(shape), name="elastic.unnamed_mismatch")  # fails on every rank
+            raise AssertionError("the mismatched allreduce should have failed")
+        handle = hvd.allreduce_async(torch.full((2,), float(hvd.rank())), op=hvd.Sum)
+        deadline = time.monotonic() + 20
+        while not hvd.poll(handle):
+            assert time.monotonic() < deadline, "unnamed requests got different names on different ranks"
+            time.sleep(0.01)
+        return hvd.synchronize(handle)
+
+    out = train(elastic.TorchState(epoch=0))
+    assert attempts == [0, 1]
+    assert out.tolist() == [float(sum(range(hvd.size())))] * 2
+
+
 def test_run_with_sampler_resumes_the_epoch(hvd):
     """A sampler in the state: after a failure the epoch resumes at the last commit, nothing is skipped."""
     size, batch_size, n = hvd.size(), 2, 12 * hvd.size()

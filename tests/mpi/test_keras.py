@@ -283,3 +283,43 @@ def test_broadcast_variables_accepts_keras_variables():
     model = make_model(seed=30 + R)
     hvd_tf.broadcast_variables(model.variables, root_rank=0)
     np.testing.assert_array_equal(flat(model), flat(make_model(seed=30)))
+
+
+def test_broadcast_keras_variables_in_tf_function_as_horovods_tf2_example():
+    # Horovod's tensorflow2_synthetic_benchmark.py: inside a tf.function, after the first step, broadcast
+    # model.variables and opt.variables() (a Keras 2 call; Keras 3 made it a property).
+    import perseus.tensorflow as hvd_tf
+    model = make_model(seed=40 + R)
+    opt = keras.optimizers.SGD(0.1, momentum=0.9)
+    x, y = data(8, seed=41 + R)
+
+    @tf.function
+    def step(first_batch):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        tape = hvd_tf.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        if first_batch:
+            hvd_tf.broadcast_variables(model.variables, root_rank=0)
+            hvd_tf.broadcast_variables(opt.variables(), root_rank=0)
+
+    step(True)
+    assert isinstance(opt.variables, list) and opt.variables() == list(opt.variables)
+    step(False)
+    assert_same_on_all_ranks(flat(model))
+    assert_same_on_all_ranks(np.concatenate([np.ravel(v.numpy()) for v in opt.variables]))
+
+
+def test_broadcast_keras_variables_in_a_tf1_graph():
+    import perseus.tensorflow as hvd_tf
+    graph = tf.Graph()
+    with graph.as_default():
+        variables = [keras.Variable(np.full((3,), R, np.float32)), keras.Variable(np.full((2, 2), 10 + R))]
+        assign = hvd_tf.broadcast_variables(variables, root_rank=N - 1)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(assign)
+            values = sess.run([tf.convert_to_tensor(v) for v in variables])
+    np.testing.assert_array_equal(values[0], np.full((3,), N - 1, np.float32))
+    np.testing.assert_array_equal(values[1], np.full((2, 2), 10 + N - 1))

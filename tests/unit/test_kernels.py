@@ -1,4 +1,4 @@
-"""Unit tests for the NumPy kernels in perseus._native.reference (bfloat16 conversion, reduce, scale).
+"""Unit tests for the NumPy kernels in perseus.transport.kernels (bfloat16 conversion, reduce, scale).
 
 References are computed independently: bfloat16 rounding with Python integers and exact fractions,
 reductions and scaling in float32/float64 NumPy or plain Python arithmetic.
@@ -13,7 +13,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from perseus._native.reference import bf16_to_f32, f32_to_bf16, reduce_into, scale_into
+from perseus.transport.kernels import bf16_to_f32, f32_to_bf16, reduce_into, scale_into
 
 pytestmark = pytest.mark.timeout(60)
 

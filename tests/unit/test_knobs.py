@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from perseus.common.knobs import KNOBS, Knob, Settings, knob, load_settings, parse_bool
+from perseus.common.knobs import (KNOBS, Knob, Settings, knob, load_settings, parse_bool, parse_reset_limit,
+                                   read_knob)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -23,6 +24,8 @@ def sample_values(k: Knob) -> tuple[str, object, str, object]:
         return "7", 7, "9", 9
     if k.type is float:
         return "1.5", 1.5, "2.25", 2.25
+    if k.type is parse_reset_limit:
+        return "none", None, "5", 5
     return "/tmp/perseus-a", "/tmp/perseus-a", "/tmp/perseus-b", "/tmp/perseus-b"
 
 
@@ -39,8 +42,11 @@ def test_knob_declarations():
         assert all(v.startswith(("PERSEUS_", "HOROVOD_")) and v == v.upper() for v in k.env)
         if len(k.env) > 1:
             assert k.env[1].startswith("HOROVOD_")
-        assert k.type in (int, float, bool, str)
-        assert isinstance(k.default, k.type), f"{k.name}: default {k.default!r} is not {k.type.__name__}"
+        assert k.type in (int, float, bool, str, parse_reset_limit)
+        if k.type is parse_reset_limit:
+            assert k.default is None or isinstance(k.default, int)
+        else:
+            assert isinstance(k.default, k.type), f"{k.name}: default {k.default!r} is not {k.type.__name__}"
         if k.choices:
             assert k.default in k.choices
 
@@ -291,3 +297,15 @@ def test_is_explicit_for_unknown_name_is_false():
     assert s.is_explicit("elastic")
     assert not s.is_explicit("PERSEUS_ELASTIC")
     assert not s.is_explicit("unknown")
+
+
+def test_reset_limit_parsing_and_read_knob():
+    assert parse_reset_limit(" None ") is None and parse_reset_limit("unlimited") is None
+    assert parse_reset_limit("0") == 0 and parse_reset_limit("12") == 12
+    for bad in ("-1", "three", "1.5"):
+        with pytest.raises(ValueError, match="integer >= 0"):
+            parse_reset_limit(bad)
+    assert read_knob("elastic_reset_limit", {}) == (3, False)
+    assert read_knob("elastic_reset_limit", {"PERSEUS_ELASTIC_RESET_LIMIT": "none"}) == (None, True)
+    with pytest.raises(ValueError, match="PERSEUS_ELASTIC_RESET_LIMIT"):
+        read_knob("elastic_reset_limit", {"PERSEUS_ELASTIC_RESET_LIMIT": "x"})

@@ -249,6 +249,21 @@ def test_flags_to_env():
         next(k for k in KNOBS if k.env[0] == name).parse(value)
 
 
+def test_every_knob_flag_is_an_option_and_exports_its_knob():
+    flagged = [k for k in KNOBS if k.flag is not None]
+    assert flagged
+    text = launch._build_parser().format_help()
+    for k in flagged:
+        assert k.flag.name in text and (not k.flag.negation or k.flag.negation in text)
+        argv = [k.flag.name] if k.type is bool else [k.flag.name, k.choices[0] if k.choices else "3"]
+        env = launch.flags_to_env(launch.parse_args(["-np", "1", *argv, "python"]))
+        assert list(env) == [k.env[0]], k.name
+        k.parse(env[k.env[0]])
+    # Accepted-but-ignored flags say so in --help.
+    assert "accepted and ignored" in text
+    assert "autotune (not implemented yet" in text
+
+
 def test_flags_not_given_set_nothing():
     assert launch.flags_to_env(launch.parse_args(["-np", "2", "python"])) == {}
     args = launch.parse_args(["-np", "2", "--stall-check", "--no-autotune", "python"])

@@ -146,7 +146,7 @@ def dedupe(seq):
 # ----------------------------------------------------------------------------- imports
 
 @pytest.mark.parametrize("module", ["perseus.engine.negotiation", "perseus.engine.fusion",
-                                    "perseus.engine.messages", "perseus._native.reference",
+                                    "perseus.engine.messages", "perseus.transport.kernels",
                                     "perseus.common.knobs"])
 def test_module_imports_without_mpi4py(module):
     code = (f"import sys, importlib; importlib.import_module({module!r}); "

@@ -6,8 +6,9 @@ rank and size a launcher (perseusrun/horovodrun, Open MPI, MPICH/PMI) put in the
 
 from __future__ import annotations
 
-import os
 import re
+
+from perseus.common.knobs import external
 
 __all__ = ["IGNORE_REGEXES", "LOG_LEVEL_STR", "is_exportable", "get_env_rank_and_size"]
 
@@ -38,9 +39,8 @@ def get_env_rank_and_size() -> tuple[int, int] | None:
     Tries HOROVOD_RANK/HOROVOD_SIZE, then OMPI_COMM_WORLD_RANK/SIZE, then PMI_RANK/PMI_SIZE.
     Raise ``RuntimeError`` when only one variable of a pair is set or a value is not an integer.
     """
-    environ = os.environ
     for rank_var, size_var in _RANK_SIZE_VARS:
-        rank, size = environ.get(rank_var), environ.get(size_var)
+        rank, size = external(rank_var), external(size_var)
         if rank is None and size is None:
             continue
         if rank is None or size is None:

@@ -7,30 +7,21 @@ produces it, so communication overlaps the rest of backward; ``step()`` waits fo
 from __future__ import annotations
 
 import numbers
-import os
 import warnings
 from contextlib import contextmanager
 
 import torch
 
+from perseus.common.api import _basics
+from perseus.common.partition import split_list
 from perseus.common.process_sets import global_process_set
-from perseus.common.reduce_ops import Adasum, Average, ReduceOp, Sum
+from perseus.common.reduce_ops import Average, ReduceOp, Sum, reject_adasum
 from perseus.torch.compression import Compression
 from perseus.torch.mpi_ops import (allreduce, allreduce_async_, grouped_allreduce_async_, size,
                                    sparse_allreduce_async, synchronize)
 
 __all__ = ["DistributedOptimizer"]
 
-
-def _split(items: list, parts: int) -> list[list]:
-    base, extra = divmod(len(items), parts)
-    out, start = [], 0
-    for i in range(parts):
-        n = base + (1 if i < extra else 0)
-        if n:
-            out.append(items[start:start + n])
-        start += n
-    return out
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -66,9 +57,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                  "named. Python object ids: " + ", ".join(str(i) for i in sorted(unnamed)))
         if backward_passes_per_step <= 0:
             raise ValueError("backward_passes_per_step must be > 0")
-        if op == Adasum:
-            raise NotImplementedError("perseus DistributedOptimizer(op=Adasum) is not implemented yet; use "
-                                      "op=Average")
+        reject_adasum(op, "torch.DistributedOptimizer")
         if gradient_predivide_factor != 1.0 and op != Average:
             raise ValueError("gradient_predivide_factor not supported with op != Average")
         if groups is not None and not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
@@ -97,8 +86,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._groups = groups
         self._group_of: dict = {}
         self._group_ready: dict = {}
-        if self.process_set.included() and (size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"
-                                            or os.environ.get("PERSEUS_ELASTIC") == "1"):
+        # An elastic job may grow from one rank, so its hooks are needed even at size 1.
+        if self.process_set.included() and (size() > 1 or _basics.settings.elastic):
             self._register_hooks()
 
     # -- set-up ----------------------------------------------------------------------------------------
@@ -118,7 +107,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 grouped = {id(p) for g in groups for p in g}
                 groups += [[p] for p in trainable if id(p) not in grouped]
             else:
-                groups = _split(trainable, self._groups)
+                groups = [g for g in split_list(trainable, self._groups) if g]
             for group in groups:
                 key = tuple(group)
                 for p in group:

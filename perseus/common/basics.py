@@ -9,7 +9,6 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
-import os
 import sys
 import threading
 from typing import Callable, Optional, Sequence
@@ -68,8 +67,6 @@ class PerseusBasics:
                 overrides["dynamic_process_sets"] = True
                 process_sets = None
             settings = load_settings(**overrides)
-            _configure_logging(settings)
-            _warn_ignored_settings(settings)
             from perseus.transport.mpi import load_mpi
 
             MPI = load_mpi()
@@ -87,6 +84,8 @@ class PerseusBasics:
             self._base = base
             self._topology = _topology(MPI, base)
             rank, size = base.Get_rank(), base.Get_size()
+            _configure_logging(settings, rank)
+            _warn_ignored_settings(settings)
             self._timeline = None
             path = settings.timeline
             if path and path.upper() != "DYNAMIC" and rank == 0:
@@ -381,14 +380,13 @@ _LEVELS = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO,
            "error": logging.ERROR, "fatal": logging.CRITICAL}
 
 
-def _configure_logging(settings) -> None:
+def _configure_logging(settings, rank: int) -> None:
     """Send perseus's log to stderr at the configured level, prefixed with the rank (unless the user set up
     handlers for the 'perseus' logger already)."""
     logger = logging.getLogger("perseus")
     logger.setLevel(_LEVELS[settings.log_level.lower()])
     if logger.handlers:
         return
-    rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "?"))
     stamp = "" if settings.log_hide_time else "%(asctime)s "
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter(f"{stamp}[perseus rank {rank}] %(levelname)s: %(message)s"))

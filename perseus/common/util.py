@@ -90,6 +90,7 @@ ccl_built = _built("ccl_built")
 def env(**kwargs):
     """Set environment variables for the duration of the block (None values are ignored)."""
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    # Setting variables is this helper's whole job (Horovod's tests use it), so it writes os.environ itself.
     saved = {k: os.environ.get(k) for k in kwargs}
     os.environ.update(kwargs)
     try:

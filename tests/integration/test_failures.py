@@ -36,6 +36,15 @@ def test_clean_run_exits_zero():
     assert took < 30
 
 
+def test_ignored_horovod_settings_warn_and_run():
+    code, out, took = run("clean", env={"HOROVOD_MPI_THREADS_DISABLE": "1", "HOROVOD_AUTOTUNE": "1"})
+    assert code == 0, out
+    assert "rank 0 done" in out and "rank 1 done" in out
+    assert "HOROVOD_MPI_THREADS_DISABLE/PERSEUS_MPI_THREADS_DISABLE is ignored" in out, out
+    assert "HOROVOD_AUTOTUNE/PERSEUS_AUTOTUNE is ignored: perseus has no autotuner yet" in out, out
+    assert "[perseus rank 1]" in out, out
+
+
 def test_stall_names_tensor_and_missing_rank():
     code, out, took = run("stall")
     assert code != 0, out

@@ -55,6 +55,8 @@ def guard_statements(ctx: Context, alias: str, rule: str, is_save) -> None:
             continue
         call = hits[0]
         what = "progress print" if _is_print(ctx, call) else "checkpoint/log write"
+        if not _is_print(ctx, call):
+            ctx.rank0_writes.append(call)
         if ctx.options.average_metrics and _is_print(ctx, call):
             average_metrics(ctx, line, call, alias, rule)
         ctx.edits.guard[line] = test
@@ -65,6 +67,7 @@ def guard_statements(ctx: Context, alias: str, rule: str, is_save) -> None:
         for item in w.items:
             c = item.item
             if isinstance(c, cst.Call) and call_name(c) == "open" and _write_mode(c):
+                ctx.rank0_writes.append(c)
                 ctx.edits.guard[w] = test
                 ctx.change(w, rule, f"file written only on rank 0 (`if {test}:`)")
                 break

@@ -315,6 +315,7 @@ class Context:
         self.result = result
         self.imports = imports_of(self.module)
         self.edits = Edits()
+        self.rank0_writes: List[cst.Call] = []  # the writes (calls) this conversion makes on rank 0 only
 
     def line(self, node: cst.CSTNode) -> int:
         pos = self.positions.get(node)

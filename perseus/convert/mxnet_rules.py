@@ -8,7 +8,7 @@ from typing import List, Optional, Tuple
 
 import libcst as cst
 
-from perseus.convert import common_rules
+from perseus.convert import common_rules, file_rules
 from perseus.convert.core import (Context, arg, call_name, code_of, dotted, expr, find_all, free_name, stmt,
                                   with_kwarg)
 
@@ -46,6 +46,7 @@ def apply(ctx: Context) -> None:
         ctx.options.average_metrics = average
     if average:
         _average_metrics(ctx, hvd)
+    extra_imports += file_rules.rewrite_reads(ctx, "mxnet", RULE, bool(ctx.rank0_writes))
     common_rules.disable_progress_bars(ctx, hvd, RULE)
     common_rules.add_import_and_init(ctx, "perseus.mxnet", hvd, [], RULE, extra_imports)
     ctx.apply()

@@ -8,7 +8,7 @@ from typing import Optional
 
 import libcst as cst
 
-from perseus.convert import common_rules
+from perseus.convert import common_rules, file_rules
 from perseus.convert.core import (Context, arg, call_name, code_of, dotted, expr, find_all, free_name, stmt,
                                   with_kwarg)
 
@@ -62,6 +62,8 @@ def apply(ctx: Context) -> None:
     elif tapes:
         ctx.warn(tapes[0], RULE, "GradientTape without `import tensorflow as ...`", "wrap the tape by hand")
     common_rules.guard_statements(ctx, hvd, RULE, _is_save)
+    ctx.rank0_writes += [c for c in calls if (call_name(c) or "").split(".")[-1] in RANK0_CALLBACKS]
+    imports += file_rules.rewrite_reads(ctx, "tensorflow", RULE, bool(ctx.rank0_writes))
     common_rules.add_import_and_init(ctx, main_module, hvd, extra, RULE, imports)
     ctx.apply()
 

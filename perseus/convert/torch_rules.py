@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import libcst as cst
 
-from perseus.convert import common_rules
+from perseus.convert import common_rules, file_rules
 from perseus.convert.core import (Context, arg, call_name, code_of, dotted, expr, find_all, free_name, stmt,
                                   with_kwarg, without_kwarg)
 
@@ -43,6 +43,7 @@ def apply(ctx: Context) -> None:
         extra_imports.append("from torch.utils.data.distributed import DistributedSampler\n")
     _wrap_optimizers(ctx, hvd)
     common_rules.guard_statements(ctx, hvd, RULE, _is_save)
+    extra_imports += file_rules.rewrite_reads(ctx, "torch", RULE, bool(ctx.rank0_writes))
     common_rules.disable_progress_bars(ctx, hvd, RULE)
     common_rules.add_import_and_init(ctx, "perseus.torch", hvd, extra, RULE, extra_imports)
     ctx.apply()
@@ -146,14 +147,26 @@ def _wrap_optimizers(ctx: Context, hvd: str) -> None:
         if not owner and len(calls) > 1:
             ctx.warn(call, RULE, "several optimizers and no named_parameters: gradient names may collide",
                      "pass named_parameters= with unique names to DistributedOptimizer")
-        _broadcast_after_load(ctx, target, hvd)
+        _broadcast_after_load(ctx, target, hvd, ctx.imports.resolve(short) == "torch.optim.LBFGS")
 
 
-def _broadcast_after_load(ctx: Context, target: str, hvd: str) -> None:
-    """After ``opt.load_state_dict(...)``, rank 0's optimizer state goes to every rank."""
+def _broadcast_after_load(ctx: Context, target: str, hvd: str, lbfgs: bool = False) -> None:
+    """After ``opt.load_state_dict(...)``, rank 0's optimizer state goes to every rank (L-BFGS state cannot be
+    broadcast: every rank must load the same state, which ``torch.load`` through root_file gives)."""
     for c in find_all(ctx.module, cst.Call):
         if call_name(c) == f"{target}.load_state_dict":
             line = ctx.statement_of(c)
+            if lbfgs:
+                loads = [x for x in find_all(ctx.scope_of(c), cst.Call)
+                         if ctx.imports.resolve(call_name(x)) == "torch.load"]
+                if loads:
+                    ctx.change(c, RULE, "L-BFGS state is not broadcast (broadcast_optimizer_state cannot carry it): "
+                               "every rank loads the same state, read with torch.load")
+                else:
+                    ctx.warn(c, RULE, "L-BFGS state loaded here cannot be broadcast from rank 0",
+                             "give every rank the same state (e.g. torch.load(root_file(path)), "
+                             "from perseus.common.files import root_file)")
+                continue
             if isinstance(line, cst.SimpleStatementLine):
                 ctx.edits.insert_after(line, stmt(f"{hvd}.broadcast_optimizer_state({target}, root_rank=0)\n"))
                 ctx.change(c, RULE, "optimizer state loaded here is broadcast from rank 0")

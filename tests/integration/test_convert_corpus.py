@@ -32,10 +32,16 @@ CASES = {
     "keras_fit_checkpoint.py": ("env", 16, True, True),
     "tf_custom_loop.py": ("env", 16, True, True),
     "mxnet_gluon.py": ("env", 16, True, False),
+    # files written on rank 0 only and read back on every rank (root_file / root_call)
+    "torch_best_model_reload.py": ("env", 16, True, False),
+    "torch_resume_phases.py": ("env", 16, True, False),
+    "keras_best_checkpoint.py": ("env", 16, True, True),
+    "mxnet_gluon_best.py": ("env", 16, True, False),
+    "torch_lbfgs_closure.py": ("env", 128, True, False),  # optimizer.step(closure), several evaluations
 }
 # MXNet 1.9.1 lives in its own environment (tools/setup_mxnet_env.sh): its scripts run with that Python;
 # the conversion itself runs wherever this test runs (tools/run_mxnet_tests.sh runs it from .venv-mxnet).
-MXNET = {"mxnet_gluon.py"}
+MXNET = {"mxnet_gluon.py", "mxnet_gluon_best.py"}
 MXNET_PYTHON = os.path.join(ROOT, ".venv-mxnet", "bin", "python")
 
 

@@ -50,6 +50,12 @@ CASES = {
         'import mxnet as mx\nimport perseus.mxnet as hvd\n\nhvd.init()\n\nloss = mx.nd.ones((2,))\nloss_mean_asscalar_avg = hvd.allreduce(mx.nd.array([float(loss.mean().asscalar())], dtype="float64"), name="metric.4.0").asscalar()\nif hvd.rank() == 0:\n    print(f"loss {loss_mean_asscalar_avg:.3f}")\n',
         ['t.py:1: [mxnet] import perseus.mxnet as hvd and call hvd.init() once, at start-up', 't.py:4: [mxnet] progress print only on rank 0 (`if hvd.rank() == 0:`): every rank runs the same code', 't.py:4: [mxnet] 1 printed metric(s) averaged over all ranks before printing'],
     ),
+    'mxnet_root_file_reads': (
+        'import mxnet as mx\nfrom mxnet import gluon\n\nnet.initialize()\ntrainer = gluon.Trainer(net.collect_params(), "sgd")\nnet.save_parameters(best)\nnet.load_parameters(best)\n',
+        Options(),
+        'import mxnet as mx\nfrom mxnet import gluon\nimport perseus.mxnet as hvd\nfrom perseus.common.files import root_file\n\nhvd.init()\n\nnet.initialize()\nhvd.broadcast_parameters(net.collect_params(), root_rank=0)\ntrainer = hvd.DistributedTrainer(net.collect_params(), "sgd")\nif hvd.rank() == 0:\n    net.save_parameters(best)\nnet.load_parameters(root_file(best))\nhvd.broadcast_parameters(net.collect_params(), root_rank=0)\n',
+        ['t.py:2: [mxnet] import perseus.mxnet as hvd and call hvd.init() once, at start-up', "t.py:4: [mxnet] rank 0's parameters (net.collect_params()) broadcast to every rank once initialised (a parameter with deferred shape is broadcast when the first forward pass creates it)", 't.py:5: [mxnet] gluon.Trainer -> hvd.DistributedTrainer: gradients are averaged over all ranks at every step()', 't.py:6: [mxnet] checkpoint/log write only on rank 0 (`if hvd.rank() == 0:`): every rank runs the same code', "t.py:7: [mxnet] rank 0's parameters (net.collect_params()) broadcast to every rank once initialised (a parameter with deferred shape is broadcast when the first forward pass creates it)", 't.py:7: [mxnet] net.load_parameters(...) reads its file through root_file(...): rank 0 reads it and sends it to every rank, which loads its own copy (this script writes files on rank 0 only; the other ranks may not see them yet, or at all)'],
+    ),
     'mxnet_loader_import': (
         'from mxnet.gluon.data import ArrayDataset, DataLoader\n\nloader = DataLoader(ArrayDataset(x, y), batch_size=4)\n',
         Options(),

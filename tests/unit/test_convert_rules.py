@@ -62,6 +62,16 @@ CASES = {
         Options(),
         'import tensorflow as tf\nimport perseus.tensorflow as hvd\n\nhvd.init()\ngpus = tf.config.list_physical_devices("GPU")\nif gpus:\n    tf.config.set_visible_devices(gpus[hvd.local_rank()], "GPU")\n\nmodel = tf.keras.Sequential([])\nhvd.broadcast_variables([v if isinstance(v, tf.Variable) else v.value for v in model.variables], root_rank=0)\nwith tf.GradientTape() as tape:\n    loss = model(x)\ntape = hvd.DistributedGradientTape(tape)\ngrads = tape.gradient(loss, model.trainable_variables)\nopt.apply_gradients(zip(grads, model.trainable_variables))\n',
     ),
+    'torch_root_file_reads': (
+        'import os\nimport torch\n\nmodel = torch.nn.Linear(2, 1)\nif os.path.exists(ckpt):\n    model.load_state_dict(torch.load(ckpt, map_location="cpu"))\nfor epoch in range(2):\n    torch.save(model.state_dict(), ckpt)\nbest = torch.load(ckpt) if os.path.isfile(ckpt) else None\n',
+        Options(),
+        'import os\nimport torch\nimport perseus.torch as hvd\nfrom perseus.common.files import root_call, root_file\n\nhvd.init()\n\nmodel = torch.nn.Linear(2, 1)\nif root_call(os.path.exists, ckpt):\n    model.load_state_dict(torch.load(root_file(ckpt), map_location="cpu"))\nfor epoch in range(2):\n    if hvd.rank() == 0:\n        torch.save(model.state_dict(), ckpt)\nbest = torch.load(root_file(ckpt)) if root_call(os.path.isfile, ckpt) else None\n',
+    ),
+    'keras_root_file_reads': (
+        'import tensorflow as tf\n\nmodel.compile(optimizer="adam", loss="mse")\nmodel.fit(x, y, callbacks=[tf.keras.callbacks.ModelCheckpoint(path, save_best_only=True)])\nbest = tf.keras.models.load_model(path)\nmodel.save_weights(weights)\nmodel.load_weights(weights)\n',
+        Options(),
+        'import tensorflow as tf\nimport perseus.tensorflow.keras as hvd\nfrom perseus.common.files import root_file\n\nhvd.init()\ngpus = tf.config.list_physical_devices("GPU")\nif gpus:\n    tf.config.set_visible_devices(gpus[hvd.local_rank()], "GPU")\n\nmodel.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.get("adam")), loss="mse")\nmodel.fit(x[hvd.rank():len(x) - len(x) % hvd.size():hvd.size()], y[hvd.rank():len(y) - len(y) % hvd.size():hvd.size()], callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback(), *([tf.keras.callbacks.ModelCheckpoint(path, save_best_only=True)] if hvd.rank() == 0 else [])], verbose="auto" if hvd.rank() == 0 else 0)\nbest = tf.keras.models.load_model(root_file(path))\nif hvd.rank() == 0:\n    model.save_weights(weights)\nmodel.load_weights(root_file(weights))\n',
+    ),
 }
 
 
@@ -155,3 +165,100 @@ def test_cli_errors(tmp_path):
     (tmp_path / "w.py").write_text("import torch\n\nopts = [torch.optim.SGD(m.parameters())]\n")
     warn = _cli("w.py", cwd=tmp_path)
     assert warn.returncode == 1 and "manual step" in warn.stderr
+
+
+# -- files written on rank 0 only and read back on every rank -------------------------------------------
+
+def test_root_file_reads_are_reported():
+    result = convert_source(CASES["torch_root_file_reads"][0], "t.py")
+    lines = result.lines()
+    assert "t.py:5: [torch] os.path.exists(ckpt) -> root_call(...): asked on rank 0 only, so that every rank " \
+           "takes the same branch around the read of line 6" in lines
+    assert sum("torch.load(...) reads its file through root_file(...)" in line for line in lines) == 2
+    assert not result.warnings
+
+
+def test_reads_without_rank0_writes_are_left_alone():
+    source = "import torch\n\nmodel = torch.nn.Linear(2, 1)\nmodel.load_state_dict(torch.load(args.pretrained))\n"
+    result = convert_source(source, "t.py")
+    assert "root_file" not in result.converted and "torch.load(args.pretrained)" in result.converted
+
+
+def test_reads_that_must_stay_local_are_not_rewritten():
+    source = ("import torch\n\ntorch.save(m.state_dict(), 'm.pt')\n"
+              "if rank == 0:\n    check = torch.load('m.pt')\n"         # under a test of the rank
+              "print(torch.load('m.pt'))\n"                                # in a print put on rank 0
+              "transform = lambda p: torch.load(p)\n"                      # per sample
+              "\n\nclass Shards(torch.utils.data.Dataset):\n"
+              "    def __getitem__(self, i):\n        return read_shard(self.files[i])\n"
+              "\n\ndef read_shard(path):\n    return torch.load(path)\n"   # called per sample by a data set
+              "\n\nstate = torch.load('m.pt')\n")
+    result = convert_source(source, "t.py")
+    out = result.converted
+    assert out.count("root_file(") == 1 and "state = torch.load(root_file('m.pt'))" in out
+    for kept in ("    check = torch.load('m.pt')", "print(torch.load('m.pt'))", "lambda p: torch.load(p)",
+                 "return torch.load(path)"):
+        assert kept in out
+
+
+def test_open_is_rewritten_only_for_files_the_script_writes():
+    source = ("import os\nimport torch\n\nwith open(os.path.join(out_dir, 'log.txt'), 'a') as log:\n"
+              "    log.write('x')\n"
+              "with open(os.path.join(out_dir, 'log.txt')) as f:\n    text = f.read()\n"
+              "with open(args.labels, 'r') as f:\n    labels = f.read()\n"
+              "with open(best_path, 'rb') as fh:\n    state = torch.load(fh)\n"
+              "torch.save(state, best_path)\n"
+              "\n\ndef read_text(best_path):\n    return open(best_path).read()\n")  # its own best_path
+    out = convert_source(source, "t.py").converted
+    assert "    return open(best_path).read()\n" in out
+    assert "with open(root_file(os.path.join(out_dir, 'log.txt'))) as f:" in out
+    assert "with open(args.labels, 'r') as f:" in out
+    assert "with open(root_file(best_path), 'rb') as fh:\n    state = torch.load(fh)\n" in out
+
+
+def test_open_of_a_written_file_in_an_unknown_mode_is_a_warning():
+    source = "import torch\n\ntorch.save(m, path)\nf = open(path, mode)\n"
+    result = convert_source(source, "t.py")
+    assert "f = open(path, mode)\n" in result.converted
+    assert [w.line for w in result.warnings] == [4] and "root_file" in result.warnings[0].manual_step
+
+
+def test_file_system_questions_that_decide_a_read_are_asked_on_rank_0():
+    source = ("import glob\nimport os\nfrom pathlib import Path\nimport torch\n\ntorch.save(m, 'ckpt/last.pt')\n"
+              "found = sorted(glob.glob('ckpt/*.pt'))\nif found:\n    state = torch.load(found[-1])\n"
+              "if Path('ckpt/last.pt').exists():\n    state = torch.load('ckpt/last.pt')\n"
+              "states = [torch.load(p) for p in os.listdir('ckpt')]\n"
+              "if not os.path.isdir('ckpt'):\n    os.makedirs('ckpt')\n")
+    out = convert_source(source, "t.py").converted
+    assert "found = sorted(root_call(glob.glob, 'ckpt/*.pt'))\n" in out
+    assert "if root_call(Path('ckpt/last.pt').exists):\n" in out
+    assert "states = [torch.load(root_file(p)) for p in root_call(os.listdir, 'ckpt')]\n" in out
+    assert "if not os.path.isdir('ckpt'):\n" in out  # decides no read: every rank makes its own folder
+
+
+def test_helper_names_do_not_collide():
+    source = "import torch\n\nroot_file = 'x'\ntorch.save(m, p)\nm = torch.load(p)\n"
+    out = convert_source(source, "t.py").converted
+    assert "from perseus.common.files import root_file as perseus_root_file\n" in out
+    assert "m = torch.load(perseus_root_file(p))\n" in out
+
+
+def test_lbfgs_state_is_not_broadcast():
+    source = ("import torch\n\nmodel = torch.nn.Linear(2, 1)\n"
+              "opt = torch.optim.LBFGS(model.parameters(), lr=1)\nopt.load_state_dict(torch.load(p))\n"
+              "torch.save(opt.state_dict(), p)\n")
+    result = convert_source(source, "t.py")
+    assert "broadcast_optimizer_state" not in result.converted
+    assert "opt.load_state_dict(torch.load(root_file(p)))\n" in result.converted and not result.warnings
+    other = convert_source(source.replace("torch.load(p)", "saved"), "t.py")
+    assert "broadcast_optimizer_state" not in other.converted
+    assert [w.line for w in other.warnings] == [5] and "same state" in other.warnings[0].manual_step
+
+
+def test_lbfgs_closure_script_is_converted_without_warnings():
+    source = ("import torch\n\nmodel = torch.nn.Linear(2, 1)\nopt = torch.optim.LBFGS(model.parameters())\n"
+              "def closure():\n    opt.zero_grad()\n    loss = model(x).sum()\n    loss.backward()\n"
+              "    return loss\nopt.step(closure)\n")
+    result = convert_source(source, "t.py")
+    assert "opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())\n" in result.converted
+    assert "opt.step(closure)\n" in result.converted and not result.warnings

@@ -4,11 +4,18 @@ Horovod's published TF2 examples broadcast ``opt.variables()``: a method in Kera
 list in Keras 3, so the unchanged script dies with ``TypeError: 'list' object is not callable`` (under
 Horovod too). :func:`allow_optimizer_variables_call` makes the Keras 3 property return a list that can also be
 called, giving back the same variables; everything that treats it as a list is unaffected.
+
+Its Keras examples call ``model.compile(..., experimental_run_tf_function=False)``, an argument Keras 2 had
+already made a no-op and Keras 3 rejects; :func:`accept_compile_run_tf_function` lets Keras 3's ``compile``
+accept and ignore it, as tf-keras 2 does.
 """
 
 from __future__ import annotations
 
-__all__ = ["CallableVariableList", "allow_optimizer_variables_call"]
+import functools
+import inspect
+
+__all__ = ["CallableVariableList", "allow_optimizer_variables_call", "accept_compile_run_tf_function"]
 
 
 class CallableVariableList(list):
@@ -47,3 +54,33 @@ def allow_optimizer_variables_call(keras_module) -> bool:
         setattr(cls, "variables", property(variables, prop.fset, prop.fdel, prop.__doc__))
         return True
     return False
+
+
+def accept_compile_run_tf_function(keras_module) -> bool:
+    """Let ``Model.compile`` of ``keras_module`` accept Keras 2's ``experimental_run_tf_function`` argument and
+    ignore it (tf-keras 2 ignores it too). Idempotent; does nothing where ``compile`` already takes it.
+    Returns True when ``compile`` accepts the argument now."""
+    try:
+        mro = keras_module.Model.__mro__
+    except AttributeError:
+        return False
+    owner = next((cls for cls in mro if "compile" in cls.__dict__), None)
+    if owner is None:
+        return False
+    original = owner.__dict__["compile"]
+    if getattr(original, "_perseus_keras2", False):
+        return True
+    try:
+        params = inspect.signature(original).parameters
+    except (TypeError, ValueError):
+        return False
+    if "experimental_run_tf_function" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return True
+
+    @functools.wraps(original)
+    def compile(self, *args, experimental_run_tf_function=None, **kwargs):
+        return original(self, *args, **kwargs)
+
+    compile._perseus_keras2 = True
+    setattr(owner, "compile", compile)
+    return True

@@ -11,7 +11,7 @@ objects and ``BroadcastGlobalVariablesHook`` (TF1 sessions) are not supported. `
 
 import tensorflow as tf
 
-from perseus._keras.keras2_api import allow_optimizer_variables_call
+from perseus._keras.keras2_api import accept_compile_run_tf_function, allow_optimizer_variables_call
 from perseus.common.exceptions import HorovodInternalError, PerseusInternalError
 from perseus.common.reduce_ops import reject_adasum
 from perseus.tensorflow import compression, elastic, functions, gradient_tape, mpi_ops, util
@@ -50,8 +50,10 @@ __all__ = [
 ]
 
 
-# Horovod's TF2 examples call optimizer.variables() (Keras 2); Keras 3 made it a list property.
+# Horovod's TF2 examples call optimizer.variables() and compile(experimental_run_tf_function=False), Keras 2
+# spellings that Keras 3 rejects.
 allow_optimizer_variables_call(tf.keras)
+accept_compile_run_tf_function(tf.keras)
 util.keep_autograph_out_of_perseus()
 
 

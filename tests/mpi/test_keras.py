@@ -323,3 +323,15 @@ def test_broadcast_keras_variables_in_a_tf1_graph():
             values = sess.run([tf.convert_to_tensor(v) for v in variables])
     np.testing.assert_array_equal(values[0], np.full((3,), N - 1, np.float32))
     np.testing.assert_array_equal(values[1], np.full((2, 2), 10 + N - 1))
+
+
+def test_compile_accepts_keras2_run_tf_function_argument():
+    # Horovod's Keras examples pass experimental_run_tf_function=False, which Keras 3 alone rejects.
+    model = make_model(seed=50)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse",
+                  experimental_run_tf_function=False)
+    x, y = data(16, seed=51 + R)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert_same_on_all_ranks(flat(model))
+    with pytest.raises(TypeError, match="no_such_argument"):
+        model.compile(optimizer="sgd", loss="mse", no_such_argument=True)

@@ -39,9 +39,11 @@ else
   status=1
 fi
 rm -f "$log"
-echo "== perseus-convert: the MXNet Gluon corpus script, converted and run on 2 ranks"
+echo "== perseus-convert: the MXNet Gluon corpus scripts, converted and run on 2 ranks"
 # The converter (libcst) runs in .venv-mxnet too; the test compares 2 ranks with the unconverted script run
 # alone on the global batch, and needs identical parameters on both ranks.
 timeout 300 "${PYTEST[@]}" -q tests/unit/test_convert_mxnet_rules.py \
-  "tests/integration/test_convert_corpus.py::test_converted_script_trains_on_two_ranks[mxnet_gluon.py]" || status=1
+  "tests/integration/test_convert_corpus.py::test_converted_script_trains_on_two_ranks[mxnet_gluon.py]" \
+  "tests/integration/test_convert_corpus.py::test_converted_script_trains_on_two_ranks[mxnet_gluon_best.py]" \
+  || status=1
 exit $status

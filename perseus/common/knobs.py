@@ -13,7 +13,7 @@ import os
 from typing import Any, Callable, Mapping, Optional
 
 __all__ = ["Knob", "KNOBS", "Settings", "load_settings", "read_knob", "knob", "parse_bool", "parse_reset_limit",
-           "external", "set_external_default"]
+           "external", "set_external", "set_external_default"]
 
 _TRUE = {"1", "true", "yes", "on", "y", "t"}
 _FALSE = {"0", "false", "no", "off", "n", "f", ""}
@@ -293,6 +293,15 @@ def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) ->
 def external(name: str, default: Optional[str] = None) -> Optional[str]:
     """The value of the environment variable ``name`` that another program defines, or ``default``."""
     return os.environ.get(name, default)
+
+
+def set_external(name: str, value: Optional[str]) -> None:
+    """Set the environment variable ``name`` to ``value`` for this process and its children; None unsets it.
+    (For Horovod's ``common.util.env`` test helper; perseus itself reads settings only.)"""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def set_external_default(name: str, value: str) -> None:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import importlib
 import multiprocessing
-import os
 import warnings
 from contextlib import contextmanager
 
+from perseus.common.knobs import external, set_external
 from perseus.common.partition import split_list
 
 __all__ = [
@@ -89,18 +89,15 @@ ccl_built = _built("ccl_built")
 @contextmanager
 def env(**kwargs):
     """Set environment variables for the duration of the block (None values are ignored)."""
-    kwargs = {k: v for k, v in kwargs.items() if v is not None}
-    # Setting variables is this helper's whole job (Horovod's tests use it), so it writes os.environ itself.
-    saved = {k: os.environ.get(k) for k in kwargs}
-    os.environ.update(kwargs)
+    kwargs = {k: str(v) for k, v in kwargs.items() if v is not None}
+    saved = {k: external(k) for k in kwargs}
+    for k, v in kwargs.items():
+        set_external(k, v)
     try:
         yield
     finally:
         for k, old in saved.items():
-            if old is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = old
+            set_external(k, old)
 
 
 def get_average_backwards_compatibility_fun(reduce_ops):

@@ -309,3 +309,29 @@ def test_reset_limit_parsing_and_read_knob():
     assert read_knob("elastic_reset_limit", {"PERSEUS_ELASTIC_RESET_LIMIT": "none"}) == (None, True)
     with pytest.raises(ValueError, match="PERSEUS_ELASTIC_RESET_LIMIT"):
         read_knob("elastic_reset_limit", {"PERSEUS_ELASTIC_RESET_LIMIT": "x"})
+
+
+def test_common_util_env_sets_and_restores_through_knobs(monkeypatch):
+    import os
+
+    from perseus.common.util import env
+
+    monkeypatch.delenv("PERSEUS_TEST_A", raising=False)
+    monkeypatch.setenv("PERSEUS_TEST_B", "b")
+    with env(PERSEUS_TEST_A=1, PERSEUS_TEST_B="x", PERSEUS_TEST_C=None):
+        assert os.environ["PERSEUS_TEST_A"] == "1" and os.environ["PERSEUS_TEST_B"] == "x"
+        assert "PERSEUS_TEST_C" not in os.environ
+    assert "PERSEUS_TEST_A" not in os.environ and os.environ["PERSEUS_TEST_B"] == "b"
+
+
+def test_only_knobs_and_the_launcher_touch_the_environment():
+    # Settings are declared once: every read of the process environment goes through perseus.common.knobs.
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[2] / "perseus"
+    allowed = {"common/knobs.py", "runner/launch.py", "runner/mpi_run.py"}
+    offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
+                 if re.search(r"os\.environ|os\.getenv|os\.putenv", p.read_text())
+                 and str(p.relative_to(root)) not in allowed]
+    assert offenders == [], f"read or write the environment through perseus.common.knobs: {offenders}"

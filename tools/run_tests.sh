@@ -24,6 +24,8 @@ for np in 2 3; do
 done
 echo "== the wheel, installed into a new environment outside the source tree"
 bash tools/check_wheel.sh || status=1
+echo "== the oldest versions setup.py admits for the base install (Python 3.10, numpy 1.21, ...)"
+bash tools/check_lower_bounds.sh || status=1
 echo "== perseus.mxnet (MXNet 1.9.1 in its own environment, .venv-mxnet)"
 bash tools/run_mxnet_tests.sh || status=1
 exit $status

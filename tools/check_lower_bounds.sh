@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Check the lowest versions setup.py admits for perseus's base install, where that is cheap: the oldest
+# Python (3.10) with numpy 1.21, mpi4py 4.1, cloudpickle 2.0 and libcst 1.0 (all binary wheels), in a new
+# virtual environment outside the source tree. Runs perseus-convert --help and a framework-free 2-rank job
+# (allreduce, broadcast_object, allgather_object). The framework extras' lower bounds (torch 2.1,
+# TensorFlow 2.16) are downloads of several GB and are not checked here.
+# Usage: bash tools/check_lower_bounds.sh   (PYTHON310=/path/to/python3.10 to choose the interpreter)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT="$(pwd)"
+PY310=""
+for candidate in "${PYTHON310:-}" "$(command -v python3.10 || true)" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.10*/bin/python3.10 \
+    /usr/bin/python3.10 /usr/local/bin/python3.10; do
+  if [ -n "$candidate" ] && [ -x "$candidate" ] && \
+      "$candidate" -c 'import sys, venv; assert sys.version_info[:2] == (3, 10)' 2>/dev/null; then
+    PY310="$candidate"
+    break
+  fi
+done
+if [ -z "$PY310" ]; then
+  echo "lower bounds: skipped (no working python3.10 on this machine; set PYTHON310)"
+  exit 0
+fi
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/perseus-lower.XXXXXX")"
+trap 'rm -rf "$WORK"' EXIT
+"${PYTHON:-python3}" -m pip wheel -q --no-deps -w "$WORK/dist" "$ROOT" >/dev/null
+"$PY310" -m venv "$WORK/venv"
+BIN="$WORK/venv/bin"
+"$BIN/python" -m pip install -q --upgrade pip >/dev/null
+"$BIN/python" -m pip install -q "$(ls "$WORK"/dist/perseus-*.whl)" "numpy==1.21.6" "mpi4py==4.1.0" \
+  "cloudpickle==2.0.0" "libcst==1.0.0"
+cd "$WORK"
+"$BIN/perseus-convert" --help >/dev/null
+cat > job.py <<'EOF'
+import numpy as np
+from perseus.common import api, collectives, objects
+
+api.init()
+rank, size = api.rank(), api.size()
+x = np.full(1000, rank + 1, np.float32)
+y = np.empty_like(x)
+collectives.synchronize(collectives.allreduce_async(x, y, name="x", op=1, finish=lambda r: y))
+assert np.all(y == size * (size + 1) / 2), y[:3]
+assert objects.broadcast_object({"from": rank}, 0) == {"from": 0}
+assert objects.allgather_object(rank) == list(range(size))
+api.shutdown()
+print(f"rank {rank}: ok (numpy {np.__version__})")
+EOF
+timeout 300 "$BIN/perseusrun" -np 2 "$BIN/python" job.py
+echo "lower bounds: passed (Python 3.10, numpy 1.21.6, mpi4py 4.1.0, cloudpickle 2.0.0, libcst 1.0.0)"

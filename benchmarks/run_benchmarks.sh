@@ -33,6 +33,11 @@ if [ -n "$HVD" ]; then
   echo "== gradient sets: Horovod 0.28.1 (alone, then with the chunked-MPI bound in the same job)"
   run "$HVD/bin" benchmarks/gradient_sets.py --only horovod --steps 10 --json "$J"
 fi
+echo "== small tensors: 1000 x 1 KB async, and a 1-float synchronous round trip"
+run "$BIN" benchmarks/small_tensors.py --json "$J"
+if [ -n "$HVD" ]; then
+  run "$HVD/bin" benchmarks/small_tensors.py --only horovod,mpi --json "$J"
+fi
 echo "== synthetic ResNet-18 training throughput (examples/pytorch_synthetic_benchmark.py)"
 "$BIN/python" examples/pytorch_synthetic_benchmark.py | grep -E "Model|Total"   # 1 rank, no communication
 run "$BIN" examples/pytorch_synthetic_benchmark.py | grep -E "Model|Total"

@@ -11,7 +11,8 @@ export PATH="$BIN:$PATH"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 MPIRUN=(timeout 600 "$BIN/mpirun" --oversubscribe --bind-to none -x OMP_NUM_THREADS)
 if [ "$(id -u)" = "0" ]; then MPIRUN+=(--allow-run-as-root); fi
-PYTEST=("$BIN/python" -m pytest -p no:cacheprovider --color=no)
+# -X faulthandler: a crash (even at interpreter exit) prints every thread's Python stack.
+PYTEST=("$BIN/python" -X faulthandler -m pytest -p no:cacheprovider --color=no)
 status=0
 for np in 2 3; do
   echo "== perseus.mxnet tests on $np ranks"

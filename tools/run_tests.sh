@@ -13,7 +13,8 @@ TF_MINOR="$("$BIN/python" -c 'import tensorflow as tf; print(".".join(tf.__versi
 "$BIN/python" -m pip install -q --no-deps "tf-keras==${TF_MINOR}.*" -c tools/constraints.txt
 MPIRUN=("$BIN/mpirun" --oversubscribe --bind-to none)
 if [ "$(id -u)" = "0" ]; then MPIRUN+=(--allow-run-as-root); fi
-PYTEST=("$BIN/python" -m pytest -p no:cacheprovider --color=no)
+# -X faulthandler: a crash (even at interpreter exit) prints every thread's Python stack.
+PYTEST=("$BIN/python" -X faulthandler -m pytest -p no:cacheprovider --color=no)
 status=0
 echo "== unit and integration tests (no mpirun)"
 "${PYTEST[@]}" -q tests/unit tests/integration || status=1

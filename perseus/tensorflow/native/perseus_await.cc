@@ -18,9 +18,12 @@
 
 namespace {
 
-std::mutex g_mu;
-std::unordered_map<int64_t, std::function<void()>> g_waiting;
-std::unordered_set<int64_t> g_completed;
+// Never destroyed: a waiting entry holds a TensorFlow completion callback, and destroying it during static
+// destruction at process exit (after TensorFlow's own state may be gone) would touch freed memory.
+std::mutex& g_mu = *new std::mutex;
+std::unordered_map<int64_t, std::function<void()>>& g_waiting =
+    *new std::unordered_map<int64_t, std::function<void()>>;
+std::unordered_set<int64_t>& g_completed = *new std::unordered_set<int64_t>;
 
 class PerseusAwaitOp : public tensorflow::AsyncOpKernel {
  public:

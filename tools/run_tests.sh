@@ -18,11 +18,29 @@ PYTEST=("$BIN/python" -X faulthandler -m pytest -p no:cacheprovider --color=no)
 status=0
 echo "== unit and integration tests (no mpirun)"
 "${PYTEST[@]}" -q tests/unit tests/integration || status=1
+mpi_suite() {  # mpi_suite NP LOG: the MPI suite on NP ranks, output also in LOG; returns mpirun's status
+  "${MPIRUN[@]}" -np "$1" "${PYTEST[@]}" -q tests/mpi 2>&1 | tee "$2"
+  return "${PIPESTATUS[0]}"
+}
+MPI_LOG="$(mktemp)"
 for np in 2 3; do
   echo "== MPI tests on $np ranks"
   # Every rank runs every test and prints its own summary line.
-  "${MPIRUN[@]}" -np "$np" "${PYTEST[@]}" -q tests/mpi || status=1
+  if ! mpi_suite "$np" "$MPI_LOG"; then
+    # A known intermittent crash (a few runs in a hundred): a process dies with SIGSEGV after Python has
+    # finalised, once every rank has passed every test. Such a run is repeated once, and says so; a test
+    # failure, or a crash at any other moment, fails at once.
+    passed=$(grep -a -c -E "^[0-9]+ passed" "$MPI_LOG" || true)
+    if [ "$passed" -eq "$np" ] && ! grep -a -q -E "[0-9]+ failed|[0-9]+ errors?\b" "$MPI_LOG" \
+        && grep -a -q -E "process rank [0-9]+ .* exited on" "$MPI_LOG"; then
+      echo "!! every rank passed, then a process crashed at exit (see docs/troubleshooting.md); running once more"
+      mpi_suite "$np" "$MPI_LOG" || status=1
+    else
+      status=1
+    fi
+  fi
 done
+rm -f "$MPI_LOG"
 echo "== the wheel, installed into a new environment outside the source tree"
 bash tools/check_wheel.sh || status=1
 echo "== the oldest versions setup.py admits for the base install (Python 3.10, numpy 1.21, ...)"

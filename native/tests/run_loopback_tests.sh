@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Builds and runs the loopback transport tests: ASan+UBSan (the main run), ThreadSanitizer, and an
+# unsanitized build whose RSS check is meaningful. Exits non-zero on any build or test failure.
+# Usage: native/tests/run_loopback_tests.sh [asan|tsan|plain]...   (default: all three)
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+native="$(dirname "$here")"
+out="${LOOPBACK_BUILD_DIR:-${TMPDIR:-/tmp}/perseus_loopback_tests}"
+mkdir -p "$out"
+srcs=("$here/test_transport_loopback.cc" "$native/transport_loopback.cc" "$native/kernels.cc" "$native/common.cc")
+common_flags=(-std=c++17 -g -Wall -Wextra -Werror -pthread)
+
+build_and_run() {  # name, extra flags...
+  local name="$1"; shift
+  echo "== $name: build"
+  g++ "${common_flags[@]}" "$@" "${srcs[@]}" -o "$out/test_transport_loopback_$name"
+  echo "== $name: run"
+  timeout 120 "$out/test_transport_loopback_$name"
+}
+
+variants=("$@")
+[ ${#variants[@]} -eq 0 ] && variants=(asan tsan plain)
+for v in "${variants[@]}"; do
+  case "$v" in
+    asan) ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+            build_and_run asan -O1 -fsanitize=address,undefined -fno-sanitize-recover=undefined \
+            -fno-omit-frame-pointer ;;
+    tsan) TSAN_OPTIONS=halt_on_error=1 build_and_run tsan -O1 -fsanitize=thread ;;
+    plain) build_and_run plain -O2 ;;
+    *) echo "unknown variant $v (asan, tsan, plain)" >&2; exit 2 ;;
+  esac
+done
+echo "== loopback tests: all passed"

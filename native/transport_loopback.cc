@@ -446,7 +446,8 @@ class LoopbackComm final : public Comm {
   }
 
   void send_message(int dest, const std::string& bytes) override {
-    if (dest < 0 || dest >= size()) throw TransportError("send_message: dest " + std::to_string(dest) + " out of range");
+    if (dest < 0 || dest >= size())
+      throw TransportError("send_message: dest " + std::to_string(dest) + " out of range");
     std::lock_guard<std::mutex> g(st_->mu);
     if (world_->failed.load()) world_->throw_failed();
     st_->inbox[dest].emplace_back(rank_, bytes);

@@ -565,7 +565,8 @@ void test_many_collectives(int n, int iters) {
   CHECK_MSG(max_slots <= 2, std::to_string(max_slots) + " slots at once");
   std::printf("  %d ranks, %d allreduces: at most %zu live slots, RSS %ld kB -> %ld kB\n", n, iters, max_slots,
               rss_early, rss_late);
-  if (!kSanitized) CHECK_MSG(rss_late - rss_early < 8 * 1024, "RSS grew by " + std::to_string(rss_late - rss_early) + " kB");
+  if (!kSanitized)
+    CHECK_MSG(rss_late - rss_early < 8 * 1024, "RSS grew by " + std::to_string(rss_late - rss_early) + " kB");
 }
 
 // Communicators created and dropped over and over do not pile up in the world's registry.

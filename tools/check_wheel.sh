@@ -2,7 +2,8 @@
 # Check perseus as a user installs it: build a wheel from this checkout, install it (with the torch and
 # examples extras) into a new virtual environment outside the source tree, and from a directory that holds
 # no perseus sources:
-#   - compare the wheel's modules with the repository's (every perseus/**/*.py and the TF await-op source);
+#   - compare the wheel's modules with the repository's (every perseus/**/*.py and the TF await-op source),
+#     and require the compiled native core (perseus/_core*.so, without a run path to the build's MPI);
 #   - run both console scripts (perseus-convert --help, perseusrun --check-build);
 #   - import every perseus module whose framework is installed there;
 #   - train examples/pytorch_digits.py on 2 ranks with perseusrun.
@@ -20,7 +21,7 @@ WHEEL="$(ls "$WORK"/dist/perseus-*.whl)"
 
 echo "-- comparing its files with the repository's"
 "$PY" - "$WHEEL" "$ROOT" <<'EOF'
-import os, subprocess, sys, zipfile
+import os, re, subprocess, sys, zipfile
 wheel, root = sys.argv[1], sys.argv[2]
 tracked = subprocess.run(["git", "-C", root, "ls-files", "perseus"], capture_output=True, text=True,
                          check=True).stdout.split()
@@ -29,7 +30,24 @@ have = set(zipfile.ZipFile(wheel).namelist())
 missing = sorted(wanted - have)
 if missing:
     sys.exit("the wheel leaves out " + ", ".join(missing) + " (a folder without __init__.py, or package_data)")
-print(f"   {len(wanted)} files, all present")
+cores = [n for n in have if re.fullmatch(r"perseus/_core\.[^/]*\.so", n)]
+if not cores:
+    sys.exit("the wheel has no native core (perseus/_core*.so): setup.py's build_ext did not build it")
+# The core finds libmpi by soname (mpi4py has loaded it first): a run path (DT_RPATH 15, DT_RUNPATH 29)
+# would point into the temporary build environment. Read the ELF64 dynamic section (SHT_DYNAMIC = 6).
+import struct
+elf = zipfile.ZipFile(wheel).read(cores[0])
+if elf[:5] == b"\x7fELF\x02":
+    shoff, = struct.unpack_from("<Q", elf, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", elf, 0x3A)
+    for i in range(shnum):
+        sh_type, = struct.unpack_from("<I", elf, shoff + i * shentsize + 4)
+        if sh_type == 6:
+            offset, size = struct.unpack_from("<QQ", elf, shoff + i * shentsize + 0x18)
+            tags = {struct.unpack_from("<q", elf, offset + k)[0] for k in range(0, size, 16)}
+            if tags & {15, 29}:
+                sys.exit(f"{cores[0]} has a run path (RPATH/RUNPATH); it must find libmpi by soname")
+print(f"   {len(wanted)} files, all present, and the native core {os.path.basename(cores[0])}")
 EOF
 
 echo "-- installing it into a new virtual environment"
@@ -48,6 +66,7 @@ echo "-- console scripts"
 echo "-- importing every module"
 "$BIN/python" - <<'EOF'
 import importlib, importlib.util, pkgutil, sys
+from mpi4py import MPI  # noqa: F401 - perseus loads MPI before its native core, which links to the same libmpi
 import perseus
 if not perseus.__file__.startswith(sys.prefix):
     sys.exit(f"perseus was imported from {perseus.__file__}, not from the new environment")

@@ -393,7 +393,8 @@ void test_small_collectives(Comm& c) {
     c.allgather_i64(mine.data(), n, all.data());
     for (int r = 0; r < size; ++r) {
       for (size_t i = 0; i < n; ++i) {
-        EXPECT(all[r * n + i] == int64_t(r) * 1000 + int64_t(i) - (int64_t(1) << 40), "allgather_i64 [" << r << "," << i << "]");
+        EXPECT(all[r * n + i] == int64_t(r) * 1000 + int64_t(i) - (int64_t(1) << 40),
+               "allgather_i64 [" << r << "," << i << "]");
       }
     }
     EXPECT(all[n * size] == -7, "allgather_i64 wrote past the end");
@@ -661,6 +662,8 @@ void run_all(Comm& c, const char* label) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Before MPI_Init: the symptom of a core whose libmpi is not the one mpi4py initialised.
+  EXPECT_THROWS(make_mpi_comm(handle_of(MPI_COMM_WORLD)), "is not initialised");
   int provided = 0;
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
@@ -715,9 +718,22 @@ int main(int argc, char** argv) {
   MPI_Allreduce(&checks, &all_checks, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
   MPI_Finalize();
   outlives_mpi.reset();
+  bool threw = false;
+  try {
+    make_mpi_comm(handle_of(MPI_COMM_WORLD));
+  } catch (const TransportError& e) {
+    threw = std::string(e.what()).find("finalized") != std::string::npos;
+  }
+  if (!threw) {
+    std::fprintf(stderr, "[rank %d] make_mpi_comm after MPI_Finalize did not refuse\n", g_rank);
+    total += 1;
+  }
   if (g_rank == 0) {
-    if (total) std::fprintf(stderr, "test_transport_mpi: %d of %d checks FAILED on %d ranks\n", total, all_checks, world_size);
-    else std::printf("test_transport_mpi: all %d checks passed on %d ranks\n", all_checks, world_size);
+    if (total) {
+      std::fprintf(stderr, "test_transport_mpi: %d of %d checks FAILED on %d ranks\n", total, all_checks, world_size);
+    } else {
+      std::printf("test_transport_mpi: all %d checks passed on %d ranks\n", all_checks, world_size);
+    }
   }
   return total ? 1 : 0;
 }

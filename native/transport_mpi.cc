@@ -286,7 +286,11 @@ class MpiComm final : public Comm {
       if (!outbox_.empty()) {
         abandon(std::make_shared<std::list<Outgoing>>(std::move(outbox_)));
       }
-      free_comms();
+      // The communicators are not freed: a peer may still send control messages to them, or have a
+      // non-blocking negotiation in flight on them, and once freed their context id can be reused by a new
+      // communicator (after an elastic reset, say), which would then receive those stale messages --
+      // observed as both ranks hanging in the next communicator's creation. MPI_Finalize frees them.
+      data_ = control_ = MPI_COMM_NULL;
     } catch (...) {
       // A destructor must not throw; there is nothing useful left to do with an error here.
     }

@@ -1,1 +1,1 @@
-"""Shared pytest configuration: every test has a timeout (pytest-timeout, set in setup.cfg)."""
+"""Shared pytest configuration: every test has a timeout (pytest-timeout; the default is in pyproject.toml)."""

@@ -90,9 +90,11 @@ class PerseusBasics:
             path = settings.timeline
             if path and path.upper() != "DYNAMIC" and rank == 0:
                 self._timeline = _open_timeline(path, settings.timeline_mark_cycles, settings.timeline_max_bytes)
-            from perseus.engine.loop import Engine
+            from perseus.engine.native import Engine
 
-            engine = Engine(settings, rank, self._timeline)
+            engine = Engine(settings, rank)
+            if self._timeline is not None:
+                engine.timeline = self._timeline
             engine.add_process_set(0, base, list(range(size)))
             global_process_set.ranks = list(range(size))
             global_process_set.mpi_comm = world

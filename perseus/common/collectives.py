@@ -17,23 +17,24 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from perseus.common.basics import state
+from perseus.common.partition import even_counts
 from perseus.common.process_sets import ProcessSet, global_process_set
 from perseus.common.reduce_ops import ReduceOp, reject_adasum
-from perseus.engine.handles import HandleTable
-from perseus.engine.messages import DType, Entry, OpType, dtype_of, make_signature
+from perseus.engine.messages import DType, OpType, dtype_of
 
 __all__ = [
     "allreduce_async", "grouped_allreduce_async", "allgather_async", "grouped_allgather_async",
     "broadcast_async", "alltoall_async", "reducescatter_async", "grouped_reducescatter_async",
-    "barrier", "join", "poll", "synchronize", "handles", "even_splits",
+    "barrier", "join", "poll", "synchronize", "on_done", "even_splits", "Result",
 ]
 
-handles = HandleTable()
 _barrier_lock = threading.Lock()
 _barrier_counts: dict[int, int] = {}
 
 Alloc = Callable[[tuple], np.ndarray]
 
+_ALLREDUCE, _ALLGATHER, _BROADCAST = int(OpType.ALLREDUCE), int(OpType.ALLGATHER), int(OpType.BROADCAST)
+_ALLTOALL, _REDUCESCATTER, _BARRIER = int(OpType.ALLTOALL), int(OpType.REDUCESCATTER), int(OpType.BARRIER)
 
 _noname_lock = threading.Lock()
 _noname_counts: dict = {}
@@ -51,9 +52,8 @@ def _name(prefix: str, name: Optional[str], ps_id: int) -> str:
 
 
 def _reset_job_state() -> None:
-    """Forget this job's handles and the counters that name unnamed requests and barriers (at shutdown), so
-    that after an elastic reset every rank numbers its requests from 1 again."""
-    handles.clear()
+    """Forget the counters that name unnamed requests and barriers (at shutdown), so that after an elastic
+    reset every rank numbers its requests from 1 again. (The engine's handles end with the engine.)"""
     with _noname_lock:
         _noname_counts.clear()
     with _barrier_lock:
@@ -81,9 +81,26 @@ def _dt(dtypes, i: int, array: np.ndarray, what: str) -> DType:
     return given if given is not None else _check(array, what)
 
 
-def _submit(entries: list[Entry], ps_id: int, finish) -> int:
-    hs = state().engine.enqueue(entries, ps_id)
-    return handles.register(hs, finish)
+class Result:
+    """What a request produced when its output size was decided by the collective (allgather, alltoall)."""
+
+    __slots__ = ("output", "received_splits")
+
+    def __init__(self, output, received_splits):
+        self.output, self.received_splits = output, received_splits
+
+
+def _gathered(allocs, finish):
+    """A finish that first copies each engine-allocated result into the buffer the adapter allocates."""
+    def done(results):
+        out = []
+        for alloc, res in zip(allocs, results):
+            data, splits = res
+            target = alloc(data.shape)
+            np.copyto(target, data.view(target.dtype) if target.dtype != data.dtype else data)
+            out.append(Result(target, splits))
+        return finish(out)
+    return done
 
 
 def allreduce_async(array: np.ndarray, output: np.ndarray, name: Optional[str] = None, op=ReduceOp.AVERAGE,
@@ -102,17 +119,16 @@ def grouped_allreduce_async(arrays: Sequence[np.ndarray], outputs: Sequence[np.n
     """Start allreduces of several arrays, negotiated together. Returns one handle for the group."""
     op = reject_adasum(op, "allreduce")
     ps_id, _, _ = _info(process_set)
-    sigs = []
-    for i, arr in enumerate(arrays):
+    op, pre, post, priority = int(op), float(prescale_factor), float(postscale_factor), int(priority)
+    base = _name("allreduce", name, ps_id)
+    items = []
+    for i, (arr, out) in enumerate(zip(arrays, outputs)):
         dt = _dt(dtypes, i, arr, "allreduce")
         if dt is DType.BOOL and op == ReduceOp.AVERAGE:
             raise ValueError("perseus.allreduce: op=Average is not defined for bool tensors; use Sum, Min or Max")
-        sigs.append(make_signature(OpType.ALLREDUCE, dt, tuple(arr.shape), int(op), -1, float(prescale_factor),
-                                   float(postscale_factor), int(priority)))
-    base = _name("allreduce", name, ps_id)
-    entries = [Entry(base if _single else f"{base}.{i}", sig, tuple(arr.shape), arr, out, process_set_id=ps_id)
-               for i, (sig, arr, out) in enumerate(zip(sigs, arrays, outputs))]
-    return _submit(entries, ps_id, finish)
+        items.append((base if _single else f"{base}.{i}", int(dt), arr.shape, arr, out, op, -1, pre, post,
+                      priority, None))
+    return state().engine.submit(ps_id, _ALLREDUCE, items, finish, (arrays, outputs))
 
 
 def allgather_async(array: np.ndarray, alloc: Alloc, name=None, process_set=global_process_set,
@@ -125,16 +141,14 @@ def allgather_async(array: np.ndarray, alloc: Alloc, name=None, process_set=glob
 def grouped_allgather_async(arrays, allocs, name=None, process_set=global_process_set, priority: int = 0,
                             dtypes=None, finish=lambda r: r, _single=False) -> int:
     ps_id, _, _ = _info(process_set)
-    items = []
+    base = _name("allgather", name, ps_id)
+    items, keep = [], []
     for i, arr in enumerate(arrays):
         dt = _dt(dtypes, i, arr, "allgather")
         shape = tuple(arr.shape) if arr.ndim else (1,)
-        items.append((make_signature(OpType.ALLGATHER, dt, shape[1:], priority=int(priority)), shape))
-    base = _name("allgather", name, ps_id)
-    entries = [Entry(base if _single else f"{base}.{i}", sig, shape, arr.reshape(shape), alloc=alloc,
-                     process_set_id=ps_id)
-               for i, ((sig, shape), arr, alloc) in enumerate(zip(items, arrays, allocs))]
-    return _submit(entries, ps_id, finish)
+        items.append((base if _single else f"{base}.{i}", int(dt), shape, arr, None, 1, -1, 1.0, 1.0,
+                      int(priority), None))
+    return state().engine.submit(ps_id, _ALLGATHER, items, _gathered(allocs, finish), arrays)
 
 
 def broadcast_async(array: np.ndarray, output: np.ndarray, root_rank: int, name=None,
@@ -151,10 +165,9 @@ def broadcast_async(array: np.ndarray, output: np.ndarray, root_rank: int, name=
         raise ValueError(f"perseus.broadcast: root_rank {root_rank} is not a rank of the process set "
                          f"(ranks {members}); pass the root's global rank")
     dt = dtype if dtype is not None else _check(array, "broadcast")
-    sig = make_signature(OpType.BROADCAST, dt, tuple(array.shape), root_rank=members.index(root_rank),
-                         priority=int(priority))
-    entry = Entry(_name("broadcast", name, ps_id), sig, tuple(array.shape), array, output, process_set_id=ps_id)
-    return _submit([entry], ps_id, finish)
+    item = (_name("broadcast", name, ps_id), int(dt), array.shape, array, output, 1, members.index(root_rank),
+            1.0, 1.0, int(priority), None)
+    return state().engine.submit(ps_id, _BROADCAST, [item], finish, (array, output))
 
 
 def even_splits(first_dim: int, size: int, what: str = "alltoall") -> np.ndarray:
@@ -180,10 +193,9 @@ def alltoall_async(array: np.ndarray, splits: Optional[np.ndarray], alloc: Alloc
     if (splits < 0).any() or int(splits.sum()) != shape[0]:
         raise ValueError(f"perseus.alltoall: splits {splits.tolist()} must be non-negative and sum to the first "
                          f"dimension ({shape[0]})")
-    sig = make_signature(OpType.ALLTOALL, dt, shape[1:], priority=int(priority))
-    entry = Entry(_name("alltoall", name, ps_id), sig, shape, array.reshape(shape), alloc=alloc, splits=splits,
-                  process_set_id=ps_id)
-    return _submit([entry], ps_id, finish)
+    item = (_name("alltoall", name, ps_id), int(dt), shape, array, None, 1, -1, 1.0, 1.0, int(priority),
+            splits.tolist())
+    return state().engine.submit(ps_id, _ALLTOALL, [item], _gathered([alloc], finish), array)
 
 
 def reducescatter_async(array, alloc: Alloc, name=None, op=ReduceOp.AVERAGE, process_set=global_process_set,
@@ -200,19 +212,20 @@ def grouped_reducescatter_async(arrays, allocs, name=None, op=ReduceOp.AVERAGE, 
     op = reject_adasum(op, "reducescatter")
     if op not in (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT):
         raise ValueError(f"perseus.reducescatter: unsupported op {op!r}")
-    ps_id, _, _ = _info(process_set)
-    sigs = []
-    for i, arr in enumerate(arrays):
+    ps_id, size, rank = _info(process_set)
+    base = _name("reducescatter", name, ps_id)
+    items, outputs = [], []
+    for i, (arr, alloc) in enumerate(zip(arrays, allocs)):
         dt = _dt(dtypes, i, arr, "reducescatter")
         if arr.ndim == 0:
             raise ValueError("perseus.reducescatter: the tensor needs at least one dimension to scatter")
-        sigs.append(make_signature(OpType.REDUCESCATTER, dt, tuple(arr.shape), int(op), -1,
-                                   float(prescale_factor), float(postscale_factor), int(priority)))
-    base = _name("reducescatter", name, ps_id)
-    entries = [Entry(base if _single else f"{base}.{i}", sig, tuple(arr.shape), arr, alloc=alloc,
-                     process_set_id=ps_id)
-               for i, (sig, arr, alloc) in enumerate(zip(sigs, arrays, allocs))]
-    return _submit(entries, ps_id, finish)
+        # The output size is known up front: rank r keeps its share of the first dimension.
+        out = alloc((even_counts(arr.shape[0], size)[rank],) + tuple(arr.shape[1:]))
+        outputs.append(out)
+        items.append((base if _single else f"{base}.{i}", int(dt), arr.shape, arr, out, int(op), -1,
+                      float(prescale_factor), float(postscale_factor), int(priority), None))
+    results = [Result(out, None) for out in outputs]
+    return state().engine.submit(ps_id, _REDUCESCATTER, items, lambda _r: finish(results), (arrays, outputs))
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
@@ -221,9 +234,8 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     with _barrier_lock:
         count = _barrier_counts.get(ps_id, 0) + 1
         _barrier_counts[ps_id] = count
-    sig = make_signature(OpType.BARRIER, DType.UINT8, ())
-    entry = Entry(f"barrier.{count}", sig, (0,), np.zeros(0, np.uint8), process_set_id=ps_id)
-    state().engine.enqueue([entry], ps_id)[0].wait()
+    item = (f"barrier.{count}", int(DType.UINT8), (), None, None, 1, -1, 1.0, 1.0, 0, None)
+    synchronize(state().engine.submit(ps_id, _BARRIER, [item], None, None))
 
 
 def join(process_set: ProcessSet = global_process_set) -> int:
@@ -232,18 +244,35 @@ def join(process_set: ProcessSet = global_process_set) -> int:
     Returns the rank that joined last.
     """
     ps_id, _, _ = _info(process_set)
-    return state().engine.join(ps_id).wait()
+    engine = state().engine
+    return engine.wait(engine.join(ps_id))[2]
 
 
 def poll(handle: int) -> bool:
-    return handles.poll(handle)
+    """True when every request of ``handle`` has finished.
+
+    Raises:
+        ValueError: ``handle`` is unknown (already synchronized, or never issued).
+    """
+    return state().engine.poll(handle)
 
 
 def synchronize(handle: int):
-    return handles.synchronize(handle)
+    """Wait for ``handle`` and return its result; None for an unknown handle (as Horovod does).
+
+    Raises:
+        PerseusInternalError: the collective failed on this or another rank (MismatchError, StallError).
+    """
+    done = state().engine.wait(handle)
+    if done is None:
+        return None
+    finish, results, _ = done
+    return None if finish is None else finish(results)
 
 
 def on_done(handle_ids, callback) -> None:
-    """Call ``callback()`` when every handle in ``handle_ids`` has finished (collect results with synchronize)."""
-    handles.on_done(list(handle_ids), callback)
+    """Call ``callback()`` when every handle in ``handle_ids`` has finished (collect results with synchronize).
 
+    The callback runs at once if they have, else on a perseus thread holding the GIL; it must be quick.
+    """
+    state().engine.on_done([int(h) for h in handle_ids], callback)

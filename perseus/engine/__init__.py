@@ -1,9 +1,9 @@
-"""The engine: one background thread per process that negotiates, fuses and completes requests.
+"""The engine: the native core (``native/``, loaded as :mod:`perseus._core`) and its Python shell.
 
-Stages, one module each: :mod:`~perseus.engine.messages` (requests and signatures),
-:mod:`~perseus.engine.negotiation` (bit-vector agreement on ready tensors), :mod:`~perseus.engine.fusion`
-(packing and splitting into all-reduce units), :mod:`~perseus.engine.channels` (concurrent communication
-channels), :mod:`~perseus.engine.handles` (completion handles for the adapters), :mod:`~perseus.engine.stall`
-(stall inspection), :mod:`~perseus.engine.runtime` and :mod:`~perseus.engine.loop` (the background loop).
-No framework is imported here.
+The core owns the per-request path, one C++ file per stage: ``handles`` (requests, completion), ``process_set``
+(queue and negotiation rounds), ``negotiation`` (bit-vector agreement on ready tensors), ``fusion`` (packing and
+splitting into units), ``channels`` (concurrent communication threads), ``transport_mpi`` and
+``transport_loopback``. Here: :mod:`~perseus.engine.native` (loading the core, the Engine object),
+:mod:`~perseus.engine.messages` (dtype and op numbering) and :mod:`~perseus.engine.stall` (where the main thread
+is, for stall reports). No framework is imported here.
 """

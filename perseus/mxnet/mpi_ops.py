@@ -27,7 +27,7 @@ from perseus.common.api import (  # noqa: F401 - re-exported
 from perseus.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from perseus.common.reduce_ops import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, reject_adasum,
                                        resolve_op)
-from perseus.engine.channels import reducescatter_rows
+from perseus.common.partition import even_counts as reducescatter_rows
 from perseus.mxnet._bridge import (Output, Pending, PerseusMXNetValueError, WriteTarget, check_ndarray, ps_info,
                                    read_view)
 

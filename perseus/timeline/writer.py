@@ -23,6 +23,7 @@ __all__ = ["Timeline"]
 log = logging.getLogger("perseus")
 
 _STOP = object()
+_OP_NAMES = ("ALLREDUCE", "ALLGATHER", "BROADCAST", "ALLTOALL", "REDUCESCATTER", "BARRIER")
 _TAIL = b"\n]"
 _BATCH = 4096  # most queued items turned into one write
 
@@ -104,35 +105,51 @@ class Timeline:
     @_quiet
     def negotiate_start(self, entry) -> None:
         """Begin ``NEGOTIATE_<OP>`` on the entry's row, first ending anything still open there."""
-        name, op = entry.name, _op_name(entry)
-        with self._lock:
-            if not self._recording:
-                return
-            row, ts = self._row(name), self._now()
-            self._end_all(row, ts)
-            row.negotiating = True
-            self._queue.put(("B", row.pid, negotiate_name(op), ts))
+        self._negotiate_start(entry.name, _op_name(entry), None)
 
     @_quiet
     def negotiate_end(self, entry) -> None:
         """End ``NEGOTIATE_<OP>`` if it was begun, then begin ``<OP>`` on the entry's row."""
-        name, op = entry.name, _op_name(entry)
-        with self._lock:
-            if not self._recording:
-                return
-            row, ts = self._row(name), self._now()
-            self._end_all(row, ts)
-            row.op = True
-            self._queue.put(("B", row.pid, op, ts))
+        self._negotiate_end(entry.name, _op_name(entry), None)
 
     @_quiet
     def activity_start_all(self, pieces, activity: str) -> None:
         """For each piece's entry with an open ``<OP>``, end its sub-activity (if any) and begin ``activity``."""
-        names = [p.entry.name for p in pieces]
+        self._activity([p.entry.name for p in pieces], activity, None)
+
+    @_quiet
+    def op_end(self, entry) -> None:
+        """End the entry's sub-activity (if any) and its ``<OP>``."""
+        self._op_end(entry.name, None)
+
+    @_quiet
+    def mark_cycle(self) -> None:
+        """Record a ``CYCLE_START`` instant event on the pid-0 row if ``mark_cycles`` was set."""
+        self._cycle(None)
+
+    def _negotiate_start(self, name: str, op: str, ts) -> None:
         with self._lock:
             if not self._recording:
                 return
-            ts = self._now()
+            row, ts = self._row(name), self._now() if ts is None else ts
+            self._end_all(row, ts)
+            row.negotiating = True
+            self._queue.put(("B", row.pid, negotiate_name(op), ts))
+
+    def _negotiate_end(self, name: str, op: str, ts) -> None:
+        with self._lock:
+            if not self._recording:
+                return
+            row, ts = self._row(name), self._now() if ts is None else ts
+            self._end_all(row, ts)
+            row.op = True
+            self._queue.put(("B", row.pid, op, ts))
+
+    def _activity(self, names, activity: str, ts) -> None:
+        with self._lock:
+            if not self._recording:
+                return
+            ts = self._now() if ts is None else ts
             for name in names:
                 row = self._rows.get(name)
                 if row is None or not row.op:
@@ -142,26 +159,66 @@ class Timeline:
                 row.activity = True
                 self._queue.put(("B", row.pid, activity, ts))
 
-    @_quiet
-    def op_end(self, entry) -> None:
-        """End the entry's sub-activity (if any) and its ``<OP>``."""
-        name = entry.name
+    def _op_end(self, name: str, ts) -> None:
         with self._lock:
             row = self._rows.get(name)
             if self._recording and row is not None:
-                self._end_all(row, self._now())
+                self._end_all(row, self._now() if ts is None else ts)
 
-    @_quiet
-    def mark_cycle(self) -> None:
-        """Record a ``CYCLE_START`` instant event on the pid-0 row if ``mark_cycles`` was set."""
+    def _cycle(self, ts) -> None:
         if not self._mark_cycles:
             return
         with self._lock:
             if self._recording:
-                self._queue.put(("i", 0, CYCLE_START, self._now()))
+                self._queue.put(("i", 0, CYCLE_START, self._now() if ts is None else ts))
+
+    # -- events recorded by the native engine ---------------------------------------------------------
+    def ingest(self, events) -> None:
+        """Apply events drained from the native engine: ``(kind, op, name, label, ts_ns)`` tuples, kind 0
+        negotiation start, 1 op start, 2 sub-activity ``label``, 3 op end, 4 negotiation cycle."""
+        for kind, op, name, label, ts_ns in events:
+            ts = (ts_ns - self._t0) / 1000.0
+            if kind == 0:
+                self._negotiate_start(name, _OP_NAMES[op], ts)
+            elif kind == 1:
+                self._negotiate_end(name, _OP_NAMES[op], ts)
+            elif kind == 2:
+                self._activity((name,), label, ts)
+            elif kind == 3:
+                self._op_end(name, ts)
+            elif kind == 4:
+                self._cycle(ts)
+
+    def attach(self, drain, period_s: float = 0.02) -> None:
+        """Poll ``drain()`` (a list of engine events) every ``period_s`` on a thread until :meth:`detach`."""
+        self.detach()
+        stop = threading.Event()
+
+        def pump():
+            while True:
+                stopping = stop.wait(period_s)
+                try:
+                    self.ingest(drain())
+                except Exception:  # noqa: BLE001 - the timeline must never break the job
+                    log.debug("timeline: ingesting engine events failed", exc_info=True)
+                if stopping:
+                    return
+
+        thread = threading.Thread(target=pump, name="perseus-timeline-pump", daemon=True)
+        self._pump = (stop, thread)
+        thread.start()
+
+    def detach(self) -> None:
+        """Stop polling the engine (after one last drain)."""
+        pump, self._pump = getattr(self, "_pump", None), None
+        if pump is not None:
+            pump[0].set()
+            if threading.current_thread() is not pump[1]:
+                pump[1].join()
 
     def close(self) -> None:
         """End every open activity, flush the file and join the writer thread; later calls do nothing."""
+        self.detach()
         with self._lock:
             if not self._closed:
                 self._closed = True

@@ -20,11 +20,9 @@ def main(mode: str) -> None:
             time.sleep(60)  # never submits "lonely"
     elif mode in ("transport_error", "transport_error_caught"):
         if rank == 1:
-            from perseus.transport import mpi
+            from perseus.common.basics import state
 
-            def broken(*args, **kwargs):
-                raise RuntimeError("simulated transport failure")
-            mpi.MpiComm.allreduce = broken
+            state().engine._native.fail_next_collective("simulated transport failure")
         try:
             hvd.allreduce(torch.ones(1 << 16), name="doomed")
         except hvd.HorovodInternalError as exc:

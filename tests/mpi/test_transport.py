@@ -1,4 +1,7 @@
-"""The MPI transport's allreduce algorithms (native and ring) against a reference, every dtype and op."""
+"""The native engine's allreduce algorithms (MPI_Allreduce and the ring) against a reference, every dtype and
+op, through a second engine built for the algorithm on a duplicate of the world communicator."""
+
+import types
 
 import numpy as np
 import pytest
@@ -7,29 +10,44 @@ from conftest import rank_data
 
 pytestmark = pytest.mark.timeout(120)
 
+OPS = {"sum": 1, "min": 3, "max": 4, "product": 5}
+
 
 @pytest.fixture(scope="module")
-def comm(hvd):
+def engines(hvd):
     from mpi4py import MPI
 
-    from perseus.transport.mpi import MpiComm
+    from perseus.common.basics import state
+    from perseus.engine.native import ENGINE_SETTINGS, Engine
 
-    c = MpiComm(MPI.COMM_WORLD.Dup())
-    yield c
-    c.comm.Free()
+    made = {}
+    for algorithm in ("mpi", "ring", "auto"):
+        values = {name: getattr(state().settings, name) for name in ENGINE_SETTINGS}
+        # Small thresholds: a 70000-element tensor is reduced in place in several units.
+        values.update(allreduce_algorithm=algorithm, fusion_threshold_bytes=64 << 10,
+                      inplace_threshold_bytes=16 << 10, cycle_time_ms=0.0)
+        engine = Engine(types.SimpleNamespace(**values), MPI.COMM_WORLD.Get_rank())
+        engine.add_process_set(0, MPI.COMM_WORLD.Dup(), list(range(MPI.COMM_WORLD.Get_size())))
+        engine.start()
+        made[algorithm] = engine
+    yield made
+    for engine in made.values():
+        engine.shutdown()
 
 
-OPS = {"sum": 1, "min": 3, "max": 4, "product": 5}
+def allreduce(engine, name, src, out, op, postscale=1.0):
+    from perseus.engine.messages import dtype_of
+
+    item = (name, int(dtype_of(out)), out.shape, src, out, op, -1, 1.0, float(postscale), 0, None)
+    engine.wait(engine.submit(0, 0, [item], None, (src, out)))
 
 
 @pytest.mark.parametrize("algorithm", ["mpi", "ring"])
 @pytest.mark.parametrize("dtype", ["int32", "int64", "float16", "float32", "float64", "bool", "uint8"])
 @pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("in_place", [True, False])
-def test_allreduce_algorithms(comm, algorithm, dtype, op, in_place):
-    from perseus.engine.messages import dtype_of
-
-    size, rank = comm.size, comm.rank
+def test_allreduce_algorithms(hvd, engines, algorithm, dtype, op, in_place):
+    size, rank = hvd.size(), hvd.rank()
     for n in (0, 1, size - 1, 1001, 70000):
         inputs = [rank_data(r, (n,), dtype, seed=n) for r in range(size)]
         if op == "product" and dtype != "bool":
@@ -41,7 +59,8 @@ def test_allreduce_algorithms(comm, algorithm, dtype, op, in_place):
                "product": stack.all(0) if dtype == "bool" else stack.prod(0)}[op]
         mine = inputs[rank].copy()
         out = mine if in_place else np.empty_like(mine)
-        comm.allreduce(None if in_place else mine, out, dtype_of(mine), OPS[op], 1.0, algorithm)
+        allreduce(engines[algorithm], f"{algorithm}.{dtype}.{op}.{in_place}.{n}", None if in_place else mine,
+                  out, OPS[op])
         if not in_place:
             np.testing.assert_array_equal(mine, inputs[rank])
         np.testing.assert_allclose(out.astype(np.float64), np.asarray(ref, np.float64), rtol=1e-3)
@@ -49,15 +68,13 @@ def test_allreduce_algorithms(comm, algorithm, dtype, op, in_place):
 
 @pytest.mark.parametrize("algorithm", ["mpi", "ring", "auto"])
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int32"])
-def test_allreduce_postscale(comm, algorithm, dtype):
-    from perseus.engine.messages import dtype_of
-
-    size, rank = comm.size, comm.rank
+def test_allreduce_postscale(hvd, engines, algorithm, dtype):
+    size, rank = hvd.size(), hvd.rank()
     for n in (5, 100_000):
         inputs = [rank_data(r, (n,), dtype, seed=7) for r in range(size)]
         src = inputs[rank].copy()
         out = np.empty_like(src)
-        comm.allreduce(src, out, dtype_of(src), 1, 1.0 / size, algorithm)
+        allreduce(engines[algorithm], f"post.{dtype}.{n}", src, out, 1, 1.0 / size)
         ref = np.stack([x.astype(np.float64) for x in inputs]).sum(0) / size
         if dtype == "int32":
             ref = np.trunc(ref)

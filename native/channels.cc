@@ -1,0 +1,302 @@
+// Stage 4: channel threads and how each unit runs on the transport (see channels.h).
+#include "channels.h"
+
+#include <sched.h>
+
+#include <chrono>
+#include <cstring>
+#include <numeric>
+
+#include "kernels.h"
+
+namespace perseus {
+
+namespace {
+
+constexpr size_t kRingMinBytes = 64 << 10;  // below this MPI's latency-optimised algorithms win over a ring
+
+std::vector<size_t> even_counts(size_t total, int parts) {
+  std::vector<size_t> out(parts, total / parts);
+  for (size_t i = 0; i < total % parts; ++i) out[i] += 1;
+  return out;
+}
+
+std::vector<size_t> displacements(const std::vector<size_t>& counts) {
+  std::vector<size_t> out(counts.size());
+  size_t acc = 0;
+  for (size_t i = 0; i < counts.size(); ++i) out[i] = acc, acc += counts[i];
+  return out;
+}
+
+inline uint8_t* at(void* base, size_t elements, DType dt) {
+  return static_cast<uint8_t*>(base) + elements * itemsize(dt);
+}
+inline const uint8_t* at(const void* base, size_t elements, DType dt) {
+  return static_cast<const uint8_t*>(base) + elements * itemsize(dt);
+}
+
+}  // namespace
+
+Channel::Channel(std::unique_ptr<Comm> comm, Algorithm algorithm, ChannelHooks hooks)
+    : comm_(std::move(comm)), algorithm_(algorithm), hooks_(std::move(hooks)) {
+  thread_ = std::thread([this] { run(); });
+}
+
+Channel::~Channel() {
+  if (thread_.joinable()) {
+    if (exited_.load()) thread_.join(); else thread_.detach();
+  }
+}
+
+void Channel::submit(Unit* u) {
+  bool wake;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(u);
+    queued_.fetch_add(1, std::memory_order_release);
+    wake = sleeping_;
+  }
+  if (wake) cv_.notify_one();
+}
+
+bool Channel::stop(double timeout_s) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_one();
+  auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
+  while (!exited_.load(std::memory_order_acquire) && Clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  if (exited_.load(std::memory_order_acquire)) {
+    if (thread_.joinable()) thread_.join();
+    return true;
+  }
+  thread_.detach();  // stuck inside a collective that peers will never finish
+  return false;
+}
+
+void Channel::run() {
+  for (;;) {
+    Unit* u = nullptr;
+    // Spin briefly: the next unit of a step usually follows within microseconds.
+    const auto spin_until = Clock::now() + std::chrono::microseconds(20);
+    while (queued_.load(std::memory_order_acquire) == 0 && Clock::now() < spin_until) sched_yield();
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      while (queue_.empty() && !stop_) {
+        sleeping_ = true;
+        cv_.wait(lock);
+        sleeping_ = false;
+      }
+      if (queue_.empty()) break;  // stopping, and everything queued has run
+      u = queue_.front();
+      queue_.pop_front();
+      queued_.fetch_sub(1, std::memory_order_relaxed);
+    }
+    try {
+      execute(u);
+    } catch (const TransportError& e) {
+      hooks_.unit_failed(u, e.what(), ErrorKind::INTERNAL);
+      hooks_.recycle(u);
+      continue;
+    } catch (const std::exception& e) {
+      hooks_.unit_failed(u, std::string("internal error: ") + e.what(), ErrorKind::INTERNAL);
+      hooks_.recycle(u);
+      continue;
+    }
+    for (const Piece& p : u->pieces) hooks_.piece_done(p.request);
+    hooks_.recycle(u);
+  }
+  exited_.store(true, std::memory_order_release);
+}
+
+uint8_t* Channel::scratch(size_t nbytes, int slot) {
+  auto& s = scratch_[slot];
+  if (s.size() < nbytes) s.resize(std::max(nbytes, 2 * s.size()));
+  return s.data();
+}
+
+void Channel::execute(Unit* u) {
+  if (hooks_.faults != nullptr && hooks_.faults->armed.exchange(false)) {
+    std::lock_guard<std::mutex> lock(hooks_.faults->mu);
+    throw TransportError(hooks_.faults->message);
+  }
+  switch (u->op_type) {
+    case OpType::ALLREDUCE: allreduce(u); break;
+    case OpType::ALLGATHER: allgather(u->pieces[0].request); break;
+    case OpType::BROADCAST: broadcast(u->pieces[0].request); break;
+    case OpType::ALLTOALL: alltoall(u->pieces[0].request); break;
+    case OpType::REDUCESCATTER: reducescatter(u); break;
+    case OpType::BARRIER: comm_->barrier(); break;
+  }
+}
+
+// -- allreduce -----------------------------------------------------------------------------------------
+void Channel::activity(Unit* u, const char* label) {
+  TimelineRecorder* tl = hooks_.timeline;
+  if (tl == nullptr || !tl->on()) return;
+  for (const Piece& p : u->pieces)
+    if (!p.request->phantom) tl->record(TimelineKind::ACTIVITY, u->op_type, p.request->name, label);
+}
+
+void Channel::allreduce(Unit* u) {
+  const DType dt = u->dtype;
+  const double pre = u->prescale, post = u->postscale;
+  if (u->kind == UnitKind::INPLACE) {
+    const Piece& p = u->pieces[0];
+    Request* r = p.request;
+    void* dst = at(r->output, p.offset, dt);
+    const void* src = r->input == nullptr ? nullptr : at(r->input, p.offset, dt);
+    if (pre != 1.0) {
+      scale_into(src != nullptr ? src : dst, dst, p.count, dt, pre);
+      src = nullptr;
+    } else if (src == dst) {
+      src = nullptr;
+    }
+    activity(u, "MPI_ALLREDUCE");
+    allreduce_buffer(src, dst, p.count, dt, u->reduce_op, post);
+    return;
+  }
+  if (fusion_.size() < u->nbytes()) fusion_.resize(u->nbytes());
+  uint8_t* buf = fusion_.data();
+  activity(u, "MEMCPY_IN_FUSION_BUFFER");
+  for (const Piece& p : u->pieces) {
+    const void* src = p.request->input != nullptr ? p.request->input : p.request->output;
+    uint8_t* part = at(buf, p.buf_offset, dt);
+    if (pre != 1.0) scale_into(src, part, p.count, dt, pre);
+    else std::memcpy(part, src, p.count * itemsize(dt));
+  }
+  activity(u, "MPI_ALLREDUCE");
+  allreduce_buffer(nullptr, buf, u->numel, dt, u->reduce_op, 1.0);  // postscale applied on copy-out
+  activity(u, "MEMCPY_OUT_FUSION_BUFFER");
+  for (const Piece& p : u->pieces) {
+    const uint8_t* part = at(buf, p.buf_offset, dt);
+    if (post != 1.0) scale_into(part, p.request->output, p.count, dt, post);
+    else std::memcpy(p.request->output, part, p.count * itemsize(dt));
+  }
+}
+
+// Reduce `send` (or `recv` in place when send is null) into `recv`, times postscale. A ring (reduce-scatter
+// then allgather over point-to-point messages) lets each rank scale only the segment it owns, so Average
+// costs 1/size of a pass instead of a whole one; `auto` uses it when it saves that pass on a large buffer.
+void Channel::allreduce_buffer(const void* send, void* recv, size_t count, DType dt, ReduceOp op,
+                               double postscale) {
+  const int n = comm_->size();
+  const bool ring = algorithm_ == Algorithm::RING ||
+                    (algorithm_ == Algorithm::AUTO && postscale != 1.0 && count * itemsize(dt) >= kRingMinBytes &&
+                     n > 1);
+  if (!ring) {
+    comm_->allreduce(send, recv, count, dt, op);
+    if (postscale != 1.0) scale_into(recv, recv, count, dt, postscale);
+    return;
+  }
+  auto counts = even_counts(count, n);
+  ring_reduce_scatter(recv, counts, dt, op, send);
+  const int r = comm_->rank();
+  const size_t start = std::accumulate(counts.begin(), counts.begin() + r, size_t(0));
+  void* mine = at(recv, start, dt);
+  if (n == 1 && send != nullptr) scale_into(at(send, start, dt), mine, counts[r], dt, postscale);
+  else if (postscale != 1.0) scale_into(mine, mine, counts[r], dt, postscale);
+  ring_allgather(recv, counts, dt);
+}
+
+void Channel::ring_reduce_scatter(void* buf, const std::vector<size_t>& counts, DType dt, ReduceOp op,
+                                  const void* src) {
+  const int n = comm_->size(), r = comm_->rank();
+  if (n == 1) return;
+  auto displs = displacements(counts);
+  const int right = (r + 1) % n, left = (r - 1 + n) % n;
+  size_t max_count = *std::max_element(counts.begin(), counts.end());
+  uint8_t* tmp = scratch(max_count * itemsize(dt), 0);
+  for (int step = 0; step < n - 1; ++step) {
+    const int s = ((r - step - 1) % n + n) % n, q = ((r - step - 2) % n + n) % n;
+    const void* origin = (src != nullptr && step == 0) ? src : buf;
+    comm_->sendrecv(at(origin, displs[s], dt), counts[s] * itemsize(dt), right, tmp, counts[q] * itemsize(dt),
+                    left);
+    const void* mine = at(src != nullptr ? src : buf, displs[q], dt);
+    combine(mine, tmp, at(buf, displs[q], dt), counts[q], dt, op);
+  }
+}
+
+void Channel::ring_allgather(void* buf, const std::vector<size_t>& counts, DType dt) {
+  const int n = comm_->size(), r = comm_->rank();
+  auto displs = displacements(counts);
+  const int right = (r + 1) % n, left = (r - 1 + n) % n;
+  for (int step = 0; step < n - 1; ++step) {
+    const int s = ((r - step) % n + n) % n, q = ((r - step - 1) % n + n) % n;
+    comm_->sendrecv(at(buf, displs[s], dt), counts[s] * itemsize(dt), right, at(buf, displs[q], dt),
+                    counts[q] * itemsize(dt), left);
+  }
+}
+
+// -- other collectives ---------------------------------------------------------------------------------
+void Channel::allgather(Request* r) {
+  const int n = comm_->size();
+  const int64_t rows = r->shape.empty() ? 1 : r->shape[0];
+  std::vector<int64_t> all(n);
+  comm_->allgather_i64(&rows, 1, all.data());
+  int64_t row = 1;
+  for (size_t i = 1; i < r->shape.size(); ++i) row *= r->shape[i];
+  std::vector<size_t> counts(n);
+  int64_t total_rows = 0;
+  for (int i = 0; i < n; ++i) counts[i] = static_cast<size_t>(all[i] * row), total_rows += all[i];
+  r->result_shape.assign(r->shape.begin(), r->shape.end());
+  if (r->result_shape.empty()) r->result_shape.push_back(1);
+  r->result_shape[0] = total_rows;
+  r->result_bytes = static_cast<size_t>(total_rows * row) * itemsize(r->sig.dtype);
+  r->result.reset(new uint8_t[std::max<size_t>(r->result_bytes, 1)]);
+  comm_->allgatherv(r->input, r->result.get(), counts, r->sig.dtype);
+  r->received_splits = std::move(all);
+}
+
+void Channel::broadcast(Request* r) {
+  const int root = r->sig.root_rank;
+  if (comm_->rank() == root && r->input != nullptr && r->input != r->output)
+    std::memcpy(r->output, r->input, r->nbytes());
+  comm_->broadcast(r->output, static_cast<size_t>(r->numel()), r->sig.dtype, root);
+}
+
+void Channel::alltoall(Request* r) {
+  const int n = comm_->size();
+  std::vector<int64_t> recv_rows(n);
+  comm_->alltoall_i64(r->splits.data(), recv_rows.data());
+  int64_t row = 1;
+  for (size_t i = 1; i < r->shape.size(); ++i) row *= r->shape[i];
+  std::vector<size_t> send_counts(n), recv_counts(n);
+  int64_t total_rows = 0;
+  for (int i = 0; i < n; ++i) {
+    send_counts[i] = static_cast<size_t>(r->splits[i] * row);
+    recv_counts[i] = static_cast<size_t>(recv_rows[i] * row);
+    total_rows += recv_rows[i];
+  }
+  r->result_shape.assign(r->shape.begin(), r->shape.end());
+  r->result_shape[0] = total_rows;
+  r->result_bytes = static_cast<size_t>(total_rows * row) * itemsize(r->sig.dtype);
+  r->result.reset(new uint8_t[std::max<size_t>(r->result_bytes, 1)]);
+  comm_->alltoallv(r->input, send_counts, r->result.get(), recv_counts, r->sig.dtype);
+  r->received_splits = std::move(recv_rows);
+}
+
+void Channel::reducescatter(Unit* u) {
+  Request* r = u->pieces[0].request;
+  const int n = comm_->size();
+  const DType dt = r->sig.dtype;
+  auto rows = even_counts(static_cast<size_t>(r->shape.empty() ? 1 : r->shape[0]), n);
+  int64_t row = 1;
+  for (size_t i = 1; i < r->shape.size(); ++i) row *= r->shape[i];
+  std::vector<size_t> counts(n);
+  for (int i = 0; i < n; ++i) counts[i] = rows[i] * static_cast<size_t>(row);
+  const void* src = r->input;
+  const size_t total = static_cast<size_t>(r->numel());
+  if (u->prescale != 1.0) {
+    uint8_t* scaled = scratch(total * itemsize(dt), 1);
+    scale_into(src, scaled, total, dt, u->prescale);
+    src = scaled;
+  }
+  ReduceOp op = u->reduce_op == ReduceOp::AVERAGE ? ReduceOp::SUM : u->reduce_op;
+  comm_->reduce_scatter(src, r->output, counts, dt, op);
+  if (u->postscale != 1.0) scale_into(r->output, r->output, counts[comm_->rank()], dt, u->postscale);
+}
+
+}  // namespace perseus

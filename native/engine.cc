@@ -1,0 +1,344 @@
+// The engine thread and its lifecycle (see engine.h).
+#include "engine.h"
+
+#include <sched.h>
+#include <sys/prctl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+namespace perseus {
+
+namespace {
+
+// Sets whose channel threads could not be stopped (stuck in a collective a dead peer will never finish)
+// stay allocated: those threads still point at them.
+std::vector<std::shared_ptr<ProcessSet>>& abandoned() {
+  static auto* sets = new std::vector<std::shared_ptr<ProcessSet>>();
+  return *sets;
+}
+
+// Waiting for peers inside a round: spin (yielding the core) for a while, since the answer usually comes
+// within microseconds, then sleep for growing intervals.
+class Backoff {
+ public:
+  void reset() { spins_ = 0, delay_s_ = 0; }
+  void wait() {
+    if (spins_ < 200) {
+      ++spins_;
+      sched_yield();
+      return;
+    }
+    delay_s_ = delay_s_ == 0 ? 20e-6 : std::min(delay_s_ * 2, 1e-3);
+    std::this_thread::sleep_for(std::chrono::duration<double>(delay_s_));
+  }
+
+ private:
+  int spins_ = 0;
+  double delay_s_ = 0;
+};
+
+}  // namespace
+
+Engine::Engine(Settings settings, int world_rank, Completion* completion, EngineHooks hooks)
+    : settings_(settings), world_rank_(world_rank), handles_(completion), hooks_(std::move(hooks)) {}
+
+Engine::~Engine() {
+  if (thread_.joinable()) {
+    if (exited_.load()) thread_.join(); else thread_.detach();
+  }
+}
+
+void Engine::start() {
+  started_ = true;
+  thread_ = std::thread([this] { run(); });
+}
+
+void Engine::add_process_set(int id, std::unique_ptr<Comm> control, std::vector<int> world_ranks) {
+  auto set = std::make_shared<ProcessSet>(this, id, std::move(control), std::move(world_ranks));
+  std::lock_guard<std::mutex> lock(mu_);
+  sets_[id] = set;
+  cv_.notify_one();
+}
+
+void Engine::remove_process_set(int id) {
+  std::shared_ptr<ProcessSet> set;
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = sets_.find(id);
+  if (it == sets_.end()) return;
+  set = it->second;
+  sets_.erase(it);
+  lock.unlock();
+  set->fail_all({ErrorKind::INTERNAL, "perseus: process set " + std::to_string(id) + " was removed"}, true);
+  lock.lock();
+  if (started_ && !exited_.load()) {
+    // The engine thread may be stepping the set right now: let it close the set between steps.
+    to_close_.push_back(set);
+    uint64_t target = ++close_generation_;
+    cv_.notify_one();
+    closed_cv_.wait(lock, [&] { return closed_done_ >= target || exited_.load(); });
+    return;
+  }
+  lock.unlock();
+  set->mark_dead("perseus: process set " + std::to_string(id) + " was removed");
+  if (!set->close(false)) abandoned().push_back(set);
+}
+
+void Engine::shutdown(double timeout_s) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_one();
+  if (!started_) {
+    close_all();
+    exited_.store(true);
+    return;
+  }
+  auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
+  while (!exited_.load() && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::microseconds(500));
+  if (exited_.load()) {
+    if (thread_.joinable()) thread_.join();
+  } else {
+    clean_.store(false);
+  }
+}
+
+std::shared_ptr<ProcessSet> Engine::find(int ps_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sets_.find(ps_id);
+  return it == sets_.end() ? nullptr : it->second;
+}
+
+bool Engine::set_exists(int ps_id) { return find(ps_id) != nullptr; }
+
+int Engine::set_size(int ps_id) {
+  auto set = find(ps_id);
+  return set ? set->size() : 0;
+}
+
+Error Engine::failed() {
+  if (!has_failed_.load()) return Error();
+  std::lock_guard<std::mutex> lock(mu_);
+  return failed_;
+}
+
+static Error not_registered(int ps_id) {
+  return {ErrorKind::VALUE, "perseus: process set " + std::to_string(ps_id) +
+                                " is not registered on this rank (this rank is not a member, or the set was removed)"};
+}
+
+Error Engine::submit(int ps_id, Handle* h) {
+  if (has_failed_.load()) return {ErrorKind::INTERNAL, failed().message};
+  std::shared_ptr<ProcessSet> set;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) return {ErrorKind::INTERNAL, "perseus has been shut down; call init() again to use it"};
+    auto it = sets_.find(ps_id);
+    if (it == sets_.end()) return not_registered(ps_id);
+    set = it->second;
+  }
+  const double t = now_s();
+  for (Request* r : h->requests) r->submit_time = t;
+  h->unfinished.store(static_cast<int>(h->requests.size()), std::memory_order_relaxed);
+  h->engine_refs.store(static_cast<int>(h->requests.size()), std::memory_order_relaxed);
+  if (h->requests.empty()) h->done.store(1);
+  if (timeline_.on())
+    for (Request* r : h->requests) timeline_.record(TimelineKind::NEGOTIATE_START, r->sig.op_type, r->name);
+  Error err = set->submit(h->requests);
+  if (!err) wake();
+  return err;
+}
+
+Error Engine::join(int ps_id, Handle* h) {
+  if (has_failed_.load()) return {ErrorKind::INTERNAL, failed().message};
+  auto set = find(ps_id);
+  if (!set) return not_registered(ps_id);
+  h->is_join = true;
+  h->unfinished.store(1);
+  h->engine_refs.store(1);
+  Error err = set->submit_join(h);
+  if (!err) wake();
+  return err;
+}
+
+void Engine::wake() {
+  // Lock-free unless the engine thread is waiting: it sets idle_ under mu_ and re-checks submissions before
+  // it waits, so a submission is either seen by that check or finds idle_ set and notifies.
+  submissions_.fetch_add(1);
+  if (idle_.load()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    cv_.notify_one();
+  }
+}
+
+void Engine::abort(const std::string& message_in, int origin, bool propagate, ErrorKind kind) {
+  std::string message = message_in;
+  if (origin != world_rank_) {
+    message = "perseus: rank " + std::to_string(origin) + " failed and stopped the job: " + message_in;
+    kind = ErrorKind::INTERNAL;
+  }
+  if (kind != ErrorKind::STALL) kind = ErrorKind::INTERNAL;
+  std::vector<std::shared_ptr<ProcessSet>> sets;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (has_failed_.load()) return;
+    failed_ = {kind, message};
+    has_failed_.store(true);
+    for (auto& kv : sets_) sets.push_back(kv.second);
+    if (propagate) {
+      std::string msg("a");
+      int32_t o = origin;
+      msg.append(reinterpret_cast<const char*>(&o), sizeof(o));
+      msg.append(message_in);
+      outbox_.push_back(msg);
+    }
+    logs_.push_back(message);
+    cv_.notify_one();
+  }
+  Error error{kind, message};
+  for (auto& s : sets) {
+    s->mark_dead(message);
+    s->fail_all(error, true);
+  }
+}
+
+void Engine::run() {
+  prctl(PR_SET_TIMERSLACK, 1000, 0, 0, 0);  // wake short sleeps on time (default slack adds ~50 us)
+  Backoff backoff;
+  const double cap_busy = 1e-3;
+  double idle_wait = 50e-6;
+  std::vector<std::shared_ptr<ProcessSet>> sets, closing;
+  std::vector<std::string> outbox, logs;
+  try {
+    for (;;) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (stop_) break;  // close_all() sends what is still in the outbox
+        sets.clear();
+        for (auto& kv : sets_) sets.push_back(kv.second);
+        closing.swap(to_close_);
+        outbox.swap(outbox_);
+        logs.swap(logs_);
+      }
+      if (!closing.empty()) {
+        for (auto& s : closing) {
+          s->mark_dead("perseus: process set " + std::to_string(s->id()) + " was removed");
+          s->step(now_s());  // releases what it still holds
+          if (!s->close(false)) abandoned().push_back(s);
+        }
+        closing.clear();
+        std::lock_guard<std::mutex> lock(mu_);
+        closed_done_ = close_generation_;
+        closed_cv_.notify_all();
+      }
+      if (!outbox.empty()) {
+        for (auto& s : sets)
+          if (s->id() == 0)
+            for (auto& m : outbox) s->send_to_all(m);
+        outbox.clear();
+      }
+      if (!logs.empty()) {
+        for (auto& m : logs)
+          if (hooks_.log) hooks_.log(40, m);
+        logs.clear();
+      }
+      const uint64_t seen = submissions_.load();
+      const double now = now_s();
+      bool progressed = false, waiting = false;
+      double deadline = 1e300;
+      for (auto& s : sets) {
+        StepResult r = s->step(now);
+        progressed |= r.progressed;
+        waiting |= r.waiting;
+        deadline = std::min(deadline, r.deadline);
+      }
+      if (progressed) {
+        backoff.reset();
+        idle_wait = 50e-6;
+        continue;
+      }
+      if (waiting) {
+        backoff.wait();
+        continue;
+      }
+      std::unique_lock<std::mutex> lock(mu_);
+      idle_.store(true);
+      if (stop_) {
+        idle_.store(false);
+        break;
+      }
+      if (submissions_.load() != seen || !to_close_.empty() || !outbox_.empty() || !logs_.empty()) {
+        idle_.store(false);
+        continue;
+      }
+      lock.unlock();
+      bool has_work = false;
+      for (auto& s : sets) has_work = has_work || s->has_work();
+      lock.lock();
+      const double cap = has_work ? cap_busy : settings_.idle_poll_max_ms * 1e-3;
+      const double timeout = std::max(std::min({deadline - now_s(), idle_wait, cap}), 0.0);
+      if (submissions_.load() == seen && !stop_ && to_close_.empty())
+        cv_.wait_for(lock, std::chrono::duration<double>(timeout));
+      idle_.store(false);
+      idle_wait = std::min(idle_wait * 2, cap);
+    }
+  } catch (const std::exception& e) {
+    abort(std::string("perseus engine thread failed: ") + e.what(), world_rank_, true, ErrorKind::INTERNAL);
+    // Send the abort before closing.
+    std::vector<std::string> out;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      out.swap(outbox_);
+    }
+    // The transport that just failed may refuse these sends too; nothing more can be told to peers then
+    // (an exception escaping here would terminate the process).
+    try {
+      for (auto& s : sets)
+        if (s->id() == 0)
+          for (auto& m : out) s->send_to_all(m);
+    } catch (const std::exception&) {
+    }
+  }
+  sets.clear();
+  close_all();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_done_ = close_generation_;
+  }
+  exited_.store(true);
+  closed_cv_.notify_all();
+}
+
+void Engine::close_all() {
+  std::vector<std::shared_ptr<ProcessSet>> sets;
+  std::vector<std::string> logs, outbox;
+  bool notify;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& kv : sets_) sets.push_back(kv.second);
+    sets_.clear();
+    for (auto& s : to_close_) sets.push_back(s);
+    to_close_.clear();
+    notify = !has_failed_.load();
+    logs.swap(logs_);
+    outbox.swap(outbox_);
+  }
+  for (auto& m : logs)
+    if (hooks_.log) hooks_.log(40, m);
+  // An abort not sent yet (the failure happened just before shutdown) must still reach the peers, or they
+  // would wait forever in the collective this rank abandoned.
+  for (auto& s : sets)
+    if (s->id() == 0)
+      for (auto& m : outbox) s->send_to_all(m);
+  for (auto& s : sets) {
+    s->fail_all({ErrorKind::INTERNAL, "perseus has been shut down"}, true);
+    if (!s->close(notify)) {
+      clean_.store(false);
+      abandoned().push_back(s);
+    }
+  }
+}
+
+}  // namespace perseus

@@ -1,0 +1,108 @@
+// The engine: one background thread per process that drives every process set's negotiation, plus the
+// channels of each set. Framework adapters submit from their own threads (one native call per request or
+// group) and wait on handles without the GIL.
+//
+// The engine thread never takes the GIL except through the two rare hooks below (where the main thread
+// is, for a stall probe; a log line). Waiting for peers inside a round is a short spin, then sleeps of
+// growing length; an engine with nothing to do sleeps on a condition variable and looks for control
+// messages (stall probes, aborts) only every idle_poll_max_ms.
+#pragma once
+
+#include <condition_variable>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "handles.h"
+#include "process_set.h"
+#include "timeline.h"
+
+namespace perseus {
+
+struct Settings {
+  int64_t fusion_threshold_bytes = 4 << 20;
+  int64_t inplace_threshold_bytes = 256 << 10;
+  double cycle_time_ms = 0.0;
+  int num_channels = 1;
+  Algorithm algorithm = Algorithm::AUTO;
+  int64_t cache_capacity = 4096;
+  bool stall_check_disable = false;
+  double stall_check_time_s = 60.0;
+  double stall_shutdown_time_s = 300.0;
+  double idle_poll_max_ms = 50.0;
+};
+
+struct EngineHooks {
+  std::function<std::string()> where;                        // main thread location (takes the GIL)
+  std::function<void(int level, const std::string&)> log;    // 30 warning, 40 error (takes the GIL)
+};
+
+class Engine {
+ public:
+  Engine(Settings settings, int world_rank, Completion* completion, EngineHooks hooks);
+  ~Engine();
+
+  void start();
+  // Collective over the ranks of `control`: creates the set's channels (dups of it).
+  void add_process_set(int id, std::unique_ptr<Comm> control, std::vector<int> world_ranks);
+  void remove_process_set(int id);  // fails its pending requests, stops its channels
+  // Stop the engine thread; fail what is still pending; tell peers this rank has shut down.
+  void shutdown(double timeout_s);
+  bool clean() const { return clean_.load(); }
+
+  // Requests: allocate from the table, fill in, then submit. Errors as ProcessSet::submit, plus INTERNAL
+  // once the engine has failed or shut down.
+  Error submit(int ps_id, Handle* h);
+  Error join(int ps_id, Handle* h);
+  // Fail every request here and, when propagate, on every rank.
+  void abort(const std::string& message, int origin, bool propagate, ErrorKind kind);
+  Error failed();
+  bool set_exists(int ps_id);
+  int set_size(int ps_id);
+
+  HandleTable& handles() { return handles_; }
+  TimelineRecorder& timeline() { return timeline_; }
+  const Settings& settings() const { return settings_; }
+  int world_rank() const { return world_rank_; }
+  EngineHooks& hooks() { return hooks_; }
+
+  FaultInjection& faults() { return faults_; }
+  void wake();  // a submission arrived (lock-free unless the engine thread is waiting)
+
+ private:
+  void run();
+  void close_all();
+  std::shared_ptr<ProcessSet> find(int ps_id);
+
+  Settings settings_;
+  int world_rank_;
+  HandleTable handles_;
+  TimelineRecorder timeline_;
+  EngineHooks hooks_;
+  FaultInjection faults_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<int, std::shared_ptr<ProcessSet>> sets_;
+  std::vector<std::shared_ptr<ProcessSet>> to_close_;
+  Error failed_;
+  std::atomic<bool> has_failed_{false};
+  std::vector<std::string> outbox_;  // abort messages for set 0's peers, sent by the engine thread
+  std::vector<std::string> logs_;    // error lines logged by the engine thread (it may take the GIL)
+  bool stop_ = false;
+  std::atomic<bool> idle_{false};
+  std::atomic<uint64_t> submissions_{0};
+  std::atomic<bool> clean_{true};
+  std::atomic<bool> exited_{false};
+  bool started_ = false;
+  std::thread thread_;
+  uint64_t close_generation_ = 0;
+  uint64_t closed_done_ = 0;
+  std::condition_variable closed_cv_;
+};
+
+}  // namespace perseus

@@ -1,0 +1,127 @@
+// Stage 1-2 driver: one process set's request queue and negotiation state machine, stepped by the engine
+// thread, plus its channels.
+//
+// Rounds follow three rules, identical on every rank, so no rank waits in a round that others will not
+// join for a reason other than missing work:
+//  * a rank with new requests starts a round (after cycle_time_ms, if set, to gather requests that arrive
+//    together);
+//  * after a round in which some rank had new requests or something became ready, every rank with pending
+//    work starts the next round at once (continue mode);
+//  * after a fruitless round ranks wait; the first rank with new requests sends a wake message to its
+//    peers, which then join the round even if they have nothing pending.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "channels.h"
+#include "handles.h"
+#include "negotiation.h"
+#include "transport.h"
+
+namespace perseus {
+
+class Engine;
+
+struct StepResult {
+  bool progressed = false;
+  bool waiting = false;  // inside a round, waiting for peers
+  double deadline = 1e300;
+};
+
+class ProcessSet {
+ public:
+  ProcessSet(Engine* engine, int id, std::unique_ptr<Comm> control, std::vector<int> world_ranks);
+  ~ProcessSet();
+  int id() const { return id_; }
+  int size() const { return size_; }
+
+  // -- user threads ----------------------------------------------------------------------------------
+  // Queue requests atomically (a group is negotiated together). Errors: VALUE for a duplicate in-flight
+  // name; INTERNAL when the set is dead.
+  Error submit(const std::vector<Request*>& requests);
+  Error submit_join(Handle* h);
+
+  // -- engine thread ---------------------------------------------------------------------------------
+  StepResult step(double now);
+  bool has_work();
+  // Fail requests of this set: all of them, or (dispatched=false) only those not yet in a channel.
+  void fail_all(const Error& error, bool dispatched);
+  // Stop the channels (and tell peers this rank is gone); false if a channel is stuck in a collective.
+  bool close(bool notify_peers);
+  void mark_dead(const std::string& message);
+  void send_to_all(const std::string& message);  // engine thread only
+
+ private:
+  enum class State { IDLE, BAND, EXCHANGE, JOINGATHER };
+  StepResult maybe_start(double now);
+  void start_round();
+  void finish_band();
+  void finish_round();
+  void finish_join();
+  void dispatch(std::vector<Request*>& ready);
+  Request* phantom(int idx);
+  void poll_control(double now);
+  void check_stall(double now);
+  void peer_shutdown(int world_rank);
+  void piece_done(Request* r);
+  void unit_failed(Unit* u, const std::string& what, ErrorKind kind);
+
+  Engine* engine_;
+  int id_, rank_, size_;
+  std::vector<int> world_ranks_;
+  std::unique_ptr<Comm> control_;
+  Negotiator negotiator_;
+  UnitPool unit_pool_;
+  std::vector<std::unique_ptr<Channel>> channels_;
+
+  // Shared with user threads.
+  std::mutex mu_;  // guards incoming_, inflight_, join_handle_, dead_
+  std::vector<Request*> incoming_;
+  std::unordered_map<std::string, Request*> inflight_;  // submitted, not yet finished (duplicate check)
+  Handle* join_handle_ = nullptr;
+  std::atomic<int64_t> first_dirty_ns_{0};  // when the oldest unseen submission arrived; 0 if none
+  std::atomic<bool> has_incoming_{false};
+  std::string dead_;
+  std::atomic<bool> is_dead_{false};
+
+  // Engine-thread state.
+  std::unordered_map<std::string, Request*> pending_;  // seen by the engine, not yet negotiated
+  std::vector<Request*> batch_;
+  State state_ = State::IDLE;
+  int64_t round_ = 0;
+  bool continue_mode_ = false;
+  int64_t woken_round_ = -1;
+  int64_t unit_counter_ = 0;
+  std::unique_ptr<PendingOp> op_;
+  RoundResult result_;
+  bool round_dirty_ = false;
+  int64_t join_round_ = -1;
+  int64_t join_mine_[2] = {0, 0};
+  std::vector<int64_t> join_all_;
+  std::string payload_;
+  std::vector<uint8_t> gathered_;
+  std::vector<int64_t> sizes_mine_, sizes_all_;
+  int exchange_phase_ = 0;
+  std::vector<Request*> ready_;
+  std::vector<Unit*> units_;
+  std::vector<std::unique_ptr<Request>> phantoms_;
+
+  // Stall inspection.
+  struct Probe {
+    int64_t id;
+    std::vector<int> waiting_for;
+    struct Answer { std::vector<std::string> pending; bool joined; std::string where; };
+    std::unordered_map<int, Answer> answers;
+    double deadline;
+  };
+  std::unique_ptr<Probe> probe_;
+  int64_t probe_counter_ = 0;
+  double last_warn_ = 0, last_poll_ = 0, last_stall_check_ = 0;
+};
+
+}  // namespace perseus

@@ -1,0 +1,481 @@
+// The Python binding of the native core (module perseus._core). Python calls in with the GIL; every call
+// that can wait (wait, add/remove a process set, shutdown) releases it. Engine and channel threads never
+// take the GIL; a dedicated callback thread does, to run completion callbacks (batched) and to release
+// the Python objects that kept a request's tensors alive.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <pybind11/numpy.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "engine.h"
+#include "transport.h"
+#include "transport_loopback.h"
+
+namespace py = pybind11;
+using namespace perseus;
+
+namespace {
+
+struct Countdown {
+  std::atomic<int> left;
+  py::object callback;
+};
+
+struct PyExtra : HandleExtra {
+  py::object finish;
+  py::object keepalive;
+  std::vector<std::shared_ptr<Countdown>> callbacks;
+};
+
+const char* numpy_name(DType d) {
+  switch (d) {
+    case DType::BFLOAT16: return "uint16";
+    case DType::BOOL: return "bool";
+    default: return dtype_name(d);
+  }
+}
+
+// Runs Python work handed over by threads that must not take the GIL themselves.
+class CallbackThread : public Completion {
+ public:
+  CallbackThread() = default;
+  ~CallbackThread() override { stop(); }
+
+  void start() {
+    if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+  }
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_one();
+    if (thread_.joinable()) {
+      py::gil_scoped_release release;
+      thread_.join();
+    }
+  }
+  void on_callback_due(Handle* h) override {
+    std::vector<std::shared_ptr<Countdown>> cbs;
+    {
+      std::lock_guard<std::mutex> lock(h->mu);
+      auto* extra = static_cast<PyExtra*>(h->extra.get());
+      if (extra == nullptr) return;
+      cbs.swap(extra->callbacks);
+    }
+    push(std::move(cbs), nullptr);
+  }
+  void on_reclaim(Handle* h) override {
+    auto* extra = static_cast<PyExtra*>(h->extra.release());
+    if (extra == nullptr) return;
+    if (PyGILState_Check()) {
+      delete extra;
+      return;
+    }
+    push({}, extra);
+  }
+
+ private:
+  void push(std::vector<std::shared_ptr<Countdown>> cbs, PyExtra* dead) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& c : cbs) callbacks_.push_back(std::move(c));
+      if (dead != nullptr) dead_.push_back(dead);
+    }
+    cv_.notify_one();
+  }
+  void run() {
+    std::vector<std::shared_ptr<Countdown>> cbs;
+    std::vector<PyExtra*> dead;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !callbacks_.empty() || !dead_.empty(); });
+        if (callbacks_.empty() && dead_.empty() && stop_) return;
+        cbs.assign(callbacks_.begin(), callbacks_.end());
+        callbacks_.clear();
+        dead.swap(dead_);
+      }
+      if (!Py_IsInitialized()) return;
+      py::gil_scoped_acquire gil;
+      for (auto& c : cbs) {
+        if (c->left.fetch_sub(1) != 1) continue;
+        try {
+          c->callback();
+        } catch (py::error_already_set& e) {
+          e.discard_as_unraisable("perseus completion callback");
+        }
+        c->callback = py::object();
+      }
+      cbs.clear();
+      for (PyExtra* e : dead) delete e;
+      dead.clear();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<Countdown>> callbacks_;
+  std::vector<PyExtra*> dead_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+// Pointer of a buffer: a Python int (a raw address; the caller keeps the memory alive) or an object with
+// the buffer protocol (NumPy arrays). None gives nullptr.
+void* pointer_of(PyObject* obj, bool writable) {
+  if (obj == Py_None) return nullptr;
+  if (PyLong_Check(obj)) return PyLong_AsVoidPtr(obj);
+  Py_buffer view;
+  int flags = PyBUF_ANY_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+  if (PyObject_GetBuffer(obj, &view, flags) != 0) throw py::error_already_set();
+  void* p = view.buf;
+  PyBuffer_Release(&view);  // the caller's keepalive holds the object (NumPy memory does not move)
+  return p;
+}
+
+void shape_of(PyObject* obj, std::vector<int64_t>* out) {
+  out->clear();
+  if (PyTuple_Check(obj)) {
+    Py_ssize_t n = PyTuple_GET_SIZE(obj);
+    for (Py_ssize_t i = 0; i < n; ++i) out->push_back(PyLong_AsLongLong(PyTuple_GET_ITEM(obj, i)));
+  } else {
+    for (auto item : py::reinterpret_borrow<py::iterable>(obj)) out->push_back(item.cast<int64_t>());
+  }
+  if (PyErr_Occurred()) throw py::error_already_set();
+}
+
+// A loopback world as Python sees it (the world itself is opaque).
+struct PyWorld {
+  std::shared_ptr<LoopbackWorld> world;
+};
+
+class PyEngine {
+ public:
+  PyEngine(py::dict settings, int world_rank, py::object where, py::object log, py::tuple errors)
+      : errors_(errors) {
+    Settings s;
+    auto get = [&](const char* k) { return settings.contains(k) ? py::object(settings[k]) : py::object(); };
+    if (auto v = get("fusion_threshold_bytes")) s.fusion_threshold_bytes = v.cast<int64_t>();
+    if (auto v = get("inplace_threshold_bytes")) s.inplace_threshold_bytes = v.cast<int64_t>();
+    if (auto v = get("cycle_time_ms")) s.cycle_time_ms = v.cast<double>();
+    if (auto v = get("num_channels")) s.num_channels = v.cast<int>();
+    if (auto v = get("allreduce_algorithm")) {
+      std::string a = v.cast<std::string>();
+      s.algorithm = a == "ring" ? Algorithm::RING : a == "mpi" ? Algorithm::MPI : Algorithm::AUTO;
+    }
+    if (auto v = get("cache_capacity")) s.cache_capacity = v.cast<int64_t>();
+    if (auto v = get("stall_check_disable")) s.stall_check_disable = v.cast<bool>();
+    if (auto v = get("stall_check_time_s")) s.stall_check_time_s = v.cast<double>();
+    if (auto v = get("stall_shutdown_time_s")) s.stall_shutdown_time_s = v.cast<double>();
+    if (auto v = get("idle_poll_max_ms")) s.idle_poll_max_ms = v.cast<double>();
+    where_ = where;
+    log_ = log;
+    EngineHooks hooks;
+    hooks.where = [this]() -> std::string {
+      if (!Py_IsInitialized()) return std::string();
+      py::gil_scoped_acquire gil;
+      try {
+        return where_.is_none() ? std::string() : where_().cast<std::string>();
+      } catch (py::error_already_set& e) {
+        return std::string("(unknown: ") + e.what() + ")";
+      }
+    };
+    hooks.log = [this](int level, const std::string& message) {
+      if (!Py_IsInitialized()) return;
+      py::gil_scoped_acquire gil;
+      try {
+        if (!log_.is_none()) log_(level, message);
+      } catch (py::error_already_set& e) {
+        e.discard_as_unraisable("perseus log");
+      }
+    };
+    engine_.reset(new Engine(s, world_rank, &callbacks_, hooks));
+  }
+
+  ~PyEngine() {
+    // The callback thread must be gone before the engine and the Python objects it may still touch.
+  }
+
+  void start() {
+    callbacks_.start();
+    engine_->start();
+  }
+
+  void add_process_set(int id, uintptr_t comm_handle, std::vector<int> world_ranks) {
+    py::gil_scoped_release release;
+    engine_->add_process_set(id, make_mpi_comm(static_cast<intptr_t>(comm_handle)), std::move(world_ranks));
+  }
+
+  void add_loopback_process_set(int id, const PyWorld& world, int rank, std::vector<int> world_ranks) {
+    py::gil_scoped_release release;
+    engine_->add_process_set(id, make_loopback_comm(world.world, rank), std::move(world_ranks));
+  }
+
+  void remove_process_set(int id) {
+    py::gil_scoped_release release;
+    engine_->remove_process_set(id);
+  }
+
+  void shutdown(double timeout_s) {
+    {
+      py::gil_scoped_release release;
+      engine_->shutdown(timeout_s);
+    }
+    callbacks_.stop();
+  }
+
+  // items: sequence of (name, dtype, shape, input, output, reduce_op, root_rank, prescale, postscale,
+  // priority, splits). Returns the handle id.
+  int64_t submit(int ps_id, int op_type, py::sequence items, py::object finish, py::object keepalive) {
+    HandleTable& table = engine_->handles();
+    Handle* h = table.new_handle();
+    auto* extra = new PyExtra();
+    h->extra.reset(extra);
+    extra->finish = std::move(finish);
+    extra->keepalive = std::move(keepalive);
+    const OpType op = static_cast<OpType>(op_type);
+    try {
+      const Py_ssize_t n = PySequence_Size(items.ptr());
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        py::object item = py::reinterpret_steal<py::object>(PySequence_GetItem(items.ptr(), i));
+        PyObject* t = item.ptr();
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 11) throw py::value_error("perseus: bad request tuple");
+        Request* r = table.new_request();
+        h->requests.push_back(r);
+        r->handle = h;
+        r->ps_id = ps_id;
+        r->remaining.store(0, std::memory_order_relaxed);
+        Py_ssize_t len;
+        const char* name = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(t, 0), &len);
+        if (name == nullptr) throw py::error_already_set();
+        r->name.assign(name, len);
+        Signature& s = r->sig;
+        s.op_type = op;
+        s.dtype = static_cast<DType>(PyLong_AsLong(PyTuple_GET_ITEM(t, 1)));
+        shape_of(PyTuple_GET_ITEM(t, 2), &r->shape);
+        if (op == OpType::ALLGATHER || op == OpType::ALLTOALL) {
+          if (r->shape.empty()) r->shape.push_back(1);
+          s.shape.assign(r->shape.begin() + 1, r->shape.end());
+        } else {
+          s.shape = r->shape;
+        }
+        r->input = pointer_of(PyTuple_GET_ITEM(t, 3), false);
+        r->output = pointer_of(PyTuple_GET_ITEM(t, 4), true);
+        s.reduce_op = static_cast<int32_t>(PyLong_AsLong(PyTuple_GET_ITEM(t, 5)));
+        s.root_rank = static_cast<int32_t>(PyLong_AsLong(PyTuple_GET_ITEM(t, 6)));
+        s.prescale = PyFloat_AsDouble(PyTuple_GET_ITEM(t, 7));
+        s.postscale = PyFloat_AsDouble(PyTuple_GET_ITEM(t, 8));
+        s.priority = static_cast<int32_t>(PyLong_AsLong(PyTuple_GET_ITEM(t, 9)));
+        PyObject* splits = PyTuple_GET_ITEM(t, 10);
+        r->splits.clear();
+        if (splits != Py_None) shape_of(splits, &r->splits);
+        if (PyErr_Occurred()) throw py::error_already_set();
+      }
+    } catch (...) {
+      discard(h);
+      throw;
+    }
+    Error err = engine_->submit(ps_id, h);
+    if (err) {
+      discard(h);
+      raise(err);
+    }
+    return h->id;
+  }
+
+  int64_t join(int ps_id) {
+    Handle* h = engine_->handles().new_handle();
+    h->extra.reset(new PyExtra());
+    Error err = engine_->join(ps_id, h);
+    if (err) {
+      discard(h);
+      raise(err);
+    }
+    return h->id;
+  }
+
+  // Wait for `hid`; return (finish, results, join_result). results[i] is None, or (array, received_splits)
+  // for ops whose output the engine allocated. None for an unknown handle. Raises the request's error.
+  py::object wait(int64_t hid, double timeout_s) {
+    Handle* h = engine_->handles().find(hid);
+    if (h == nullptr) return py::none();
+    bool timed_out = false;
+    // Wait in slices, so that Python signal handlers (Ctrl-C, pytest-timeout) run while this waits.
+    const double deadline = timeout_s >= 0 ? now_s() + timeout_s : 0;
+    while (!h->done.load(std::memory_order_acquire)) {
+      double slice = 0.1;
+      if (timeout_s >= 0) {
+        slice = std::min(slice, deadline - now_s());
+        if (slice <= 0) {
+          timed_out = true;
+          break;
+        }
+      }
+      bool sliced_out = false;
+      {
+        py::gil_scoped_release release;
+        HandleTable::wait(h, slice, &sliced_out);
+      }
+      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    }
+    if (timed_out) {
+      PyErr_SetString(PyExc_TimeoutError, ("perseus request not completed within " +
+                                           std::to_string(timeout_s) + " s").c_str());
+      throw py::error_already_set();
+    }
+    Error err;
+    {
+      std::lock_guard<std::mutex> lock(h->mu);
+      err = h->error;
+    }
+    auto* extra = static_cast<PyExtra*>(h->extra.get());
+    py::object finish = extra != nullptr && extra->finish ? extra->finish : py::none();
+    if (err) {
+      engine_->handles().release_user(h);
+      raise(err);
+    }
+    py::list results;
+    for (Request* r : h->requests) {
+      if (r->result) {
+        uint8_t* data = r->result.release();
+        py::capsule owner(data, [](void* p) { delete[] static_cast<uint8_t*>(p); });
+        std::vector<py::ssize_t> shape(r->result_shape.begin(), r->result_shape.end());
+        py::array arr(py::dtype(numpy_name(r->sig.dtype)), shape, data, owner);
+        py::array_t<int64_t> splits(static_cast<py::ssize_t>(r->received_splits.size()));
+        std::memcpy(splits.mutable_data(), r->received_splits.data(), r->received_splits.size() * 8);
+        results.append(py::make_tuple(arr, splits));
+      } else {
+        results.append(py::none());
+      }
+    }
+    int64_t join_result = h->join_result;
+    engine_->handles().release_user(h);
+    return py::make_tuple(finish, results, join_result);
+  }
+
+  // True when every request of hid has finished. Raises ValueError for an unknown id.
+  bool poll(int64_t hid) {
+    Handle* h = engine_->handles().find(hid);
+    if (h == nullptr)
+      throw py::value_error("perseus.poll(): unknown handle " + std::to_string(hid) +
+                            " (already synchronized, or never issued)");
+    return h->done.load(std::memory_order_acquire) != 0;
+  }
+
+  // Call callback() once every request of every id has finished (at once if they have; otherwise on the
+  // callback thread). Unknown ids count as finished.
+  void on_done(std::vector<int64_t> hids, py::object callback) {
+    auto cd = std::make_shared<Countdown>();
+    cd->callback = callback;
+    cd->left.store(1 + static_cast<int>(hids.size()));
+    int finished_now = 1;
+    for (int64_t hid : hids) {
+      Handle* h = engine_->handles().find(hid);
+      if (h == nullptr) {
+        ++finished_now;
+        continue;
+      }
+      std::lock_guard<std::mutex> lock(h->mu);
+      if (h->done.load(std::memory_order_acquire)) {
+        ++finished_now;
+      } else {
+        static_cast<PyExtra*>(h->extra.get())->callbacks.push_back(cd);
+        h->wants_callback = true;
+      }
+    }
+    if (cd->left.fetch_sub(finished_now) == finished_now) {
+      cd->callback = py::object();
+      callback();
+    }
+  }
+
+  void clear_handles() { engine_->handles().clear(); }
+  bool clean() const { return engine_->clean(); }
+  py::object failed() {
+    Error e = engine_->failed();
+    if (!e) return py::none();
+    return py::make_tuple(static_cast<int>(e.kind), e.message);
+  }
+  void set_timeline(bool on) { engine_->timeline().set(on); }
+  py::list drain_timeline() {
+    std::vector<TimelineEvent> events;
+    engine_->timeline().drain(&events);
+    py::list out;
+    for (auto& e : events)
+      out.append(py::make_tuple(static_cast<int>(e.kind), static_cast<int>(e.op), e.name,
+                                e.label ? py::object(py::str(e.label)) : py::object(py::none()), e.ts_ns));
+    return out;
+  }
+  void fail_next_collective(const std::string& message) {
+    FaultInjection& f = engine_->faults();
+    {
+      std::lock_guard<std::mutex> lock(f.mu);
+      f.message = message;
+    }
+    f.armed.store(true);
+  }
+  void abort(const std::string& message) { engine_->abort(message, engine_->world_rank(), true, ErrorKind::INTERNAL); }
+
+ private:
+  void discard(Handle* h) {
+    h->unfinished.store(0);
+    h->engine_refs.store(0);
+    h->done.store(1);
+    engine_->handles().release_user(h);
+  }
+  [[noreturn]] void raise(const Error& e) {
+    PyObject* type = PyExc_RuntimeError;
+    switch (e.kind) {
+      case ErrorKind::VALUE: type = PyExc_ValueError; break;
+      case ErrorKind::MISMATCH: type = errors_[1].ptr(); break;
+      case ErrorKind::STALL: type = errors_[2].ptr(); break;
+      default: type = errors_[0].ptr(); break;
+    }
+    PyErr_SetString(type, e.message.c_str());
+    throw py::error_already_set();
+  }
+
+  py::tuple errors_;
+  py::object where_, log_;
+  CallbackThread callbacks_;
+  std::unique_ptr<Engine> engine_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "perseus native core: queue, negotiation, fusion, channels, transports, completion";
+  m.def("mpi_library_version", &mpi_library_version);
+  py::class_<PyWorld>(m, "LoopbackWorld")
+      .def(py::init([](int size) { return PyWorld{make_loopback_world(size)}; }), py::arg("size"),
+           "In-process ranks (threads) for tests: pass it to Engine.add_loopback_process_set.")
+      .def("fail", [](PyWorld& w, const std::string& message) { loopback_world_fail(w.world, message); });
+  py::class_<PyEngine>(m, "Engine")
+      .def(py::init<py::dict, int, py::object, py::object, py::tuple>(), py::arg("settings"),
+           py::arg("world_rank"), py::arg("where"), py::arg("log"), py::arg("errors"))
+      .def("start", &PyEngine::start)
+      .def("add_process_set", &PyEngine::add_process_set)
+      .def("add_loopback_process_set", &PyEngine::add_loopback_process_set)
+      .def("remove_process_set", &PyEngine::remove_process_set)
+      .def("shutdown", &PyEngine::shutdown, py::arg("timeout_s") = 30.0)
+      .def("submit", &PyEngine::submit)
+      .def("join", &PyEngine::join)
+      .def("wait", &PyEngine::wait, py::arg("hid"), py::arg("timeout_s") = -1.0)
+      .def("poll", &PyEngine::poll)
+      .def("on_done", &PyEngine::on_done)
+      .def("clear_handles", &PyEngine::clear_handles)
+      .def_property_readonly("clean", &PyEngine::clean)
+      .def("failed", &PyEngine::failed)
+      .def("set_timeline", &PyEngine::set_timeline)
+      .def("drain_timeline", &PyEngine::drain_timeline)
+      .def("abort", &PyEngine::abort)
+      .def("fail_next_collective", &PyEngine::fail_next_collective,
+           "Tests: the next collective on this rank fails as a broken transport would.");
+}

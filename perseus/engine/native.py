@@ -1,0 +1,143 @@
+"""The native core (:mod:`perseus._core`): loading it, and the engine object the rest of perseus uses.
+
+The core (C++ in ``native/``) owns the per-request path: queue, negotiation, fusion, channels, the MPI calls
+and completion. This module starts and stops it, turns its errors into perseus's exception types, and
+connects the two things only Python can do: where the main thread is (for stall reports) and logging.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+from perseus.common.exceptions import MismatchError, PerseusInternalError, StallError
+from perseus.engine.stall import main_thread_location
+
+__all__ = ["load_core", "Engine", "ENGINE_SETTINGS"]
+
+log = logging.getLogger("perseus")
+
+_core = None
+
+# The settings the native engine reads (names as in perseus.common.knobs).
+ENGINE_SETTINGS = ("fusion_threshold_bytes", "inplace_threshold_bytes", "cycle_time_ms", "num_channels",
+                   "allreduce_algorithm", "cache_capacity", "stall_check_disable", "stall_check_time_s",
+                   "stall_shutdown_time_s", "idle_poll_max_ms")
+
+
+def load_core():
+    """Import the native core (after MPI, whose library it links against).
+
+    Raises:
+        ImportError: the core was not built (or not for this MPI); the message says how to fix it.
+    """
+    global _core
+    if _core is not None:
+        return _core
+    from perseus.transport.mpi import load_mpi
+
+    MPI = load_mpi()
+    try:
+        from perseus import _core as core
+    except ImportError as exc:
+        raise ImportError(
+            f"perseus's native core could not be loaded ({exc}). It is compiled when perseus is installed; "
+            "reinstall it where a C++17 compiler and an MPI are available (pip install --force-reinstall "
+            "--no-deps perseus, or pip install -e . in a checkout). The MPI must be the one mpi4py uses "
+            f"(now: {MPI.Get_library_version().splitlines()[0]}).") from exc
+    built = core.mpi_library_version().splitlines()[0]
+    running = MPI.Get_library_version().splitlines()[0]
+    if _flavour(built) != _flavour(running):
+        raise ImportError(f"perseus's native core was built against {built!r} but mpi4py runs {running!r}; "
+                          "reinstall perseus (pip install --force-reinstall --no-deps perseus) with the MPI you "
+                          "use now.")
+    _core = core
+    return core
+
+
+def _flavour(version: str) -> str:
+    if "Open MPI" in version:
+        return "openmpi"
+    if "MPICH" in version or "Intel" in version:
+        return "mpich"
+    return version
+
+
+def _log(level: int, message: str) -> None:
+    log.log(level, message)
+
+
+class Engine:
+    """One native engine per process: every process set's negotiation and channels.
+
+    Errors raised by its methods: ``ValueError`` (a duplicate in-flight name, an unknown process set),
+    :class:`PerseusInternalError` (the job failed or shut down), :class:`MismatchError` (ranks disagree on
+    a tensor), :class:`StallError` (a stall outlasted the stall shutdown time).
+    """
+
+    def __init__(self, settings, world_rank: int):
+        core = load_core()
+        values = {name: getattr(settings, name) for name in ENGINE_SETTINGS}
+        self.world_rank = world_rank
+        self._timeline = None
+        self._native = core.Engine(values, world_rank, main_thread_location, _log,
+                                   (PerseusInternalError, MismatchError, StallError))
+        # The hot-path methods, bound once.
+        self.submit: Callable[..., int] = self._native.submit
+        self.wait: Callable[..., Any] = self._native.wait
+        self.poll: Callable[[int], bool] = self._native.poll
+        self.on_done = self._native.on_done
+
+    def start(self) -> None:
+        self._native.start()
+
+    def add_process_set(self, ps_id: int, comm, world_ranks: list[int]) -> None:
+        """Create the runtime of a process set this rank belongs to. Collective over ``comm``."""
+        self._native.add_process_set(ps_id, int(comm.handle), list(world_ranks))
+
+    def add_loopback_process_set(self, ps_id: int, world, rank: int, world_ranks: list[int]) -> None:
+        """Tests: a process set whose ranks are threads of this process (see ``perseus._core.LoopbackWorld``)."""
+        self._native.add_loopback_process_set(ps_id, world, rank, list(world_ranks))
+
+    def remove_process_set(self, ps_id: int) -> None:
+        self._native.remove_process_set(ps_id)
+
+    def join(self, ps_id: int = 0) -> int:
+        return self._native.join(ps_id)
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the engine; fail what is still pending; tell peers this rank has shut down."""
+        self._native.shutdown(timeout_s)
+        self.timeline = None
+
+    @property
+    def clean(self) -> bool:
+        """False once a channel thread was left inside a collective at shutdown."""
+        return self._native.clean
+
+    @property
+    def failed(self) -> Optional[str]:
+        state = self._native.failed()
+        return None if state is None else state[1]
+
+    def abort(self, message: str) -> None:
+        """Fail every request on every rank with ``message``."""
+        self._native.abort(message)
+
+    def clear_handles(self) -> None:
+        self._native.clear_handles()
+
+    # -- timeline --------------------------------------------------------------------------------------
+    @property
+    def timeline(self):
+        return self._timeline
+
+    @timeline.setter
+    def timeline(self, timeline) -> None:
+        """Record engine events into ``timeline`` (a :class:`perseus.timeline.writer.Timeline`), or stop."""
+        old, self._timeline = self._timeline, timeline
+        if old is not None and old is not timeline:
+            old.detach()
+        self._native.set_timeline(timeline is not None)
+        if timeline is not None:
+            timeline.attach(self._native.drain_timeline)

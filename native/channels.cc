@@ -92,23 +92,31 @@ void Channel::run() {
       if (queue_.empty()) break;  // stopping, and everything queued has run
       u = queue_.front();
       queue_.pop_front();
-      queued_.fetch_sub(1, std::memory_order_relaxed);
+      busy_.store(true, std::memory_order_release);  // before queued_ drops, so idle() never lies
+      queued_.fetch_sub(1, std::memory_order_release);
     }
-    try {
-      execute(u);
-    } catch (const TransportError& e) {
-      hooks_.unit_failed(u, e.what(), ErrorKind::INTERNAL);
-      hooks_.recycle(u);
-      continue;
-    } catch (const std::exception& e) {
-      hooks_.unit_failed(u, std::string("internal error: ") + e.what(), ErrorKind::INTERNAL);
-      hooks_.recycle(u);
-      continue;
-    }
-    for (const Piece& p : u->pieces) hooks_.piece_done(p.request);
-    hooks_.recycle(u);
+    run_unit(u);
+    busy_.store(false, std::memory_order_release);
   }
   exited_.store(true, std::memory_order_release);
+}
+
+void Channel::run_inline(Unit* u) { run_unit(u); }
+
+void Channel::run_unit(Unit* u) {
+  try {
+    execute(u);
+  } catch (const TransportError& e) {
+    hooks_.unit_failed(u, e.what(), ErrorKind::INTERNAL);
+    hooks_.recycle(u);
+    return;
+  } catch (const std::exception& e) {
+    hooks_.unit_failed(u, std::string("internal error: ") + e.what(), ErrorKind::INTERNAL);
+    hooks_.recycle(u);
+    return;
+  }
+  for (const Piece& p : u->pieces) hooks_.piece_done(p.request);
+  hooks_.recycle(u);
 }
 
 uint8_t* Channel::scratch(size_t nbytes, int slot) {

@@ -12,6 +12,9 @@ namespace perseus {
 
 namespace {
 
+constexpr double kIdleSpinS = 50e-6;
+constexpr double kFirstIdleWaitS = 50e-6;
+
 // Sets whose channel threads could not be stopped (stuck in a collective a dead peer will never finish)
 // stay allocated: those threads still point at them.
 std::vector<std::shared_ptr<ProcessSet>>& abandoned() {
@@ -59,6 +62,8 @@ void Engine::add_process_set(int id, std::unique_ptr<Comm> control, std::vector<
   auto set = std::make_shared<ProcessSet>(this, id, std::move(control), std::move(world_ranks));
   std::lock_guard<std::mutex> lock(mu_);
   sets_[id] = set;
+  if (id >= 0 && id < kFastSets) fast_[id].store(set.get());
+  control_dirty_.store(true);
   cv_.notify_one();
 }
 
@@ -69,12 +74,16 @@ void Engine::remove_process_set(int id) {
   if (it == sets_.end()) return;
   set = it->second;
   sets_.erase(it);
+  if (id >= 0 && id < kFastSets) fast_[id].store(nullptr);
+  retired_.push_back(set);
+  control_dirty_.store(true);
   lock.unlock();
   set->fail_all({ErrorKind::INTERNAL, "perseus: process set " + std::to_string(id) + " was removed"}, true);
   lock.lock();
   if (started_ && !exited_.load()) {
     // The engine thread may be stepping the set right now: let it close the set between steps.
     to_close_.push_back(set);
+    control_dirty_.store(true);
     uint64_t target = ++close_generation_;
     cv_.notify_one();
     closed_cv_.wait(lock, [&] { return closed_done_ >= target || exited_.load(); });
@@ -89,6 +98,8 @@ void Engine::shutdown(double timeout_s) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
+    stopping_.store(true);
+    control_dirty_.store(true);
   }
   cv_.notify_one();
   if (!started_) {
@@ -131,13 +142,15 @@ static Error not_registered(int ps_id) {
 
 Error Engine::submit(int ps_id, Handle* h) {
   if (has_failed_.load()) return {ErrorKind::INTERNAL, failed().message};
-  std::shared_ptr<ProcessSet> set;
-  {
+  if (stopping_.load()) return {ErrorKind::INTERNAL, "perseus has been shut down; call init() again to use it"};
+  std::shared_ptr<ProcessSet> holder;
+  ProcessSet* set = ps_id >= 0 && ps_id < kFastSets ? fast_[ps_id].load() : nullptr;
+  if (set == nullptr) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stop_) return {ErrorKind::INTERNAL, "perseus has been shut down; call init() again to use it"};
     auto it = sets_.find(ps_id);
     if (it == sets_.end()) return not_registered(ps_id);
-    set = it->second;
+    holder = it->second;
+    set = holder.get();
   }
   const double t = now_s();
   for (Request* r : h->requests) r->submit_time = t;
@@ -195,6 +208,7 @@ void Engine::abort(const std::string& message_in, int origin, bool propagate, Er
       outbox_.push_back(msg);
     }
     logs_.push_back(message);
+    control_dirty_.store(true);
     cv_.notify_one();
   }
   Error error{kind, message};
@@ -208,13 +222,14 @@ void Engine::run() {
   prctl(PR_SET_TIMERSLACK, 1000, 0, 0, 0);  // wake short sleeps on time (default slack adds ~50 us)
   Backoff backoff;
   const double cap_busy = 1e-3;
-  double idle_wait = 50e-6;
+  double idle_wait = kFirstIdleWaitS;
   std::vector<std::shared_ptr<ProcessSet>> sets, closing;
   std::vector<std::string> outbox, logs;
   try {
     for (;;) {
-      {
+      if (control_dirty_.load(std::memory_order_acquire)) {
         std::lock_guard<std::mutex> lock(mu_);
+        control_dirty_.store(false);
         if (stop_) break;  // close_all() sends what is still in the outbox
         sets.clear();
         for (auto& kv : sets_) sets.push_back(kv.second);
@@ -256,12 +271,19 @@ void Engine::run() {
       }
       if (progressed) {
         backoff.reset();
-        idle_wait = 50e-6;
+        idle_wait = kFirstIdleWaitS;
         continue;
       }
       if (waiting) {
         backoff.wait();
         continue;
+      }
+      // Nothing to do: first spin (yielding) a little, since the next request of a step or of a loop of
+      // small synchronous collectives usually comes within microseconds; then sleep.
+      if (idle_wait == kFirstIdleWaitS) {  // only right after progress
+        const double spin_until = now_s() + kIdleSpinS;
+        while (submissions_.load() == seen && now_s() < spin_until) sched_yield();
+        if (submissions_.load() != seen) continue;
       }
       std::unique_lock<std::mutex> lock(mu_);
       idle_.store(true);
@@ -269,7 +291,8 @@ void Engine::run() {
         idle_.store(false);
         break;
       }
-      if (submissions_.load() != seen || !to_close_.empty() || !outbox_.empty() || !logs_.empty()) {
+      if (submissions_.load() != seen || control_dirty_.load() || !to_close_.empty() || !outbox_.empty() ||
+          !logs_.empty()) {
         idle_.store(false);
         continue;
       }
@@ -279,7 +302,7 @@ void Engine::run() {
       lock.lock();
       const double cap = has_work ? cap_busy : settings_.idle_poll_max_ms * 1e-3;
       const double timeout = std::max(std::min({deadline - now_s(), idle_wait, cap}), 0.0);
-      if (submissions_.load() == seen && !stop_ && to_close_.empty())
+      if (submissions_.load() == seen && !stop_ && !control_dirty_.load())
         cv_.wait_for(lock, std::chrono::duration<double>(timeout));
       idle_.store(false);
       idle_wait = std::min(idle_wait * 2, cap);
@@ -329,9 +352,13 @@ void Engine::close_all() {
     if (hooks_.log) hooks_.log(40, m);
   // An abort not sent yet (the failure happened just before shutdown) must still reach the peers, or they
   // would wait forever in the collective this rank abandoned.
-  for (auto& s : sets)
-    if (s->id() == 0)
-      for (auto& m : outbox) s->send_to_all(m);
+  // (A broken transport refuses: nothing more can be told then, and an exception must not escape here.)
+  try {
+    for (auto& s : sets)
+      if (s->id() == 0)
+        for (auto& m : outbox) s->send_to_all(m);
+  } catch (const std::exception&) {
+  }
   for (auto& s : sets) {
     s->fail_all({ErrorKind::INTERNAL, "perseus has been shut down"}, true);
     if (!s->close(notify)) {

@@ -88,6 +88,14 @@ class Engine {
   std::mutex mu_;
   std::condition_variable cv_;
   std::map<int, std::shared_ptr<ProcessSet>> sets_;
+  // Lock-free lookup for submissions (ids below kFastSets). A removed set stays allocated (retired_) until
+  // the engine is destroyed, since a submission may have just loaded its pointer.
+  static constexpr int kFastSets = 256;
+  std::atomic<ProcessSet*> fast_[kFastSets] = {};
+  std::vector<std::shared_ptr<ProcessSet>> retired_;
+  std::atomic<bool> stopping_{false};
+  // Set whenever sets_, to_close_, outbox_, logs_ or stop_ change: the engine loop takes mu_ only then.
+  std::atomic<bool> control_dirty_{true};
   std::vector<std::shared_ptr<ProcessSet>> to_close_;
   Error failed_;
   std::atomic<bool> has_failed_{false};

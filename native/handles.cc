@@ -26,8 +26,10 @@ void futex_wake_all(std::atomic<uint32_t>* word) {
 
 HandleTable::~HandleTable() {
   // Whatever is left belongs to a finished engine; Python objects were released by clear().
-  for (Handle* h : free_handles_) delete h;
-  for (Request* r : free_requests_) delete r;
+  for (Handle* h : free_handles_) {
+    for (Request* r : h->spare) delete r;
+    delete h;
+  }
 }
 
 Handle* HandleTable::new_handle() {
@@ -55,16 +57,16 @@ Handle* HandleTable::new_handle() {
   return h;
 }
 
-Request* HandleTable::new_request() {
-  Request* r = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!free_requests_.empty()) {
-      r = free_requests_.back();
-      free_requests_.pop_back();
-    }
+Request* HandleTable::new_request(Handle* h) {
+  Request* r;
+  if (!h->spare.empty()) {
+    r = h->spare.back();
+    h->spare.pop_back();
+  } else {
+    r = new Request();
   }
-  if (r == nullptr) return new Request();
+  h->requests.push_back(r);
+  r->handle = h;
   return r;
 }
 
@@ -146,7 +148,6 @@ void HandleTable::maybe_reclaim(Handle* h) {
 }
 
 void HandleTable::recycle(Handle* h) {
-  std::lock_guard<std::mutex> lock(mu_);
   for (Request* r : h->requests) {
     r->finished.store(false, std::memory_order_relaxed);
     r->handle = nullptr;
@@ -158,21 +159,28 @@ void HandleTable::recycle(Handle* h) {
     r->splits.clear();
     r->received_splits.clear();
     r->phantom_data.clear();
-    if (free_requests_.size() < 65536) free_requests_.push_back(r); else delete r;
+    if (h->spare.size() < 64) h->spare.push_back(r); else delete r;
   }
   h->requests.clear();
   h->extra.reset();
-  if (free_handles_.size() < 16384) free_handles_.push_back(h); else delete h;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (free_handles_.size() < 16384) {
+    free_handles_.push_back(h);
+  } else {
+    for (Request* r : h->spare) delete r;
+    delete h;
+  }
 }
 
 void HandleTable::wait(Handle* h, double timeout_s, bool* timed_out) {
   *timed_out = false;
   // A short spin first: a small collective often completes within microseconds, and sleeping on the
   // futex costs a wake-up on both sides.
-  const double spin_until = now_s() + 30e-6;
+  // Yield while spinning: on a busy host the engine thread may need this core to finish the request.
+  const double spin_until = now_s() + 20e-6;
   for (int i = 0; !h->done.load(std::memory_order_acquire); ++i) {
-    if ((i & 63) == 63 && now_s() > spin_until) break;
-    __builtin_ia32_pause();
+    if ((i & 7) == 7 && now_s() > spin_until) break;
+    sched_yield();
   }
   double deadline = timeout_s >= 0 ? now_s() + timeout_s : 0;
   while (!h->done.load(std::memory_order_acquire)) {

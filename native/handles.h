@@ -16,6 +16,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -54,6 +55,9 @@ struct Request {
   size_t nbytes() const { return static_cast<size_t>(numel()) * itemsize(sig.dtype); }
 };
 
+// Requests by name. The key views the request's own name, which lives as long as the request is listed.
+using NameMap = std::unordered_map<std::string_view, Request*>;
+
 // What the binding layer attaches to a handle: Python objects, callbacks. Opaque here.
 struct HandleExtra {
   virtual ~HandleExtra() = default;
@@ -62,6 +66,7 @@ struct HandleExtra {
 struct Handle {
   int64_t id = 0;
   std::vector<Request*> requests;
+  std::vector<Request*> spare;      // requests of earlier uses, reused before any new one
   std::atomic<int> unfinished{0};   // requests without a result or error yet
   std::atomic<int> engine_refs{0};  // requests whose memory the engine may still touch
   std::atomic<uint32_t> done{0};    // 1 once unfinished reached 0 (a futex word)
@@ -92,7 +97,7 @@ class HandleTable {
   ~HandleTable();
 
   Handle* new_handle();             // with a fresh id, registered
-  Request* new_request();
+  Request* new_request(Handle* h);  // owned by h (kept with it when it is recycled)
   Handle* find(int64_t id);         // nullptr when unknown
   // The user collected `h` (after wait): forget its id; reclaim once the engine is done with it.
   void release_user(Handle* h);
@@ -114,7 +119,6 @@ class HandleTable {
   int64_t next_id_ = 0;
   std::unordered_map<int64_t, Handle*> live_;
   std::vector<Handle*> free_handles_;
-  std::vector<Request*> free_requests_;
 };
 
 }  // namespace perseus

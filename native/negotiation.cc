@@ -45,15 +45,14 @@ void Registry::evict(int64_t capacity) {
 }
 
 // -- words ---------------------------------------------------------------------------------------------
-bool Negotiator::build_words(const std::unordered_map<std::string, Request*>& pending, bool dirty,
-                             bool joined) {
+bool Negotiator::build_words(const NameMap& pending, bool dirty, bool joined) {
   const size_t n = registry_.num_words(), nb = registry_.bit_words();
   words_.assign(n, 0);
   uint64_t* ready = words_.data() + 1;
   uint64_t* mine = words_.data() + 1 + nb;
   bool needs_exchange = false;
   for (auto& kv : pending) {
-    int idx = registry_.lookup(kv.first);
+    int idx = registry_.lookup(kv.second->name);
     if (idx < 0 || registry_.signature(idx) != kv.second->sig) {
       needs_exchange = true;
     } else {
@@ -118,15 +117,14 @@ struct Reader {
 
 }  // namespace
 
-void Negotiator::exchange_payload(const std::unordered_map<std::string, Request*>& pending, bool joined,
-                                  std::string* out) const {
+void Negotiator::exchange_payload(const NameMap& pending, bool joined, std::string* out) const {
   out->clear();
   put<uint8_t>(out, joined ? 1 : 0);
   put<uint32_t>(out, static_cast<uint32_t>(pending.size()));
   for (auto& kv : pending) {
     const Signature& s = kv.second->sig;
     put<uint32_t>(out, static_cast<uint32_t>(kv.first.size()));
-    out->append(kv.first);
+    out->append(kv.first.data(), kv.first.size());
     put<int32_t>(out, static_cast<int32_t>(s.op_type));
     put<int32_t>(out, static_cast<int32_t>(s.dtype));
     put<uint32_t>(out, static_cast<uint32_t>(s.shape.size()));

@@ -83,12 +83,12 @@ class Negotiator {
   Registry& registry() { return registry_; }
 
   // This rank's words for a round (reused storage). Returns whether this rank needs an exchange.
-  bool build_words(const std::unordered_map<std::string, Request*>& pending, bool dirty, bool joined);
+  bool build_words(const NameMap& pending, bool dirty, bool joined);
   std::vector<uint64_t>& words() { return words_; }
   // Interpret the reduced words into `result`; returns whether an exchange follows.
   bool decode(RoundResult* result);
   // This rank's pending list for the exchange.
-  void exchange_payload(const std::unordered_map<std::string, Request*>& pending, bool joined,
+  void exchange_payload(const NameMap& pending, bool joined,
                         std::string* out) const;
   // Merge every rank's list: new indices, newly ready names, mismatches. `rank_names` maps a position in
   // the set to the job rank shown in messages.

@@ -15,6 +15,7 @@ namespace {
 
 constexpr double kControlPollS = 100e-6;  // control messages are rare: look for them at most this often
 constexpr double kStallCheckS = 0.05;
+constexpr size_t kInlineUnitBytes = 64 << 10;  // small units the engine thread runs itself
 
 template <typename T>
 void put(std::string* out, T v) {
@@ -88,6 +89,7 @@ Error ProcessSet::submit(const std::vector<Request*>& requests) {
     inflight_.emplace(r->name, r);
     incoming_.push_back(r);
   }
+  incoming_count_.store(static_cast<int>(incoming_.size()), std::memory_order_release);
   if (first_dirty_ns_.load(std::memory_order_relaxed) == 0) first_dirty_ns_.store(now_ns());
   return Error();
 }
@@ -98,15 +100,15 @@ Error ProcessSet::submit_join(Handle* h) {
   if (join_handle_ != nullptr)
     return {ErrorKind::VALUE, "perseus.join(): this rank has already joined; wait for the join to complete"};
   join_handle_ = h;
+  join_waiting_.store(true);
   if (first_dirty_ns_.load(std::memory_order_relaxed) == 0) first_dirty_ns_.store(now_ns());
   return Error();
 }
 
 // -- engine thread: the round state machine ------------------------------------------------------------------
 bool ProcessSet::has_work() {
-  if (!pending_.empty()) return true;
-  std::lock_guard<std::mutex> lock(mu_);
-  return !incoming_.empty() || join_handle_ != nullptr;
+  return !pending_.empty() || incoming_count_.load(std::memory_order_acquire) != 0 ||
+         join_waiting_.load(std::memory_order_acquire);
 }
 
 StepResult ProcessSet::step(double now) {
@@ -120,6 +122,7 @@ StepResult ProcessSet::step(double now) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       drop.swap(incoming_);
+      incoming_count_.store(0);
     }
     for (auto& kv : pending_) drop.push_back(kv.second);
     pending_.clear();
@@ -204,6 +207,7 @@ void ProcessSet::start_round() {
     first_dirty_ns_.store(0);
     for (Request* r : incoming_) pending_[r->name] = r;
     incoming_.clear();
+    incoming_count_.store(0, std::memory_order_release);
     joined = join_handle_ != nullptr;
   }
   negotiator_.build_words(pending_, round_dirty_, joined);
@@ -286,6 +290,7 @@ void ProcessSet::finish_join() {
     std::lock_guard<std::mutex> lock(mu_);
     h = join_handle_;
     join_handle_ = nullptr;
+    join_waiting_.store(false);
   }
   join_round_ = -1;
   state_ = State::IDLE;
@@ -322,7 +327,12 @@ void ProcessSet::dispatch(std::vector<Request*>& ready) {
   const size_t n = channels_.size();
   for (Unit* u : units_) {
     u->index = unit_counter_++;
-    channels_[u->index % n]->submit(u);
+    Channel* ch = channels_[u->index % n].get();
+    // A small unit on an idle channel runs here at once: the collective takes microseconds, waking the
+    // channel thread would take longer. Peers may decide differently; the order on the channel's
+    // communicator is the same either way.
+    if (u->nbytes() <= kInlineUnitBytes && ch->idle()) ch->run_inline(u);
+    else ch->submit(u);
   }
 }
 
@@ -379,7 +389,7 @@ void ProcessSet::poll_control(double now) {
         {
           std::lock_guard<std::mutex> lock(mu_);
           for (auto& kv : inflight_)
-            if (!kv.second->dispatched) names.push_back(kv.first);
+            if (!kv.second->dispatched) names.push_back(kv.second->name);
           joined = join_handle_ != nullptr;
         }
         std::sort(names.begin(), names.end());
@@ -460,7 +470,7 @@ void ProcessSet::check_stall(double now) {
   all_ranks.insert(me);
   for (auto& kv : report->answers) all_ranks.insert(kv.first);
   std::vector<std::pair<double, std::string>> stalled;
-  for (auto& kv : pending_) stalled.emplace_back(kv.second->submit_time, kv.first);
+  for (auto& kv : pending_) stalled.emplace_back(kv.second->submit_time, kv.second->name);
   std::sort(stalled.begin(), stalled.end());
   std::vector<std::string> lines{"perseus stall: requests have waited for other ranks:"};
   for (auto& st : stalled) {
@@ -534,6 +544,7 @@ void ProcessSet::fail_all(const Error& error, bool dispatched) {
       }
     }
     std::swap(join, join_handle_);
+    join_waiting_.store(false);
   }
   // Only the error is set here; whoever holds a request (engine thread, channel) releases it.
   for (Request* r : failed) engine_->handles().finish_request(r, &error);
@@ -559,6 +570,7 @@ bool ProcessSet::close(bool notify_peers) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     drop.swap(incoming_);
+    incoming_count_.store(0);
   }
   for (auto& kv : pending_) drop.push_back(kv.second);
   pending_.clear();

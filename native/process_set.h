@@ -82,15 +82,16 @@ class ProcessSet {
   // Shared with user threads.
   std::mutex mu_;  // guards incoming_, inflight_, join_handle_, dead_
   std::vector<Request*> incoming_;
-  std::unordered_map<std::string, Request*> inflight_;  // submitted, not yet finished (duplicate check)
+  NameMap inflight_;  // submitted, not yet finished (duplicate check)
   Handle* join_handle_ = nullptr;
   std::atomic<int64_t> first_dirty_ns_{0};  // when the oldest unseen submission arrived; 0 if none
-  std::atomic<bool> has_incoming_{false};
+  std::atomic<int> incoming_count_{0};  // size of incoming_, readable without the lock
+  std::atomic<bool> join_waiting_{false};
   std::string dead_;
   std::atomic<bool> is_dead_{false};
 
   // Engine-thread state.
-  std::unordered_map<std::string, Request*> pending_;  // seen by the engine, not yet negotiated
+  NameMap pending_;  // seen by the engine, not yet negotiated
   std::vector<Request*> batch_;
   State state_ = State::IDLE;
   int64_t round_ = 0;

@@ -247,41 +247,74 @@ class PyEngine {
         py::object item = py::reinterpret_steal<py::object>(PySequence_GetItem(items.ptr(), i));
         PyObject* t = item.ptr();
         if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 11) throw py::value_error("perseus: bad request tuple");
-        Request* r = table.new_request();
-        h->requests.push_back(r);
-        r->handle = h;
-        r->ps_id = ps_id;
-        r->remaining.store(0, std::memory_order_relaxed);
-        Py_ssize_t len;
-        const char* name = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(t, 0), &len);
-        if (name == nullptr) throw py::error_already_set();
-        r->name.assign(name, len);
-        Signature& s = r->sig;
-        s.op_type = op;
-        s.dtype = static_cast<DType>(PyLong_AsLong(PyTuple_GET_ITEM(t, 1)));
-        shape_of(PyTuple_GET_ITEM(t, 2), &r->shape);
-        if (op == OpType::ALLGATHER || op == OpType::ALLTOALL) {
-          if (r->shape.empty()) r->shape.push_back(1);
-          s.shape.assign(r->shape.begin() + 1, r->shape.end());
-        } else {
-          s.shape = r->shape;
-        }
-        r->input = pointer_of(PyTuple_GET_ITEM(t, 3), false);
-        r->output = pointer_of(PyTuple_GET_ITEM(t, 4), true);
-        s.reduce_op = static_cast<int32_t>(PyLong_AsLong(PyTuple_GET_ITEM(t, 5)));
-        s.root_rank = static_cast<int32_t>(PyLong_AsLong(PyTuple_GET_ITEM(t, 6)));
-        s.prescale = PyFloat_AsDouble(PyTuple_GET_ITEM(t, 7));
-        s.postscale = PyFloat_AsDouble(PyTuple_GET_ITEM(t, 8));
-        s.priority = static_cast<int32_t>(PyLong_AsLong(PyTuple_GET_ITEM(t, 9)));
-        PyObject* splits = PyTuple_GET_ITEM(t, 10);
-        r->splits.clear();
-        if (splits != Py_None) shape_of(splits, &r->splits);
-        if (PyErr_Occurred()) throw py::error_already_set();
+        PyObject** f = &PyTuple_GET_ITEM(t, 0);
+        add_request(h, ps_id, op, f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10]);
       }
     } catch (...) {
       discard(h);
       throw;
     }
+    return enqueue(ps_id, h);
+  }
+
+  // One request: the fields of submit()'s tuple as arguments (the per-gradient path: no tuple, no list).
+  int64_t submit_one(py::args a) {
+    if (a.size() != 15) throw py::type_error("perseus: submit_one takes 15 arguments");
+    PyObject** f = &PyTuple_GET_ITEM(a.ptr(), 0);
+    const int ps_id = static_cast<int>(PyLong_AsLong(f[0]));
+    const OpType op = static_cast<OpType>(PyLong_AsLong(f[1]));
+    Handle* h = engine_->handles().new_handle();
+    auto* extra = new PyExtra();
+    h->extra.reset(extra);
+    extra->finish = py::reinterpret_borrow<py::object>(f[13]);
+    extra->keepalive = py::reinterpret_borrow<py::object>(f[14]);
+    try {
+      add_request(h, ps_id, op, f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11], f[12]);
+    } catch (...) {
+      discard(h);
+      throw;
+    }
+    return enqueue(ps_id, h);
+  }
+
+  void add_request(Handle* h, int ps_id, OpType op, PyObject* name, PyObject* dtype, PyObject* shape,
+                   PyObject* input, PyObject* output, PyObject* reduce_op, PyObject* root, PyObject* pre,
+                   PyObject* post, PyObject* priority, PyObject* splits) {
+    Request* r = engine_->handles().new_request(h);
+    r->ps_id = ps_id;
+    r->remaining.store(0, std::memory_order_relaxed);
+    Py_ssize_t len;
+    const char* text = PyUnicode_AsUTF8AndSize(name, &len);
+    if (text == nullptr) throw py::error_already_set();
+    r->name.assign(text, len);
+    Signature& s = r->sig;
+    s.op_type = op;
+    const long dt = PyLong_AsLong(dtype);
+    if (dt < 0 || dt >= kNumDTypes) {
+      if (PyErr_Occurred()) throw py::error_already_set();
+      throw py::value_error("perseus: unknown dtype code " + std::to_string(dt));
+    }
+    s.dtype = static_cast<DType>(dt);
+    shape_of(shape, &r->shape);
+    if (op == OpType::ALLGATHER || op == OpType::ALLTOALL) {
+      if (r->shape.empty()) r->shape.push_back(1);
+      s.shape.assign(r->shape.begin() + 1, r->shape.end());
+    } else {
+      s.shape = r->shape;
+    }
+    r->input = pointer_of(input, false);
+    r->output = pointer_of(output, true);
+    s.reduce_op = static_cast<int32_t>(PyLong_AsLong(reduce_op));
+    s.root_rank = static_cast<int32_t>(PyLong_AsLong(root));
+    s.prescale = PyFloat_AsDouble(pre);
+    s.postscale = PyFloat_AsDouble(post);
+    s.priority = static_cast<int32_t>(PyLong_AsLong(priority));
+    r->splits.clear();
+    if (splits != Py_None) shape_of(splits, &r->splits);
+    if (PyErr_Occurred()) throw py::error_already_set();
+  }
+
+  int64_t enqueue(int ps_id, Handle* h) {
     Error err = engine_->submit(ps_id, h);
     if (err) {
       discard(h);
@@ -466,6 +499,7 @@ PYBIND11_MODULE(_core, m) {
       .def("remove_process_set", &PyEngine::remove_process_set)
       .def("shutdown", &PyEngine::shutdown, py::arg("timeout_s") = 30.0)
       .def("submit", &PyEngine::submit)
+      .def("submit_one", &PyEngine::submit_one)
       .def("join", &PyEngine::join)
       .def("wait", &PyEngine::wait, py::arg("hid"), py::arg("timeout_s") = -1.0)
       .def("poll", &PyEngine::poll)

@@ -23,10 +23,11 @@ if [ -z "$PY310" ]; then
 fi
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/perseus-lower.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
-"${PYTHON:-python3}" -m pip wheel -q --no-deps -w "$WORK/dist" "$ROOT" >/dev/null
 "$PY310" -m venv "$WORK/venv"
 BIN="$WORK/venv/bin"
 "$BIN/python" -m pip install -q --upgrade pip >/dev/null
+# The wheel carries the native core, compiled for one Python: build it with 3.10 itself.
+"$BIN/python" -m pip wheel -q --no-deps -w "$WORK/dist" "$ROOT" >/dev/null
 "$BIN/python" -m pip install -q "$(ls "$WORK"/dist/perseus-*.whl)" "numpy==1.21.6" "mpi4py==4.1.0" \
   "cloudpickle==2.0.0" "libcst==1.0.0"
 cd "$WORK"

@@ -103,13 +103,44 @@ def _gathered(allocs, finish):
     return done
 
 
-def allreduce_async(array: np.ndarray, output: np.ndarray, name: Optional[str] = None, op=ReduceOp.AVERAGE,
+_state = state()
+
+
+def _target(process_set: ProcessSet):
+    """``(engine, process set id)`` for a request; the global set's is found without any lookup.
+
+    Raises:
+        ValueError: not initialised, or the set is not registered / this rank is not a member.
+    """
+    engine = _state._engine
+    if engine is not None and process_set is global_process_set:
+        return engine, 0
+    ps_id, _, _ = _state.process_set_info(process_set)
+    return _state.engine, ps_id
+
+
+def allreduce_async(array, output, name: Optional[str] = None, op=ReduceOp.AVERAGE,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set, priority: int = 0,
-                    dtype: Optional[DType] = None, finish: Callable[[list], Any] = lambda r: r[0]) -> int:
-    """Start an allreduce of ``array`` into ``output`` (which may be ``array`` itself: in place)."""
-    return grouped_allreduce_async([array], [output], name, op, prescale_factor, postscale_factor, process_set,
-                                   priority, [dtype], finish, _single=True)
+                    dtype: Optional[DType] = None, finish: Callable[[list], Any] = lambda r: r[0],
+                    shape: Optional[tuple] = None, keepalive=None) -> int:
+    """Start an allreduce of ``array`` into ``output`` (which may be ``array`` itself: in place).
+
+    The per-gradient path: one native call. ``array``/``output`` are NumPy arrays, or raw addresses (ints)
+    with ``dtype``, ``shape`` and ``keepalive`` (what owns the memory until the request is collected).
+    """
+    op = int(op)
+    if op == 2:
+        reject_adasum(op, "allreduce")
+    engine, ps_id = _target(process_set)
+    if dtype is None:
+        dtype = _check(array, "allreduce")
+    if dtype == 9 and op == 0:  # bool, Average
+        raise ValueError("perseus.allreduce: op=Average is not defined for bool tensors; use Sum, Min or Max")
+    return engine.submit_one(ps_id, _ALLREDUCE, _name("allreduce", name, ps_id), dtype,
+                             array.shape if shape is None else shape, array, output, op, -1,
+                             float(prescale_factor), float(postscale_factor), int(priority), None, finish,
+                             (array, output) if keepalive is None else keepalive)
 
 
 def grouped_allreduce_async(arrays: Sequence[np.ndarray], outputs: Sequence[np.ndarray], name=None,

@@ -114,9 +114,11 @@ KNOBS: tuple[Knob, ...] = (
          flag=Flag("--fusion-threshold-mb", "tuning", "largest all-reduce unit, in MB", scale=1 << 20)),
     Knob("inplace_threshold_bytes", ("PERSEUS_INPLACE_THRESHOLD",), int, 256 << 10, unit="bytes", tunable=True,
          doc="Tensors at least this large are reduced where they lie (no copy into a fusion buffer)."),
-    Knob("cycle_time_ms", _both("CYCLE_TIME"), float, 0.5, unit="ms", tunable=True,
-         doc="How long the engine waits after the first new request before it negotiates, so that requests "
-             "arriving together are negotiated together.",
+    Knob("cycle_time_ms", _both("CYCLE_TIME"), float, 0.0, unit="ms", tunable=True,
+         doc="How long the engine waits after the first new request before it negotiates. 0 (the default): "
+             "it negotiates at once, and requests that arrive during a round are gathered into the next one, "
+             "which costs microseconds; a positive value gathers more per round at the price of that much "
+             "latency on every synchronous collective (Horovod's default is 1 ms).",
          flag=Flag("--cycle-time-ms", "tuning", "wait before negotiating new requests, in ms")),
     Knob("num_channels", ("PERSEUS_NUM_CHANNELS",), int, 1, unit="channels", tunable=True,
          doc="Concurrent communication channels per process set; each is a duplicated communicator driven "

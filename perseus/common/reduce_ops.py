@@ -31,6 +31,8 @@ def resolve_op(op=None, average=None, default=Average) -> ReduceOp:
     Raises:
         ValueError: both ``op`` and ``average`` were given, or ``op`` is not a known operator.
     """
+    if average is None and type(op) is ReduceOp:  # the common case, first
+        return op
     import warnings
 
     if op is not None and average is not None:

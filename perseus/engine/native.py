@@ -84,6 +84,7 @@ class Engine:
                                    (PerseusInternalError, MismatchError, StallError))
         # The hot-path methods, bound once.
         self.submit: Callable[..., int] = self._native.submit
+        self.submit_one: Callable[..., int] = self._native.submit_one
         self.wait: Callable[..., Any] = self._native.wait
         self.poll: Callable[[int], bool] = self._native.poll
         self.on_done = self._native.on_done

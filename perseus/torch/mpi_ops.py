@@ -64,7 +64,7 @@ def _dtype(t: torch.Tensor) -> DType:
         dt = _DTYPES[t.dtype]
     except KeyError:
         raise ValueError(f"Tensor type {t.type()} is not supported.") from None
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise NotImplementedError(f"perseus: tensors on {t.device} need the GPU (NCCL) transport, which is not "
                                   "implemented yet; move tensors to the CPU")
     if t.layout is not torch.strided:
@@ -104,8 +104,9 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
     dt = _dtype(tensor)
     src = _contig(tensor)
     out = torch.empty_like(src)
-    return _c.allreduce_async(_np(src), _np(out), name, _op(op, average), prescale_factor, postscale_factor,
-                              process_set, dtype=dt, finish=lambda r: out)
+    return _c.allreduce_async(src.data_ptr(), out.data_ptr(), name, _op(op, average), prescale_factor,
+                              postscale_factor, process_set, dtype=dt, finish=lambda r: out, shape=src.shape,
+                              keepalive=(src, out))
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -114,9 +115,9 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     dt = _dtype(tensor)
     if not tensor.is_contiguous():
         raise ValueError("Tensor is required to be contiguous.")
-    buf = _np(tensor)
-    return _c.allreduce_async(buf, buf, name, _op(op, average), prescale_factor, postscale_factor, process_set,
-                              dtype=dt, finish=lambda r: tensor)
+    ptr = tensor.data_ptr()
+    return _c.allreduce_async(ptr, ptr, name, _op(op, average), prescale_factor, postscale_factor, process_set,
+                              dtype=dt, finish=lambda r: tensor, shape=tensor.shape, keepalive=tensor)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,

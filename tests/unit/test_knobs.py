@@ -76,7 +76,7 @@ def test_documented_default_values():
     s = load_settings({})
     assert s.fusion_threshold_bytes == 4 * 1024 * 1024
     assert s.inplace_threshold_bytes == 256 * 1024
-    assert s.cycle_time_ms == 0.5
+    assert s.cycle_time_ms == 0.0
     assert s.num_channels == 1
     assert s.cache_capacity == 4096
     assert s.stall_check_time_s == 60.0 and s.stall_shutdown_time_s == 300.0

@@ -28,6 +28,11 @@ std::vector<size_t> displacements(const std::vector<size_t>& counts) {
   return out;
 }
 
+// memcpy with a zero length may still not be given a null pointer (empty tensors have none).
+inline void copy_bytes(void* dst, const void* src, size_t n) {
+  if (n != 0) std::memcpy(dst, src, n);
+}
+
 inline uint8_t* at(void* base, size_t elements, DType dt) {
   return static_cast<uint8_t*>(base) + elements * itemsize(dt);
 }
@@ -173,7 +178,7 @@ void Channel::allreduce(Unit* u) {
     const void* src = p.request->input != nullptr ? p.request->input : p.request->output;
     uint8_t* part = at(buf, p.buf_offset, dt);
     if (pre != 1.0) scale_into(src, part, p.count, dt, pre);
-    else std::memcpy(part, src, p.count * itemsize(dt));
+    else copy_bytes(part, src, p.count * itemsize(dt));
   }
   activity(u, "MPI_ALLREDUCE");
   allreduce_buffer(nullptr, buf, u->numel, dt, u->reduce_op, 1.0);  // postscale applied on copy-out
@@ -181,7 +186,7 @@ void Channel::allreduce(Unit* u) {
   for (const Piece& p : u->pieces) {
     const uint8_t* part = at(buf, p.buf_offset, dt);
     if (post != 1.0) scale_into(part, p.request->output, p.count, dt, post);
-    else std::memcpy(p.request->output, part, p.count * itemsize(dt));
+    else copy_bytes(p.request->output, part, p.count * itemsize(dt));
   }
 }
 
@@ -261,7 +266,7 @@ void Channel::allgather(Request* r) {
 void Channel::broadcast(Request* r) {
   const int root = r->sig.root_rank;
   if (comm_->rank() == root && r->input != nullptr && r->input != r->output)
-    std::memcpy(r->output, r->input, r->nbytes());
+    copy_bytes(r->output, r->input, r->nbytes());
   comm_->broadcast(r->output, static_cast<size_t>(r->numel()), r->sig.dtype, root);
 }
 

@@ -382,7 +382,8 @@ class PyEngine {
         std::vector<py::ssize_t> shape(r->result_shape.begin(), r->result_shape.end());
         py::array arr(py::dtype(numpy_name(r->sig.dtype)), shape, data, owner);
         py::array_t<int64_t> splits(static_cast<py::ssize_t>(r->received_splits.size()));
-        std::memcpy(splits.mutable_data(), r->received_splits.data(), r->received_splits.size() * 8);
+        if (!r->received_splits.empty())
+          std::memcpy(splits.mutable_data(), r->received_splits.data(), r->received_splits.size() * 8);
         results.append(py::make_tuple(arr, splits));
       } else {
         results.append(py::none());

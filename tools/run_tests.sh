@@ -41,6 +41,11 @@ for np in 2 3; do
   fi
 done
 rm -f "$MPI_LOG"
+echo "== the native core under AddressSanitizer + UndefinedBehaviorSanitizer (the engine's MPI tests)"
+bash tools/sanitize.sh || status=1
+echo "== the native core's own tests (kernels, MPI transport, loopback transport)"
+bash native/tests/run_native_tests.sh || status=1
+bash native/tests/run_loopback_tests.sh || status=1
 echo "== the wheel, installed into a new environment outside the source tree"
 bash tools/check_wheel.sh || status=1
 echo "== the oldest versions setup.py admits for the base install (Python 3.10, numpy 1.21, ...)"

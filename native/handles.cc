@@ -22,6 +22,13 @@ void futex_wake_all(std::atomic<uint32_t>* word) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
 }
 
+// Wake the threads asleep on h->done, if any: a system call per finished request would cost more than
+// the request. The sleeper registers before its last check of `done` (both sequentially consistent), so
+// either it sees done == 1 or this sees it registered.
+void wake_waiters(Handle* h) {
+  if (h->sleepers.load() != 0) futex_wake_all(&h->done);
+}
+
 }  // namespace
 
 HandleTable::~HandleTable() {
@@ -49,6 +56,7 @@ Handle* HandleTable::new_handle() {
   h->unfinished.store(0, std::memory_order_relaxed);
   h->engine_refs.store(0, std::memory_order_relaxed);
   h->done.store(0, std::memory_order_relaxed);
+  h->sleepers.store(0, std::memory_order_relaxed);
   h->user_released.store(false, std::memory_order_relaxed);
   h->is_join = false;
   h->join_result = -1;
@@ -109,10 +117,10 @@ void HandleTable::finish_request(Request* r, const Error* error) {
     bool callback;
     {
       std::lock_guard<std::mutex> lock(h->mu);
-      h->done.store(1, std::memory_order_release);
+      h->done.store(1);
       callback = h->wants_callback;
     }
-    futex_wake_all(&h->done);
+    wake_waiters(h);
     if (callback) completion_->on_callback_due(h);
   }
 }
@@ -125,10 +133,10 @@ void HandleTable::set_join_result(Handle* h, int64_t last_rank, const Error* err
     if (error != nullptr && *error) h->error = *error;
     h->join_result = last_rank;
     h->unfinished.store(0, std::memory_order_release);
-    h->done.store(1, std::memory_order_release);
+    h->done.store(1);
     callback = h->wants_callback;
   }
-  futex_wake_all(&h->done);
+  wake_waiters(h);
   if (callback) completion_->on_callback_due(h);
   if (h->engine_refs.fetch_sub(1, std::memory_order_acq_rel) == 1) maybe_reclaim(h);
 }
@@ -193,9 +201,13 @@ void HandleTable::wait(Handle* h, double timeout_s, bool* timed_out) {
       timespec ts;
       ts.tv_sec = static_cast<time_t>(left);
       ts.tv_nsec = static_cast<long>((left - std::floor(left)) * 1e9);
-      futex_wait(&h->done, 0, &ts);
+      h->sleepers.fetch_add(1);
+      if (!h->done.load()) futex_wait(&h->done, 0, &ts);
+      h->sleepers.fetch_sub(1);
     } else {
-      futex_wait(&h->done, 0, nullptr);
+      h->sleepers.fetch_add(1);
+      if (!h->done.load()) futex_wait(&h->done, 0, nullptr);
+      h->sleepers.fetch_sub(1);
     }
   }
 }

@@ -70,6 +70,7 @@ struct Handle {
   std::atomic<int> unfinished{0};   // requests without a result or error yet
   std::atomic<int> engine_refs{0};  // requests whose memory the engine may still touch
   std::atomic<uint32_t> done{0};    // 1 once unfinished reached 0 (a futex word)
+  std::atomic<uint32_t> sleepers{0};  // threads asleep on `done`: finishing wakes them only if any
   std::atomic<bool> user_released{false};
   bool is_join = false;
   int64_t join_result = -1;

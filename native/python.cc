@@ -334,8 +334,10 @@ class PyEngine {
     return h->id;
   }
 
-  // Wait for `hid`; return (finish, results, join_result). results[i] is None, or (array, received_splits)
-  // for ops whose output the engine allocated. None for an unknown handle. Raises the request's error.
+  // Wait for `hid` and return its value: None for an unknown handle; the last rank for a join; else from
+  // the submission's `finish`: None -> None, a 1-tuple (value,) -> value (the per-gradient path: no Python
+  // call), a callable -> finish(results), results[i] being None or (array, received_splits) for ops whose
+  // output the engine allocated. Raises the request's error.
   py::object wait(int64_t hid, double timeout_s) {
     Handle* h = engine_->handles().find(hid);
     if (h == nullptr) return py::none();
@@ -368,30 +370,41 @@ class PyEngine {
       std::lock_guard<std::mutex> lock(h->mu);
       err = h->error;
     }
-    auto* extra = static_cast<PyExtra*>(h->extra.get());
-    py::object finish = extra != nullptr && extra->finish ? extra->finish : py::none();
     if (err) {
       engine_->handles().release_user(h);
       raise(err);
     }
-    py::list results;
-    for (Request* r : h->requests) {
-      if (r->result) {
-        uint8_t* data = r->result.release();
-        py::capsule owner(data, [](void* p) { delete[] static_cast<uint8_t*>(p); });
-        std::vector<py::ssize_t> shape(r->result_shape.begin(), r->result_shape.end());
-        py::array arr(py::dtype(numpy_name(r->sig.dtype)), shape, data, owner);
-        py::array_t<int64_t> splits(static_cast<py::ssize_t>(r->received_splits.size()));
-        if (!r->received_splits.empty())
-          std::memcpy(splits.mutable_data(), r->received_splits.data(), r->received_splits.size() * 8);
-        results.append(py::make_tuple(arr, splits));
-      } else {
-        results.append(py::none());
-      }
+    if (h->is_join) {
+      int64_t last = h->join_result;
+      engine_->handles().release_user(h);
+      return py::int_(last);
     }
-    int64_t join_result = h->join_result;
+    auto* extra = static_cast<PyExtra*>(h->extra.get());
+    py::object finish = extra != nullptr && extra->finish ? extra->finish : py::none();
+    if (finish.is_none() || (PyTuple_Check(finish.ptr()) && PyTuple_GET_SIZE(finish.ptr()) == 1)) {
+      py::object value = finish.is_none() ? py::none() : py::reinterpret_borrow<py::object>(
+                                                              PyTuple_GET_ITEM(finish.ptr(), 0));
+      engine_->handles().release_user(h);
+      return value;
+    }
+    py::list results(h->requests.size());
+    for (size_t i = 0; i < h->requests.size(); ++i) {
+      Request* r = h->requests[i];
+      if (!r->result) {
+        results[i] = py::none();
+        continue;
+      }
+      uint8_t* data = r->result.release();
+      py::capsule owner(data, [](void* p) { delete[] static_cast<uint8_t*>(p); });
+      std::vector<py::ssize_t> shape(r->result_shape.begin(), r->result_shape.end());
+      py::array arr(py::dtype(numpy_name(r->sig.dtype)), shape, data, owner);
+      py::array_t<int64_t> splits(static_cast<py::ssize_t>(r->received_splits.size()));
+      if (!r->received_splits.empty())
+        std::memcpy(splits.mutable_data(), r->received_splits.data(), r->received_splits.size() * 8);
+      results[i] = py::make_tuple(arr, splits);
+    }
     engine_->handles().release_user(h);
-    return py::make_tuple(finish, results, join_result);
+    return finish(results);
   }
 
   // True when every request of hid has finished. Raises ValueError for an unknown id.

@@ -128,6 +128,8 @@ def allreduce_async(array, output, name: Optional[str] = None, op=ReduceOp.AVERA
 
     The per-gradient path: one native call. ``array``/``output`` are NumPy arrays, or raw addresses (ints)
     with ``dtype``, ``shape`` and ``keepalive`` (what owns the memory until the request is collected).
+    ``finish`` makes :func:`synchronize`'s value: a callable gets the list of results, a 1-tuple
+    ``(value,)`` is returned as it is (no Python call on the way back).
     """
     op = int(op)
     if op == 2:
@@ -276,7 +278,7 @@ def join(process_set: ProcessSet = global_process_set) -> int:
     """
     ps_id, _, _ = _info(process_set)
     engine = state().engine
-    return engine.wait(engine.join(ps_id))[2]
+    return engine.wait(engine.join(ps_id))
 
 
 def poll(handle: int) -> bool:
@@ -294,11 +296,7 @@ def synchronize(handle: int):
     Raises:
         PerseusInternalError: the collective failed on this or another rank (MismatchError, StallError).
     """
-    done = state().engine.wait(handle)
-    if done is None:
-        return None
-    finish, results, _ = done
-    return None if finish is None else finish(results)
+    return state().engine.wait(handle)
 
 
 def on_done(handle_ids, callback) -> None:

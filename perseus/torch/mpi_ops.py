@@ -47,7 +47,10 @@ def synchronize(handle):
     Raises:
         HorovodInternalError: the collective failed (mismatch across ranks, stall, failed peer).
     """
-    return _c.synchronize(handle)
+    return _state.engine.wait(handle)
+
+
+_state = _c.state()
 
 
 _DTYPES = {
@@ -105,8 +108,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
     src = _contig(tensor)
     out = torch.empty_like(src)
     return _c.allreduce_async(src.data_ptr(), out.data_ptr(), name, _op(op, average), prescale_factor,
-                              postscale_factor, process_set, dtype=dt, finish=lambda r: out, shape=src.shape,
-                              keepalive=(src, out))
+                              postscale_factor, process_set, 0, dt, (out,), src.shape, (src, out))
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -116,8 +118,9 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     if not tensor.is_contiguous():
         raise ValueError("Tensor is required to be contiguous.")
     ptr = tensor.data_ptr()
+    # (tensor,): synchronize returns the tensor itself, without a Python call.
     return _c.allreduce_async(ptr, ptr, name, _op(op, average), prescale_factor, postscale_factor, process_set,
-                              dtype=dt, finish=lambda r: tensor, shape=tensor.shape, keepalive=tensor)
+                              0, dt, (tensor,), tensor.shape, tensor)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,

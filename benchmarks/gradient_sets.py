@@ -147,12 +147,15 @@ def main():
 
     which = set(args.only.split(","))
     results = {}
+    # MPI first (mpi4py initialises it), so that the library's shutdown() does not finalise it: the bound
+    # is measured with the library shut down, and the library is initialised again after it.
+    from mpi4py import MPI
+
     if "horovod" in which:
         import horovod.torch as hvd
     else:
         import perseus.torch as hvd
     hvd.init()
-    from mpi4py import MPI
 
     comm = MPI.COMM_WORLD.Dup()
     rank, size = comm.Get_rank(), comm.Get_size()

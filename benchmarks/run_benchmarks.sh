@@ -31,7 +31,7 @@ for ch in 2 4; do
 done
 if [ -n "$HVD" ]; then
   echo "== gradient sets: Horovod 0.28.1 (alone, then with the chunked-MPI bound in the same job)"
-  run "$HVD/bin" benchmarks/gradient_sets.py --only horovod --steps 10 --json "$J"
+  run "$HVD/bin" benchmarks/gradient_sets.py --only horovod,mpi --steps 10 --json "$J"
 fi
 echo "== small tensors: 1000 x 1 KB async, and a 1-float synchronous round trip"
 run "$BIN" benchmarks/small_tensors.py --json "$J"
@@ -40,10 +40,12 @@ if [ -n "$HVD" ]; then
 fi
 echo "== synthetic ResNet-18 training throughput (examples/pytorch_synthetic_benchmark.py)"
 "$BIN/python" examples/pytorch_synthetic_benchmark.py | grep -E "Model|Total"   # 1 rank, no communication
-run "$BIN" examples/pytorch_synthetic_benchmark.py | grep -E "Model|Total"
-if [ -n "$HVD" ]; then
-  run "$HVD/bin" examples/pytorch_synthetic_benchmark.py --library horovod | grep -E "Model|Total"
-fi
+for round in 1 2 3 4 5; do  # alternating jobs: perseus, then Horovod
+  run "$BIN" examples/pytorch_synthetic_benchmark.py | grep -E "Model|Total"
+  if [ -n "$HVD" ]; then
+    run "$HVD/bin" examples/pytorch_synthetic_benchmark.py --library horovod | grep -E "Model|Total"
+  fi
+done
 echo "== TensorFlow 2 synthetic ResNet-18 training throughput (benchmarks/tensorflow2_synthetic_benchmark.py)"
 TFB=(benchmarks/tensorflow2_synthetic_benchmark.py --num-iters 3 --num-batches-per-iter 4 --num-warmup-batches 2)
 tf_libs=(perseus)

@@ -200,12 +200,20 @@ class PyEngine {
   }
 
   ~PyEngine() {
-    // The callback thread must be gone before the engine and the Python objects it may still touch.
+    // An engine dropped without shutdown() (a test, say) must not leave its threads running on freed
+    // memory: shut it down here (Python destroys objects with the GIL held).
+    if (started_ && !shut_down_ && Py_IsInitialized()) {
+      try {
+        shutdown(5.0);
+      } catch (...) {
+      }
+    }
   }
 
   void start() {
     callbacks_.start();
     engine_->start();
+    started_ = true;
   }
 
   void add_process_set(int id, uintptr_t comm_handle, std::vector<int> world_ranks) {
@@ -224,6 +232,7 @@ class PyEngine {
   }
 
   void shutdown(double timeout_s) {
+    shut_down_ = true;
     {
       py::gil_scoped_release release;
       engine_->shutdown(timeout_s);
@@ -491,6 +500,7 @@ class PyEngine {
 
   py::tuple errors_;
   py::object where_, log_;
+  bool started_ = false, shut_down_ = false;
   CallbackThread callbacks_;
   std::unique_ptr<Engine> engine_;
 };

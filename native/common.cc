@@ -136,14 +136,41 @@ std::string py_repr(const std::string& s) {
   return out;
 }
 
+namespace {
+
+// "[-]d.ddde[+-]xx" -> the same number plus one unit in the last digit (magnitude up), in place. False when
+// that carries into a new leading digit (9.99e+05 -> 1.00e+06), which snprintf would have produced already.
+bool next_decimal(char* buf) {
+  char* e = std::strchr(buf, 'e');
+  if (e == nullptr) return false;
+  for (char* p = e - 1; p >= buf; --p) {
+    if (*p < '0' || *p > '9') continue;  // the decimal point (whatever the locale spells it) or the sign
+    if (*p != '9') {
+      ++*p;
+      return true;
+    }
+    *p = '0';
+  }
+  return false;
+}
+
+}  // namespace
+
 std::string py_repr(double v) {
   if (std::isnan(v)) return "nan";
   if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
-  // The shortest decimal that reads back as v, as Python's repr() picks it.
+  // The shortest decimal that reads back as v, as Python's repr() picks it. At each length the decimal
+  // nearest v is tried first and, when it does not read back, its neighbour on the other side of v: below a
+  // power of two the doubles are twice as dense, so the decimals that read back as v reach further above it
+  // than below (2**-24 is 5.960464477539063e-08; ...062, as near and the one snprintf picks, reads back as
+  // the double below).
   char buf[40];
   for (int precision = 0; precision < 17; ++precision) {
     std::snprintf(buf, sizeof buf, "%.*e", precision, v);
-    if (std::strtod(buf, nullptr) == v) break;
+    const double back = std::strtod(buf, nullptr);
+    if (back == v) break;
+    if (std::fabs(back) < std::fabs(v) && next_decimal(buf) && std::strtod(buf, nullptr) == v)
+      break;
   }
   // buf is "[-]d[.ddd]e[+-]xx": split it into sign, significant digits and decimal exponent.
   const char* p = buf;

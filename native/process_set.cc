@@ -210,6 +210,7 @@ void ProcessSet::start_round() {
     incoming_count_.store(0, std::memory_order_release);
     joined = join_handle_ != nullptr;
   }
+  round_joined_ = joined;
   negotiator_.build_words(pending_, round_dirty_, joined);
   if (joined && join_round_ < 0) join_round_ = round_;
   engine_->timeline().record(TimelineKind::CYCLE, OpType::ALLREDUCE, std::string());
@@ -221,12 +222,9 @@ void ProcessSet::start_round() {
 void ProcessSet::finish_band() {
   const bool exchange = negotiator_.decode(&result_);
   if (exchange) {
-    bool joined;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      joined = join_handle_ != nullptr;
-    }
-    negotiator_.exchange_payload(pending_, joined, &payload_);
+    // Joined as this round's band said (not as now: join() may have been called since), or ranks would
+    // disagree with the band's flags and run a non-allreduce op against a rank that joined meanwhile.
+    negotiator_.exchange_payload(pending_, round_joined_, &payload_);
     sizes_mine_.assign(1, static_cast<int64_t>(payload_.size()));
     sizes_all_.assign(size_, 0);
     exchange_phase_ = 0;

@@ -102,6 +102,7 @@ class ProcessSet {
   RoundResult result_;
   bool round_dirty_ = false;
   int64_t join_round_ = -1;
+  bool round_joined_ = false;  // this rank's joined flag in the current round's band
   int64_t join_mine_[2] = {0, 0};
   std::vector<int64_t> join_all_;
   std::string payload_;

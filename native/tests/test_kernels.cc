@@ -519,6 +519,9 @@ void test_repr_known() {
       {5e-324, "5e-324"}, {INFINITY, "inf"},    {-INFINITY, "-inf"},  {NAN, "nan"},
       {0.1 + 0.2, "0.30000000000000004"},      {1.0 / 3.0, "0.3333333333333333"},
       {-2.5e-7, "-2.5e-07"},
+      // powers of two, where the nearest decimal of a length may not read back but its upper neighbour does
+      {0x1p-24, "5.960464477539063e-08"}, {-0x1p-1017, "-7.120236347223045e-307"},
+      {0x1p976, "6.386688990511104e+293"},
   };
   for (const auto& c : doubles) {
     const std::string got = py_repr(c.first);

@@ -13,7 +13,8 @@ namespace perseus {
 
 namespace {
 
-constexpr size_t kRingMinBytes = 64 << 10;  // below this MPI's latency-optimised algorithms win over a ring
+constexpr size_t kRingMinBytes = 64 << 10;
+constexpr int kSpinUs = 100;  // below this MPI's latency-optimised algorithms win over a ring
 
 std::vector<size_t> even_counts(size_t total, int parts) {
   std::vector<size_t> out(parts, total / parts);
@@ -84,8 +85,10 @@ bool Channel::stop(double timeout_s) {
 void Channel::run() {
   for (;;) {
     Unit* u = nullptr;
-    // Spin briefly: the next unit of a step usually follows within microseconds.
-    const auto spin_until = Clock::now() + std::chrono::microseconds(20);
+    // Stay awake (yielding the core) for a while after a unit: the next unit of a step, or of a loop of
+    // small synchronous collectives, usually follows within tens of microseconds, and waking a sleeping
+    // thread costs about as much as the whole collective.
+    const auto spin_until = Clock::now() + std::chrono::microseconds(kSpinUs);
     while (queued_.load(std::memory_order_acquire) == 0 && Clock::now() < spin_until) sched_yield();
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -105,8 +108,6 @@ void Channel::run() {
   }
   exited_.store(true, std::memory_order_release);
 }
-
-void Channel::run_inline(Unit* u) { run_unit(u); }
 
 void Channel::run_unit(Unit* u) {
   try {

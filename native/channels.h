@@ -44,12 +44,8 @@ class Channel {
   Channel(std::unique_ptr<Comm> comm, Algorithm algorithm, ChannelHooks hooks);
   ~Channel();
   void submit(Unit* u);
-  // True when nothing is queued or running. Only the engine thread submits, so once it sees this the
-  // channel stays idle until that thread submits again.
+  // True when nothing is queued or running.
   bool idle() const { return queued_.load(std::memory_order_acquire) == 0 && !busy_.load(std::memory_order_acquire); }
-  // Run `u` on the calling thread (the engine thread, for a small unit while the channel is idle): saves
-  // the hand-over to the channel thread, which dominates the latency of a small collective.
-  void run_inline(Unit* u);
   // Stop after the queued units; false if the thread is still inside a collective after timeout_s (it is
   // then left behind, detached).
   bool stop(double timeout_s);

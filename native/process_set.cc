@@ -15,7 +15,6 @@ namespace {
 
 constexpr double kControlPollS = 100e-6;  // control messages are rare: look for them at most this often
 constexpr double kStallCheckS = 0.05;
-constexpr size_t kInlineUnitBytes = 64 << 10;  // small units the engine thread runs itself
 
 template <typename T>
 void put(std::string* out, T v) {
@@ -325,12 +324,9 @@ void ProcessSet::dispatch(std::vector<Request*>& ready) {
   const size_t n = channels_.size();
   for (Unit* u : units_) {
     u->index = unit_counter_++;
-    Channel* ch = channels_[u->index % n].get();
-    // A small unit on an idle channel runs here at once: the collective takes microseconds, waking the
-    // channel thread would take longer. Peers may decide differently; the order on the channel's
-    // communicator is the same either way.
-    if (u->nbytes() <= kInlineUnitBytes && ch->idle()) ch->run_inline(u);
-    else ch->submit(u);
+    // Always on the channel's thread, never here: a collective blocks until every peer joins it, and an
+    // engine thread blocked in one could not receive the abort of a peer that failed before joining.
+    channels_[u->index % n]->submit(u);
   }
 }
 

@@ -12,6 +12,8 @@ trap '[ -n "${KEEP:-}" ] || rm -rf "$WORK"' EXIT
 cp -r setup.py pyproject.toml README.md native perseus tests "$WORK/"
 find "$WORK" -name '*.so' -delete
 cd "$WORK"
+# setup.py build_ext runs without build isolation here: pybind11 must be in the environment.
+"$BIN/python" -c "import pybind11" 2>/dev/null || "$BIN/python" -m pip install -q "pybind11>=2.12"
 SAN="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
 echo "== building perseus._core with $SAN"
 CXXFLAGS="$SAN -O1 -g" LDFLAGS="$SAN" PERSEUS_BUILD_JOBS=2 \

@@ -1123,11 +1123,8 @@ def test_join_called_while_a_round_is_in_flight_counts_from_the_next_round():
 
 # ============================================================================= failures and shutdown
 
-# Known bug (commit 3b61f0c): a small unit now runs on the engine thread itself when its channel is idle, so
-# the peers' engine threads wait inside the collective the faulty rank never enters and cannot receive its
-# abort message; their requests hang (here until the 3 s wait gives up) instead of failing.
-@pytest.mark.xfail(reason="peers' engine threads are stuck in an inline collective and never see the abort",
-                   raises=AssertionError, strict=False)
+# Every collective runs on a channel thread, so the peers' engine threads stay free to receive the abort
+# while their channels wait inside the collective the faulty rank never enters.
 @pytest.mark.parametrize("n,faulty", [(2, 0), (3, 1), (4, 3)])
 def test_transport_failure_on_one_rank_fails_every_rank(make_sim, n, faulty):
     """The faulty rank fails the collective before entering it; its peers, left waiting inside it, must

@@ -13,6 +13,7 @@ namespace perseus {
 namespace {
 
 constexpr double kIdleSpinS = 50e-6;
+constexpr double kDrainS = 2.0;  // longest a shutdown waits for rounds in flight
 constexpr double kFirstIdleWaitS = 50e-6;
 
 // Sets whose channel threads could not be stopped (stuck in a collective a dead peer will never finish)
@@ -322,6 +323,24 @@ void Engine::run() {
         if (s->id() == 0)
           for (auto& m : out) s->send_to_all(m);
     } catch (const std::exception&) {
+    }
+  }
+  // Finish the negotiation rounds already started, without starting new ones: a peer that is in the same
+  // round finishes it too and dispatches the same units, so the channels drain the same collectives on every
+  // rank. Left unfinished, a peer that completed the round would wait forever in a unit this rank never runs.
+  if (!has_failed_.load()) {
+    try {
+      Backoff drain;
+      const double give_up = now_s() + kDrainS;
+      for (auto& s : sets) s->begin_drain();
+      for (;;) {
+        bool busy = false;
+        for (auto& s : sets) busy = s->step(now_s()).waiting || busy;
+        if (!busy || now_s() > give_up) break;
+        drain.wait();
+      }
+    } catch (const std::exception&) {
+      // The transport failed: nothing more can be finished.
     }
   }
   sets.clear();

@@ -175,6 +175,7 @@ StepResult ProcessSet::step(double now) {
 }
 
 StepResult ProcessSet::maybe_start(double now) {
+  if (draining_) return {false, false, 1e300};
   const int64_t first_dirty = first_dirty_ns_.load();
   const bool dirty = first_dirty != 0;
   const bool woken = woken_round_ >= round_;

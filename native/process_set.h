@@ -54,6 +54,8 @@ class ProcessSet {
   // Stop the channels (and tell peers this rank is gone); false if a channel is stuck in a collective.
   bool close(bool notify_peers);
   void mark_dead(const std::string& message);
+  // Shutting down: finish a round in flight, start no new one.
+  void begin_drain() { draining_ = true; }
   void send_to_all(const std::string& message);  // engine thread only
 
  private:
@@ -96,6 +98,7 @@ class ProcessSet {
   State state_ = State::IDLE;
   int64_t round_ = 0;
   bool continue_mode_ = false;
+  bool draining_ = false;
   int64_t woken_round_ = -1;
   int64_t unit_counter_ = 0;
   std::unique_ptr<PendingOp> op_;

@@ -185,7 +185,7 @@ void HandleTable::wait(Handle* h, double timeout_s, bool* timed_out) {
   // A short spin first: a small collective often completes within microseconds, and sleeping on the
   // futex costs a wake-up on both sides.
   // Yield while spinning: on a busy host the engine thread may need this core to finish the request.
-  const double spin_until = now_s() + 20e-6;
+  const double spin_until = now_s() + 60e-6;
   for (int i = 0; !h->done.load(std::memory_order_acquire); ++i) {
     if ((i & 7) == 7 && now_s() > spin_until) break;
     sched_yield();

@@ -100,11 +100,9 @@ void Channel::run() {
       if (queue_.empty()) break;  // stopping, and everything queued has run
       u = queue_.front();
       queue_.pop_front();
-      busy_.store(true, std::memory_order_release);  // before queued_ drops, so idle() never lies
       queued_.fetch_sub(1, std::memory_order_release);
     }
     run_unit(u);
-    busy_.store(false, std::memory_order_release);
   }
   exited_.store(true, std::memory_order_release);
 }

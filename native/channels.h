@@ -44,8 +44,6 @@ class Channel {
   Channel(std::unique_ptr<Comm> comm, Algorithm algorithm, ChannelHooks hooks);
   ~Channel();
   void submit(Unit* u);
-  // True when nothing is queued or running.
-  bool idle() const { return queued_.load(std::memory_order_acquire) == 0 && !busy_.load(std::memory_order_acquire); }
   // Stop after the queued units; false if the thread is still inside a collective after timeout_s (it is
   // then left behind, detached).
   bool stop(double timeout_s);
@@ -73,7 +71,6 @@ class Channel {
   std::condition_variable cv_;
   std::deque<Unit*> queue_;
   std::atomic<size_t> queued_{0};
-  std::atomic<bool> busy_{false};
   bool stop_ = false;
   bool sleeping_ = false;
   std::atomic<bool> exited_{false};

@@ -16,19 +16,6 @@ namespace {
 constexpr size_t kRingMinBytes = 64 << 10;
 constexpr int kSpinUs = 100;  // below this MPI's latency-optimised algorithms win over a ring
 
-std::vector<size_t> even_counts(size_t total, int parts) {
-  std::vector<size_t> out(parts, total / parts);
-  for (size_t i = 0; i < total % parts; ++i) out[i] += 1;
-  return out;
-}
-
-std::vector<size_t> displacements(const std::vector<size_t>& counts) {
-  std::vector<size_t> out(counts.size());
-  size_t acc = 0;
-  for (size_t i = 0; i < counts.size(); ++i) out[i] = acc, acc += counts[i];
-  return out;
-}
-
 // memcpy with a zero length may still not be given a null pointer (empty tensors have none).
 inline void copy_bytes(void* dst, const void* src, size_t n) {
   if (n != 0) std::memcpy(dst, src, n);
@@ -43,8 +30,25 @@ inline const uint8_t* at(const void* base, size_t elements, DType dt) {
 
 }  // namespace
 
-Channel::Channel(std::unique_ptr<Comm> comm, Algorithm algorithm, ChannelHooks hooks)
-    : comm_(std::move(comm)), algorithm_(algorithm), hooks_(std::move(hooks)) {
+Channel::Channel(std::unique_ptr<Comm> comm, ChannelConfig config, ChannelHooks hooks)
+    : comm_(std::move(comm)), config_(std::move(config)), hooks_(std::move(hooks)) {
+  const HostLayout* h = config_.layout.get();
+  if (h != nullptr && h->hosts > 1) {
+    const int r = comm_->rank();
+    links_ = std::make_unique<Links>(*comm_, config_.links);
+    if (h->homogeneous && h->local_size(r) > 1) {
+      local_ = comm_->split(h->host_of[r], r);
+      cross_ = comm_->split(h->local_rank[r], r);
+      LinkOptions cross_options = config_.links;
+      cross_options.world_ranks.clear();
+      for (int host = 0; host < h->hosts; ++host) {
+        const int peer = h->ranks_on[host][h->local_rank[r]];
+        cross_options.world_ranks.push_back(peer < static_cast<int>(config_.links.world_ranks.size())
+                                                ? config_.links.world_ranks[peer] : peer);
+      }
+      cross_links_ = std::make_unique<Links>(*cross_, cross_options);
+    }
+  }
   thread_ = std::thread([this] { run(); });
 }
 
@@ -123,12 +127,6 @@ void Channel::run_unit(Unit* u) {
   hooks_.recycle(u);
 }
 
-uint8_t* Channel::scratch(size_t nbytes, int slot) {
-  auto& s = scratch_[slot];
-  if (s.size() < nbytes) s.resize(std::max(nbytes, 2 * s.size()));
-  return s.data();
-}
-
 void Channel::execute(Unit* u) {
   if (hooks_.faults != nullptr && hooks_.faults->armed.exchange(false)) {
     std::lock_guard<std::mutex> lock(hooks_.faults->mu);
@@ -189,56 +187,29 @@ void Channel::allreduce(Unit* u) {
   }
 }
 
-// Reduce `send` (or `recv` in place when send is null) into `recv`, times postscale. A ring (reduce-scatter
-// then allgather over point-to-point messages) lets each rank scale only the segment it owns, so Average
-// costs 1/size of a pass instead of a whole one; `auto` uses it when it saves that pass on a large buffer.
+// Reduce `send` (or `recv` in place when send is null) into `recv`, times postscale. Within one host,
+// `auto` uses MPI's all-reduce (latency-optimised for small buffers) and the ring only where it saves the
+// scaling pass of Average on a large buffer; across hosts a large buffer always takes the ring over the
+// channel's own connections (MPI would put every channel into one TCP flow).
 void Channel::allreduce_buffer(const void* send, void* recv, size_t count, DType dt, ReduceOp op,
                                double postscale) {
   const int n = comm_->size();
-  const bool ring = algorithm_ == Algorithm::RING ||
-                    (algorithm_ == Algorithm::AUTO && postscale != 1.0 && count * itemsize(dt) >= kRingMinBytes &&
-                     n > 1);
-  if (!ring) {
-    comm_->allreduce(send, recv, count, dt, op);
-    if (postscale != 1.0) scale_into(recv, recv, count, dt, postscale);
-    return;
-  }
-  auto counts = even_counts(count, n);
-  ring_reduce_scatter(recv, counts, dt, op, send);
-  const int r = comm_->rank();
-  const size_t start = std::accumulate(counts.begin(), counts.begin() + r, size_t(0));
-  void* mine = at(recv, start, dt);
-  if (n == 1 && send != nullptr) scale_into(at(send, start, dt), mine, counts[r], dt, postscale);
-  else if (postscale != 1.0) scale_into(mine, mine, counts[r], dt, postscale);
-  ring_allgather(recv, counts, dt);
-}
-
-void Channel::ring_reduce_scatter(void* buf, const std::vector<size_t>& counts, DType dt, ReduceOp op,
-                                  const void* src) {
-  const int n = comm_->size(), r = comm_->rank();
-  if (n == 1) return;
-  auto displs = displacements(counts);
-  const int right = (r + 1) % n, left = (r - 1 + n) % n;
-  size_t max_count = *std::max_element(counts.begin(), counts.end());
-  uint8_t* tmp = scratch(max_count * itemsize(dt), 0);
-  for (int step = 0; step < n - 1; ++step) {
-    const int s = ((r - step - 1) % n + n) % n, q = ((r - step - 2) % n + n) % n;
-    const void* origin = (src != nullptr && step == 0) ? src : buf;
-    comm_->sendrecv(at(origin, displs[s], dt), counts[s] * itemsize(dt), right, tmp, counts[q] * itemsize(dt),
-                    left);
-    const void* mine = at(src != nullptr ? src : buf, displs[q], dt);
-    combine(mine, tmp, at(buf, displs[q], dt), counts[q], dt, op);
-  }
-}
-
-void Channel::ring_allgather(void* buf, const std::vector<size_t>& counts, DType dt) {
-  const int n = comm_->size(), r = comm_->rank();
-  auto displs = displacements(counts);
-  const int right = (r + 1) % n, left = (r - 1 + n) % n;
-  for (int step = 0; step < n - 1; ++step) {
-    const int s = ((r - step) % n + n) % n, q = ((r - step - 1) % n + n) % n;
-    comm_->sendrecv(at(buf, displs[s], dt), counts[s] * itemsize(dt), right, at(buf, displs[q], dt),
-                    counts[q] * itemsize(dt), left);
+  const bool large = count * itemsize(dt) >= kRingMinBytes && n > 1;
+  Algorithm a = config_.algorithm;
+  if (a == Algorithm::HIERARCHICAL && local_ == nullptr) a = Algorithm::RING;  // one host, or uneven hosts
+  if (a == Algorithm::AUTO) a = large && (links_ != nullptr || postscale != 1.0) ? Algorithm::RING : Algorithm::MPI;
+  const Path flat{comm_.get(), links_.get()};
+  switch (a) {
+    case Algorithm::HIERARCHICAL:
+      hierarchical_allreduce(Path{local_.get(), nullptr}, Path{cross_.get(), cross_links_.get()}, send, recv,
+                             count, dt, op, postscale, scratch_);
+      return;
+    case Algorithm::RING:
+      ring_allreduce(flat, send, recv, count, dt, op, postscale, scratch_);
+      return;
+    default:
+      comm_->allreduce(send, recv, count, dt, op);
+      if (postscale != 1.0) scale_into(recv, recv, count, dt, postscale);
   }
 }
 
@@ -258,7 +229,13 @@ void Channel::allgather(Request* r) {
   r->result_shape[0] = total_rows;
   r->result_bytes = static_cast<size_t>(total_rows * row) * itemsize(r->sig.dtype);
   r->result.reset(new uint8_t[std::max<size_t>(r->result_bytes, 1)]);
-  comm_->allgatherv(r->input, r->result.get(), counts, r->sig.dtype);
+  if (config_.hierarchical_allgather && local_ != nullptr) {
+    const int me = comm_->rank();
+    hierarchical_allgatherv(*local_, config_.layout->local_rank[me] == 0 ? cross_.get() : nullptr,
+                            *config_.layout, me, r->input, r->result.get(), counts, r->sig.dtype, scratch_);
+  } else {
+    comm_->allgatherv(r->input, r->result.get(), counts, r->sig.dtype);
+  }
   r->received_splits = std::move(all);
 }
 
@@ -302,7 +279,7 @@ void Channel::reducescatter(Unit* u) {
   const void* src = r->input;
   const size_t total = static_cast<size_t>(r->numel());
   if (u->prescale != 1.0) {
-    uint8_t* scaled = scratch(total * itemsize(dt), 1);
+    uint8_t* scaled = scratch_.get(total * itemsize(dt), 1);
     scale_into(src, scaled, total, dt, u->prescale);
     src = scaled;
   }

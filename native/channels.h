@@ -1,6 +1,7 @@
 // Stage 4: concurrent communication channels.
 //
-// A channel is a duplicated communicator driven by its own thread. Units go to channels by their position
+// A channel is a duplicated communicator driven by its own thread (and, when its process set spans hosts,
+// its own TCP connections between them: links.h). Units go to channels by their position
 // in the set's unit sequence (index % channels), the same on every rank, so each communicator sees the same
 // sequence of collectives everywhere while different channels run at once. The thread never holds the GIL.
 // It waits for work with a short spin (back-to-back units of one step arrive microseconds apart), then on a
@@ -16,13 +17,22 @@
 #include <thread>
 #include <vector>
 
+#include "algorithms.h"
 #include "fusion.h"
 #include "timeline.h"
 #include "transport.h"
 
 namespace perseus {
 
-enum class Algorithm { AUTO, MPI, RING };
+enum class Algorithm { AUTO, MPI, RING, HIERARCHICAL };
+
+// What a channel knows about where the ranks of its process set are.
+struct ChannelConfig {
+  Algorithm algorithm = Algorithm::AUTO;
+  bool hierarchical_allgather = false;
+  std::shared_ptr<const HostLayout> layout;  // null: one host
+  LinkOptions links;                          // world_ranks filled in per communicator
+};
 
 // Tests: make the next collective of any channel fail as a broken transport would.
 struct FaultInjection {
@@ -41,7 +51,8 @@ struct ChannelHooks {
 
 class Channel {
  public:
-  Channel(std::unique_ptr<Comm> comm, Algorithm algorithm, ChannelHooks hooks);
+  // Collective over comm's ranks when the set spans hosts (opens links, splits local and cross comms).
+  Channel(std::unique_ptr<Comm> comm, ChannelConfig config, ChannelHooks hooks);
   ~Channel();
   void submit(Unit* u);
   // Stop after the queued units; false if the thread is still inside a collective after timeout_s (it is
@@ -54,18 +65,18 @@ class Channel {
   void execute(Unit* u);
   void allreduce(Unit* u);
   void allreduce_buffer(const void* send, void* recv, size_t count, DType dtype, ReduceOp op, double postscale);
-  void ring_reduce_scatter(void* buf, const std::vector<size_t>& counts, DType dtype, ReduceOp op,
-                           const void* src);
-  void ring_allgather(void* buf, const std::vector<size_t>& counts, DType dtype);
   void allgather(Request* r);
   void broadcast(Request* r);
   void alltoall(Request* r);
   void reducescatter(Unit* u);
-  uint8_t* scratch(size_t nbytes, int slot);
   void activity(Unit* u, const char* label);
 
   std::unique_ptr<Comm> comm_;
-  Algorithm algorithm_;
+  ChannelConfig config_;
+  std::unique_ptr<Links> links_;         // set spans hosts: the flat ring's connections
+  std::unique_ptr<Comm> local_, cross_;  // homogeneous hosts with several ranks each
+  std::unique_ptr<Links> cross_links_;
+  Scratch scratch_;
   ChannelHooks hooks_;
   std::mutex mu_;
   std::condition_variable cv_;
@@ -75,7 +86,6 @@ class Channel {
   bool sleeping_ = false;
   std::atomic<bool> exited_{false};
   std::vector<uint8_t> fusion_;
-  std::vector<uint8_t> scratch_[2];
   std::thread thread_;
 };
 

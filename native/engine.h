@@ -34,6 +34,11 @@ struct Settings {
   double stall_check_time_s = 60.0;
   double stall_shutdown_time_s = 300.0;
   double idle_poll_max_ms = 50.0;
+  // Ranks with equal keys are on one host (Python gives the world rank of the host's first rank).
+  int64_t host_key = 0;
+  bool hierarchical_allgather = false;
+  std::vector<std::string> network_interfaces;  // for the channels' links between hosts; empty: all
+  double link_timeout_s = 30.0;
 };
 
 struct EngineHooks {

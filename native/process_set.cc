@@ -62,8 +62,18 @@ ProcessSet::ProcessSet(Engine* engine, int id, std::unique_ptr<Comm> control, st
   hooks.recycle = [this](Unit* u) { unit_pool_.put(u); };
   hooks.timeline = &engine->timeline();
   hooks.faults = &engine->faults();
+  ChannelConfig config;
+  config.algorithm = s.algorithm;
+  config.hierarchical_allgather = s.hierarchical_allgather;
+  // One allgather of host keys at creation: a set on one host keeps MPI's shared-memory paths only.
+  HostLayout layout = HostLayout::exchange(*control_, s.host_key);
+  if (layout.hosts > 1) config.layout = std::make_shared<const HostLayout>(std::move(layout));
+  config.links.interfaces = s.network_interfaces;
+  config.links.timeout_s = s.link_timeout_s;
+  config.links.cancel = &is_dead_;
+  config.links.world_ranks = world_ranks_;
   for (int i = 0; i < std::max(1, s.num_channels); ++i)
-    channels_.emplace_back(new Channel(control_->dup(), s.algorithm, hooks));
+    channels_.emplace_back(new Channel(control_->dup(), config, hooks));
 }
 
 ProcessSet::~ProcessSet() = default;

@@ -168,8 +168,23 @@ class PyEngine {
     if (auto v = get("num_channels")) s.num_channels = v.cast<int>();
     if (auto v = get("allreduce_algorithm")) {
       std::string a = v.cast<std::string>();
-      s.algorithm = a == "ring" ? Algorithm::RING : a == "mpi" ? Algorithm::MPI : Algorithm::AUTO;
+      s.algorithm = a == "ring" ? Algorithm::RING : a == "mpi" ? Algorithm::MPI
+                    : a == "hierarchical" ? Algorithm::HIERARCHICAL : Algorithm::AUTO;
     }
+    if (auto v = get("host_key")) s.host_key = v.cast<int64_t>();
+    if (auto v = get("hierarchical_allgather")) s.hierarchical_allgather = v.cast<bool>();
+    if (auto v = get("network_interface")) {
+      std::string text = v.cast<std::string>(), item;
+      for (char c : text + ",") {
+        if (c == ',' || c == ' ') {
+          if (!item.empty()) s.network_interfaces.push_back(item);
+          item.clear();
+        } else {
+          item += c;
+        }
+      }
+    }
+    if (auto v = get("link_timeout_s")) s.link_timeout_s = v.cast<double>();
     if (auto v = get("cache_capacity")) s.cache_capacity = v.cast<int64_t>();
     if (auto v = get("stall_check_disable")) s.stall_check_disable = v.cast<bool>();
     if (auto v = get("stall_check_time_s")) s.stall_check_time_s = v.cast<double>();

@@ -29,6 +29,8 @@ class Comm {
   virtual int size() const = 0;
   // A new communicator over the same ranks with its own message space. Collective.
   virtual std::unique_ptr<Comm> dup() = 0;
+  // A new communicator over the ranks that pass the same color, ranked by (key, rank). Collective.
+  virtual std::unique_ptr<Comm> split(int color, int key) = 0;
 
   // -- data plane (blocking; counts are in elements of `dtype`) --------------------------------------
   // send == nullptr: in place on recv. Reduces every dtype, float16/bfloat16 included (in float32, rounded

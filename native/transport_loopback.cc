@@ -8,6 +8,7 @@
 // collectives some rank is still inside.
 #include "transport_loopback.h"
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -26,7 +27,7 @@ namespace perseus {
 namespace {
 
 enum class Kind {
-  ALLREDUCE, ALLGATHERV, BROADCAST, ALLTOALLV, REDUCE_SCATTER, ALLGATHER_I64, ALLTOALL_I64, BARRIER, DUP,
+  ALLREDUCE, ALLGATHERV, BROADCAST, ALLTOALLV, REDUCE_SCATTER, ALLGATHER_I64, ALLTOALL_I64, BARRIER, DUP, SPLIT,
   IALLREDUCE_BAND, IALLGATHER_I64, IALLGATHERV_BYTES,
 };
 
@@ -179,10 +180,11 @@ class LoopbackWorld {
     return std::to_string(roots_created[rank]++);
   }
 
-  std::shared_ptr<CommState> attach(const std::string& path) {
+  // `n`: the communicator's size (the world's, or a split's).
+  std::shared_ptr<CommState> attach(const std::string& path, int n) {
     std::lock_guard<std::mutex> g(registry_mu_);
     Entry& e = registry_[path];
-    if (!e.state) e.state = std::make_shared<CommState>(size, path);
+    if (!e.state) e.state = std::make_shared<CommState>(n, path);
     return e.state;
   }
 
@@ -190,7 +192,7 @@ class LoopbackWorld {
   void detach(const std::string& path) {
     std::lock_guard<std::mutex> g(registry_mu_);
     auto it = registry_.find(path);
-    if (it != registry_.end() && ++it->second.detached == size) registry_.erase(it);
+    if (it != registry_.end() && ++it->second.detached == it->second.state->size) registry_.erase(it);
   }
 
   LoopbackStats stats() {
@@ -276,19 +278,44 @@ class LoopbackPendingOp final : public PendingOp {
 
 class LoopbackComm final : public Comm {
  public:
-  LoopbackComm(std::shared_ptr<LoopbackWorld> world, int rank, std::string path)
-      : world_(std::move(world)), rank_(rank), path_(std::move(path)), st_(world_->attach(path_)) {}
+  LoopbackComm(std::shared_ptr<LoopbackWorld> world, int rank, int size, std::string path)
+      : world_(std::move(world)), rank_(rank), size_(size), path_(std::move(path)),
+        st_(world_->attach(path_, size_)) {}
   ~LoopbackComm() override { world_->detach(path_); }
 
   int rank() const override { return rank_; }
-  int size() const override { return world_->size; }
+  int size() const override { return size_; }
 
   std::unique_ptr<Comm> dup() override {
     Contribution c;
     c.kind = Kind::DUP;
     c.call = "dup()";
     run(std::move(c), [](const Slot&) {});
-    return std::make_unique<LoopbackComm>(world_, rank_, path_ + "." + std::to_string(dups_++));
+    return std::make_unique<LoopbackComm>(world_, rank_, size_, path_ + "." + std::to_string(dups_++));
+  }
+
+  std::unique_ptr<Comm> split(int color, int key) override {
+    Contribution c;
+    c.kind = Kind::SPLIT;
+    c.call = "split()";
+    const int64_t mine[2] = {color, key};
+    c.data.assign(reinterpret_cast<const char*>(mine), reinterpret_cast<const char*>(mine) + sizeof(mine));
+    int new_rank = 0, new_size = 0;
+    const int me = rank_;
+    run(std::move(c), [&](const Slot& s) {
+      std::vector<std::pair<int64_t, int>> members;  // (key, rank) of the ranks with my color
+      for (int r = 0; r < static_cast<int>(s.data.size()); ++r) {
+        int64_t v[2];
+        std::memcpy(v, s.data[r].data(), sizeof(v));
+        if (v[0] == color) members.emplace_back(v[1], r);
+      }
+      std::sort(members.begin(), members.end());
+      new_size = static_cast<int>(members.size());
+      for (int i = 0; i < new_size; ++i)
+        if (members[i].second == me) new_rank = i;
+    });
+    return std::make_unique<LoopbackComm>(world_, new_rank, new_size,
+                                          path_ + ".s" + std::to_string(dups_++) + "c" + std::to_string(color));
   }
 
   void allreduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op) override {
@@ -558,6 +585,7 @@ class LoopbackComm final : public Comm {
 
   std::shared_ptr<LoopbackWorld> world_;
   const int rank_;
+  const int size_;
   const std::string path_;
   std::shared_ptr<CommState> st_;
   uint64_t next_seq_ = 0;  // this rank's position in the communicator's collective sequence
@@ -576,7 +604,7 @@ std::unique_ptr<Comm> make_loopback_comm(const std::shared_ptr<LoopbackWorld>& w
   if (rank < 0 || rank >= world->size)
     throw std::invalid_argument("rank " + std::to_string(rank) + " out of range for " +
                                 std::to_string(world->size) + " ranks");
-  return std::make_unique<LoopbackComm>(world, rank, world->next_root_path(rank));
+  return std::make_unique<LoopbackComm>(world, rank, world->size, world->next_root_path(rank));
 }
 
 void loopback_world_fail(const std::shared_ptr<LoopbackWorld>& world, const std::string& message) {

@@ -299,6 +299,20 @@ class MpiComm final : public Comm {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   std::unique_ptr<Comm> dup() override { return std::make_unique<MpiComm>(data_); }
+  std::unique_ptr<Comm> split(int color, int key) override {
+    MPI_Comm part = MPI_COMM_NULL;
+    check(MPI_Comm_split(data_, color, key, &part), "MPI_Comm_split");
+    // The Comm keeps duplicates of `part`; nothing was ever sent on it, so it can go at once.
+    std::unique_ptr<Comm> out;
+    try {
+      out = std::make_unique<MpiComm>(part);
+    } catch (...) {
+      MPI_Comm_free(&part);
+      throw;
+    }
+    MPI_Comm_free(&part);
+    return out;
+  }
 
   void allreduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op) override {
     const MPI_Datatype type = mpi_type(dtype);

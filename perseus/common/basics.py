@@ -34,7 +34,7 @@ class PerseusBasics:
         self._next_id = 1
         self._atexit = False
         self._timeline = None
-        self._topology = (0, 1, 0, 1, 0, 1, True)
+        self._topology = (0, 1, 0, 1, 0, 1, True, 0)
         self._job_state_resets: list[Callable[[], None]] = []
 
     def register_job_state(self, reset: Callable[[], None]) -> None:
@@ -92,7 +92,7 @@ class PerseusBasics:
                 self._timeline = _open_timeline(path, settings.timeline_mark_cycles, settings.timeline_max_bytes)
             from perseus.engine.native import Engine
 
-            engine = Engine(settings, rank)
+            engine = Engine(settings, rank, host_key=self._topology[7])
             if self._timeline is not None:
                 engine.timeline = self._timeline
             engine.add_process_set(0, base, list(range(size)))
@@ -414,9 +414,10 @@ def _topology(MPI, base):
     cross = base.Split(local_rank, rank)
     cross_rank, cross_size = cross.Get_rank(), cross.Get_size()
     homogeneous = len(set(base.allgather(local_size))) == 1
+    host_key = local.allreduce(rank, op=MPI.MIN)  # the world rank of this host's first rank
     local.Free()
     cross.Free()
-    return (rank, size, local_rank, local_size, cross_rank, cross_size, homogeneous)
+    return (rank, size, local_rank, local_size, cross_rank, cross_size, homogeneous, host_key)
 
 
 def _open_timeline(path: str, mark_cycles: bool, max_bytes: int):

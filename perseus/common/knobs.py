@@ -125,10 +125,30 @@ KNOBS: tuple[Knob, ...] = (
              "by its own thread. 1 measured fastest on a single shared-memory host; networks gain from more.",
          flag=Flag("--num-channels", "tuning", "concurrent communication channels", minimum=1)),
     Knob("allreduce_algorithm", ("PERSEUS_ALLREDUCE_ALGORITHM",), str, "auto", tunable=True,
-         choices=("auto", "mpi", "ring"),
+         choices=("auto", "mpi", "ring", "hierarchical"),
          doc="How a large unit is all-reduced: mpi (MPI_Allreduce, then a scaling pass for Average), ring "
              "(reduce-scatter and allgather over point-to-point messages; each rank scales only its own "
-             "segment, so Average costs 1/size of a pass), or auto (ring when it saves that pass)."),
+             "segment, so Average costs 1/size of a pass), hierarchical (reduce-scatter inside each host, "
+             "all-reduce of every rank's shard across hosts in parallel, all-gather inside the host; needs the "
+             "same number of ranks on every host, else ring), or auto (ring across hosts, and on one host "
+             "when it saves the scaling pass; mpi otherwise)."),
+    Knob("hierarchical_allreduce", _both("HIERARCHICAL_ALLREDUCE"), bool, False,
+         doc="Use the hierarchical all-reduce (as PERSEUS_ALLREDUCE_ALGORITHM=hierarchical; an algorithm "
+             "other than auto named there wins).",
+         flag=Flag("--hierarchical-allreduce", "tuning", "reduce inside each host first, then across hosts",
+                   negation="--no-hierarchical-allreduce")),
+    Knob("hierarchical_allgather", _both("HIERARCHICAL_ALLGATHER"), bool, False,
+         doc="Gather inside each host first, exchange one block per host across hosts, then share it inside "
+             "the host (needs the same number of ranks on every host, else a flat allgather).",
+         flag=Flag("--hierarchical-allgather", "tuning", "gather inside each host first, then across hosts",
+                   negation="--no-hierarchical-allgather")),
+    Knob("network_interface", ("PERSEUS_NETWORK_INTERFACE", "HOROVOD_GLOO_IFACE"), str, "",
+         doc="Comma-separated network interfaces whose IPv4 addresses the channels' own TCP connections "
+             "between hosts use (perseusrun --network-interface sets it). Empty: every interface that is up, "
+             "except loopback."),
+    Knob("link_timeout_s", ("PERSEUS_LINK_TIMEOUT_SECONDS",), float, 30.0, unit="s",
+         doc="How long a channel waits to connect to a peer host, and how long a transfer between hosts may "
+             "make no progress, before the collective fails on every rank."),
     Knob("cache_capacity", _both("CACHE_CAPACITY"), int, 4096, unit="tensors",
          doc="How many negotiated tensor signatures each process set keeps (least recently used names are "
              "dropped beyond it and negotiated again if they return). A steady-state step whose names are all "

@@ -22,7 +22,8 @@ _core = None
 # The settings the native engine reads (names as in perseus.common.knobs).
 ENGINE_SETTINGS = ("fusion_threshold_bytes", "inplace_threshold_bytes", "cycle_time_ms", "num_channels",
                    "allreduce_algorithm", "cache_capacity", "stall_check_disable", "stall_check_time_s",
-                   "stall_shutdown_time_s", "idle_poll_max_ms")
+                   "stall_shutdown_time_s", "idle_poll_max_ms", "hierarchical_allgather", "network_interface",
+                   "link_timeout_s")
 
 
 def load_core():
@@ -75,9 +76,12 @@ class Engine:
     a tensor), :class:`StallError` (a stall outlasted the stall shutdown time).
     """
 
-    def __init__(self, settings, world_rank: int):
+    def __init__(self, settings, world_rank: int, host_key: int = 0):
         core = load_core()
         values = {name: getattr(settings, name) for name in ENGINE_SETTINGS}
+        if getattr(settings, "hierarchical_allreduce", False) and values["allreduce_algorithm"] == "auto":
+            values["allreduce_algorithm"] = "hierarchical"
+        values["host_key"] = host_key
         self.world_rank = world_rank
         self._timeline = None
         self._native = core.Engine(values, world_rank, main_thread_location, _log,

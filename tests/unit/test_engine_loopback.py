@@ -54,7 +54,8 @@ ALL_DTYPES = list(DType)
 # Every engine setting, with values that keep tests fast and deterministic; tests override some.
 DEFAULTS = dict(fusion_threshold_bytes=4 << 20, inplace_threshold_bytes=256 << 10, cycle_time_ms=0.0,
                 num_channels=1, allreduce_algorithm="auto", cache_capacity=4096, stall_check_disable=True,
-                stall_check_time_s=60.0, stall_shutdown_time_s=0.0, idle_poll_max_ms=5.0)
+                stall_check_time_s=60.0, stall_shutdown_time_s=0.0, idle_poll_max_ms=5.0,
+                hierarchical_allgather=False, network_interface="", link_timeout_s=30.0)
 
 # Timeline event kinds (native/timeline.h).
 NEGOTIATE_START, OP_START, ACTIVITY, OP_END, CYCLE = 0, 1, 2, 3, 4
@@ -65,14 +66,16 @@ NEGOTIATE_START, OP_START, ACTIVITY, OP_END, CYCLE = 0, 1, 2, 3, 4
 class Sim:
     """N native engines over one loopback world; ``run`` calls a function on every rank's own thread."""
 
-    def __init__(self, n: int, *, world_ranks=None, start: bool = True, **overrides):
+    def __init__(self, n: int, *, world_ranks=None, start: bool = True, hosts=None, **overrides):
         unknown = set(overrides) - set(DEFAULTS)
         assert not unknown, f"unknown engine settings {unknown}"
         self.n = n
         self.settings = dict(DEFAULTS, **overrides)
         self.world = core.LoopbackWorld(n)
         self.world_ranks = list(world_ranks) if world_ranks is not None else list(range(n))
-        self.engines = [Engine(types.SimpleNamespace(**self.settings), self.world_ranks[r]) for r in range(n)]
+        hosts = list(hosts) if hosts is not None else [0] * n  # host key per rank
+        self.engines = [Engine(types.SimpleNamespace(**self.settings), self.world_ranks[r], host_key=hosts[r])
+                        for r in range(n)]
         self.closed = False
         self.troubled = False  # a rank raised or hung: peers may be stuck inside a collective
 
@@ -968,6 +971,68 @@ def test_large_tensors_in_place_and_ring(make_sim, algorithm, n):
     for r, outs in enumerate(sim.run(rank)):
         for name, dt, op, pre, d in cases:
             assert_same(outs[name], ref_reduce(d, dt, op, pre), f"{name} on rank {r}")
+
+
+# Host layouts (host key per rank): blocked, one rank per host, interleaved, uneven, three hosts.
+HOST_LAYOUTS = [[0, 0, 1, 1], [0, 1], [0, 1, 0, 1], [0, 0, 1], [0, 0, 1, 1, 2, 2]]
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "ring", "hierarchical", "mpi"])
+@pytest.mark.parametrize("hosts", HOST_LAYOUTS, ids=lambda h: "".join(map(str, h)))
+def test_allreduce_across_hosts_over_links(make_sim, algorithm, hosts):
+    # Ranks on different host keys exchange ring messages over real TCP connections (here on loopback);
+    # the hierarchical algorithm reduces inside hosts over the transport, across them over the links.
+    n = len(hosts)
+    sim = make_sim(n, hosts=hosts, allreduce_algorithm=algorithm, fusion_threshold_bytes=64 << 10,
+                   inplace_threshold_bytes=1 << 10, num_channels=2, network_interface="lo")
+    rng = np.random.default_rng(70 + n)
+    cases = [(f"h.{dt.name}.{op}.{size}", dt, op, pre,
+              [random_data(rng, dt, (size,), small_ints=True) for _ in range(n)])
+             for dt in (DType.FLOAT32, DType.BFLOAT16, DType.INT64)
+             for op, pre in ((AVERAGE, 1.0), (SUM, 0.5), (MIN, 1.0))
+             for size in (3, 70001)]
+
+    def rank(r, e):
+        outs, keep, hids = {}, [], []
+        for name, dt, op, pre, d in cases:
+            x = d[r].copy()
+            outs[name] = x
+            keep.append(x)
+            hids.append(submit(e, ALLREDUCE, [item(name, dt, x, x, op=op, pre=pre)], x))
+        for hid in hids:
+            wait(e, hid)
+        return outs
+
+    for r, outs in enumerate(sim.run(rank)):
+        for name, dt, op, pre, d in cases:
+            assert_same(outs[name], ref_reduce(d, dt, op, pre), f"{name} on rank {r}")
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
+@pytest.mark.parametrize("hosts", HOST_LAYOUTS, ids=lambda h: "".join(map(str, h)))
+def test_allgather_across_hosts(make_sim, hierarchical, hosts):
+    n = len(hosts)
+    sim = make_sim(n, hosts=hosts, hierarchical_allgather=hierarchical, num_channels=2, network_interface="lo")
+    rng = np.random.default_rng(80 + n)
+    cases = []
+    for dt in (DType.FLOAT32, DType.UINT8, DType.FLOAT16):
+        rows = [(r * 7 + 1) % 4 for r in range(n)]  # some ranks send no rows
+        cases.append((f"hag.{dt.name}", dt, [random_data(rng, dt, (rows[r], 3)) for r in range(n)]))
+
+    def rank(r, e):
+        hids = {name: submit(e, ALLGATHER, [item(name, dt, d[r], None)], d[r], RESULTS) for name, dt, d in cases}
+        return {name: wait(e, hid)[0] for name, hid in hids.items()}
+
+    for r, got in enumerate(sim.run(rank)):
+        for name, dt, d in cases:
+            arr, splits = got[name]
+            assert_same(arr, np.concatenate(d), f"{name} on rank {r}")
+            assert splits.tolist() == [x.shape[0] for x in d]
+
+
+def test_links_to_an_interface_without_address_fail_clearly():
+    with pytest.raises(Exception, match="PERSEUS_NETWORK_INTERFACE"):
+        Sim(2, hosts=[0, 1], network_interface="perseus-no-such-if0")
 
 
 @pytest.mark.parametrize("fusion,inplace", [(1 << 20, 1 << 30), (0, 1 << 30), (64, 0), (64, 1), (16, 64)])

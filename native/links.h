@@ -1,0 +1,73 @@
+// Stage 4b: a channel's own TCP connections to the other ranks of a process set that spans hosts.
+//
+// MPI's TCP transport keeps one connection per pair of processes and shares it between all communicators,
+// so channels on duplicated communicators would all travel in one TCP flow. A network that caps each flow
+// (most public clouds do) is then used at a fraction of its capacity. Links give each channel its own
+// connections: N channels are N flows between every pair of hosts, and units on different channels travel
+// at once.
+//
+// Construction is collective over the channel's Comm: every rank opens a listening socket and the ranks
+// exchange addresses. A connection is made on first use: the lower rank of a pair connects, the higher one
+// accepts, and the first bytes name the connecting rank. Each transfer carries an 8-byte length, so two
+// ranks that disagree on a size fail instead of mixing messages.
+//
+// A transfer fails with TransportError (naming both ranks and the peer's address) when the peer closes the
+// connection or dies, on a socket error, when no byte moves for `timeout_s`, or when `cancel` becomes true
+// (the process set is failing). The owning channel thread is the only user of a Links object.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "transport.h"
+
+namespace perseus {
+
+struct LinkOptions {
+  std::vector<std::string> interfaces;  // IPv4 addresses of these interfaces only; empty: all but loopback
+  double timeout_s = 30.0;
+  const std::atomic<bool>* cancel = nullptr;
+  std::vector<int> world_ranks;  // for messages: the world rank of each rank of the Comm
+};
+
+class Links {
+ public:
+  // Collective over `comm` (used only here, for the address exchange). Throws TransportError when no
+  // listening socket can be opened or the named interfaces have no IPv4 address.
+  Links(Comm& comm, LinkOptions options);
+  ~Links();
+  Links(const Links&) = delete;
+  Links& operator=(const Links&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  // Send send_bytes to dest while receiving recv_bytes from source; either may be this rank's peer on the
+  // same host (the connection then stays on this machine).
+  void sendrecv(const void* send, size_t send_bytes, int dest, void* recv, size_t recv_bytes, int source);
+  // Connections open now (for tests and diagnostics).
+  int open_connections() const;
+
+ private:
+  int connection(int peer);
+  int connect_to(int peer);
+  void accept_from(int peer);
+  std::string who(int peer) const;
+  [[noreturn]] void fail(int peer, const std::string& what) const;
+  void check_cancel(int peer) const;
+
+  int rank_, size_;
+  LinkOptions options_;
+  int listener_ = -1;
+  uint64_t session_ = 0;
+  std::vector<int> fds_;  // per peer; -1 until connected
+  std::vector<std::vector<uint32_t>> addrs_;  // per peer, network byte order
+  std::vector<uint16_t> ports_;
+};
+
+// This machine's IPv4 addresses (dotted) on `interfaces` (all up, non-loopback ones when empty).
+std::vector<std::string> local_ipv4_addresses(const std::vector<std::string>& interfaces);
+
+}  // namespace perseus

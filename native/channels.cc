@@ -187,17 +187,24 @@ void Channel::allreduce(Unit* u) {
   }
 }
 
-// Reduce `send` (or `recv` in place when send is null) into `recv`, times postscale. Within one host,
-// `auto` uses MPI's all-reduce (latency-optimised for small buffers) and the ring only where it saves the
-// scaling pass of Average on a large buffer; across hosts a large buffer always takes the ring over the
-// channel's own connections (MPI would put every channel into one TCP flow).
+// Reduce `send` (or `recv` in place when send is null) into `recv`, times postscale. `auto`: a small buffer
+// takes MPI's all-reduce (latency-optimised); within one host a large one takes the ring only where it
+// saves the scaling pass of Average; across hosts a large one takes the hierarchical algorithm when every
+// host has the same number (>1) of ranks, else the flat ring, both over the channel's own connections (MPI
+// would put every channel into one TCP flow).
 void Channel::allreduce_buffer(const void* send, void* recv, size_t count, DType dt, ReduceOp op,
                                double postscale) {
   const int n = comm_->size();
   const bool large = count * itemsize(dt) >= kRingMinBytes && n > 1;
   Algorithm a = config_.algorithm;
   if (a == Algorithm::HIERARCHICAL && local_ == nullptr) a = Algorithm::RING;  // one host, or uneven hosts
-  if (a == Algorithm::AUTO) a = large && (links_ != nullptr || postscale != 1.0) ? Algorithm::RING : Algorithm::MPI;
+  if (a == Algorithm::AUTO) {
+    // Across hosts with several ranks on each, the hierarchical algorithm sends a host's share across the
+    // network once (a flat ring sends it 2 (n-1)/n times per rank pair that spans hosts).
+    if (!large) a = Algorithm::MPI;
+    else if (local_ != nullptr) a = Algorithm::HIERARCHICAL;
+    else a = links_ != nullptr || postscale != 1.0 ? Algorithm::RING : Algorithm::MPI;
+  }
   const Path flat{comm_.get(), links_.get()};
   switch (a) {
     case Algorithm::HIERARCHICAL:

@@ -130,8 +130,10 @@ KNOBS: tuple[Knob, ...] = (
              "(reduce-scatter and allgather over point-to-point messages; each rank scales only its own "
              "segment, so Average costs 1/size of a pass), hierarchical (reduce-scatter inside each host, "
              "all-reduce of every rank's shard across hosts in parallel, all-gather inside the host; needs the "
-             "same number of ranks on every host, else ring), or auto (ring across hosts, and on one host "
-             "when it saves the scaling pass; mpi otherwise)."),
+             "same number of ranks on every host, else ring), or auto: for a large unit across hosts, "
+             "hierarchical when every host runs the same number (>1) of ranks, else ring; on one host, ring "
+             "when it saves the scaling pass; mpi for everything else. Across hosts, ring and hierarchical "
+             "use each channel's own TCP connections, so channels are concurrent flows."),
     Knob("hierarchical_allreduce", _both("HIERARCHICAL_ALLREDUCE"), bool, False,
          doc="Use the hierarchical all-reduce (as PERSEUS_ALLREDUCE_ALGORITHM=hierarchical; an algorithm "
              "other than auto named there wins).",

@@ -11,14 +11,15 @@ import dataclasses
 import ipaddress
 import re
 import socket
+import subprocess
 import time
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from perseus.runner.util.threads import in_thread
 
 __all__ = [
     "HostSlots", "parse_hosts", "parse_hostfile", "format_hosts", "total_slots", "is_loopback",
-    "unresolvable_hosts",
+    "unresolvable_hosts", "is_local", "remote_hosts", "ssh_command", "ssh_failures",
 ]
 
 _HOST_RE = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
@@ -170,4 +171,106 @@ def unresolvable_hosts(hosts: Iterable[str], timeout_s: float = 10.0) -> list[tu
             bad.append((name, f"no answer within {timeout_s:g} s"))
         elif outcome[name] is not None:
             bad.append((name, outcome[name]))
+    return bad
+
+
+def is_local(host: str) -> bool:
+    """Return whether ``host`` names this machine: a loopback name or address, this machine's host name,
+    or a name whose address belongs to one of this machine's interfaces (it can be bound here).
+
+    MPI starts processes on such a host directly; on any other host it logs in with ssh.
+    """
+    if is_loopback(host):
+        return True
+    own = socket.gethostname().lower()
+    if host.lower() in (own, own.split(".")[0]):
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except (OSError, UnicodeError):
+        return False
+    for family, _, _, _, address in infos:
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.bind((address[0], 0))  # fails with EADDRNOTAVAIL unless the address is ours
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def remote_hosts(hosts: Iterable[str], timeout_s: float = 10.0) -> list[str]:
+    """Return the hosts of ``hosts`` that are not this machine (see :func:`is_local`), in order.
+
+    The checks run in parallel on daemon threads; a host whose check does not finish within
+    ``timeout_s`` counts as remote.
+    """
+    names = list(dict.fromkeys(hosts))
+    local: dict[str, bool] = {}
+
+    def check(name: str) -> None:
+        local[name] = is_local(name)
+
+    threads = [in_thread(check, (name,), name=f"perseusrun-local-{name}", silent=True) for name in names]
+    deadline = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return [name for name in names if not local.get(name, False)]
+
+
+def ssh_command(host: str, port: int | None = None, identity_file: str | None = None,
+                connect_timeout_s: float = 5.0) -> list[str]:
+    """Return the command that checks a non-interactive ssh login to ``host`` (it runs ``true`` there)."""
+    argv = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={max(1, int(connect_timeout_s))}"]
+    if port:
+        argv += ["-p", str(port)]
+    if identity_file:
+        argv += ["-i", identity_file]
+    return argv + [host, "true"]
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def ssh_failures(hosts: Sequence[str], port: int | None = None, identity_file: str | None = None,
+                 timeout_s: float = 10.0) -> list[tuple[str, str]]:
+    """Log in to each of ``hosts`` with ssh, as MPI will, and return ``(host, reason)`` for each failure.
+
+    The logins run in parallel, never prompt (``BatchMode``), and each gets at most ``timeout_s``
+    seconds (the TCP connection at most 5 of them); one still running then is killed and reported.
+    """
+    names = list(dict.fromkeys(hosts))
+    outcome: dict[str, str | None] = {}
+    deadline = time.monotonic() + timeout_s
+
+    def attempt(name: str) -> None:
+        argv = ssh_command(name, port, identity_file, min(5.0, timeout_s))
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, text=True, errors="replace")
+        except OSError as exc:
+            outcome[name] = f"cannot run ssh: {exc.strerror or exc}"
+            return
+        try:
+            _, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            outcome[name] = f"no answer within {timeout_s:g} s"
+            return
+        if proc.returncode == 0:
+            outcome[name] = None
+        else:
+            outcome[name] = _last_line(err) or f"ssh exited with status {proc.returncode}"
+
+    threads = [in_thread(attempt, (name,), name=f"perseusrun-ssh-{name}") for name in names]
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()) + 2.0)
+    bad = []
+    for name in names:
+        reason = outcome.get(name, f"no answer within {timeout_s:g} s")
+        if reason is not None:
+            bad.append((name, reason))
     return bad

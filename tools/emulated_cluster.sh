@@ -222,8 +222,11 @@ shape() {
   local ns="$1" dev="$2" file
   file="$STATE/tc-${ns//-/_}-$dev.batch"
   tc_batch "$dev" "$3" "$4" >"$file"
-  if [ "$ns" = - ]; then tc -batch "$file"; else tc -n "$ns" -batch "$file"; fi \
-    || die "tc failed to shape $dev${ns:+ in $ns} (commands in $file); does this kernel have htb and u32?"
+  local netns=()
+  [ "$ns" = - ] || netns=(-n "$ns")
+  tc "${netns[@]}" -batch "$file" >"$file.log" 2>&1 \
+    || die "tc failed to shape $dev${netns:+ in $ns}: $(grep -v '^$' "$file.log" | head -1);" \
+           "$(tail -1 "$file.log") (does this kernel have htb and u32?)"
 }
 
 ensure_sshd() {
@@ -277,7 +280,7 @@ PubkeyAuthentication yes
 PasswordAuthentication no
 KbdInteractiveAuthentication no
 PermitRootLogin prohibit-password
-UsePAM no
+UsePAM yes
 UseDNS no
 X11Forwarding no
 PrintMotd no
@@ -291,7 +294,7 @@ EOF
   # and every login (and everything Open MPI starts through it) inherits both namespaces.
   ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$1" && exec /usr/sbin/sshd -f "$2" -E "$3"' \
     sh "$ns" "$dir/sshd_config" "$dir/sshd.log" \
-    || die "sshd did not start in $ns (log: $dir/sshd.log)"
+    || die "sshd did not start in $ns (its log: $(tail -1 "$dir/sshd.log"))"
   echo "$ns $addr" >>"$STATE/hosts"
 }
 
@@ -302,7 +305,7 @@ wait_listening() {  # wait_listening I: until the host's sshd accepts connection
     if ip netns exec "$ns" timeout 1 bash -c "exec 3<>/dev/tcp/$addr/22" 2>/dev/null; then return 0; fi
     sleep 0.1
   done
-  die "sshd of $ns does not accept connections on $addr:22 (log: $STATE/h$1/sshd.log)"
+  die "sshd of $ns does not accept connections on $addr:22 (its log: $(tail -1 "$STATE/h$1/sshd.log"))"
 }
 
 cmd_up() {
@@ -319,6 +322,7 @@ cmd_up() {
   if [ "$link" = 0 ] && [ "$flow" != 0 ]; then
     die "FLOW_MBIT needs a shaped link; give LINK_MBIT > 0, or FLOW_MBIT 0"
   fi
+  [ "$link" -le 100000 ] || die "LINK_MBIT must be at most 100000 (100 Gbit/s), got $link"
   [ "$flow" -le "$link" ] || die "FLOW_MBIT ($flow) exceeds LINK_MBIT ($link); a flow cannot be faster than its link"
   need_tools
   # Leftovers of an earlier run (ours only, found by name and marker) go first: "up" can be repeated.
@@ -385,8 +389,9 @@ EOF
   local got
   for ((i = 0; i < hosts; i++)); do
     got="$(runuser -u "$user" -- ssh "${NS_PREFIX}$i" hostname 2>"$STATE/ssh-check.err" </dev/null || true)"
-    [ "$got" = "${NS_PREFIX}$i" ] || die "'ssh ${NS_PREFIX}$i hostname' answered '$got'" \
-      "($(tail -1 "$STATE/ssh-check.err"); sshd log: $STATE/h$i/sshd.log)"
+    # The state, logs included, is removed on failure: the message carries the last lines of both sides.
+    [ "$got" = "${NS_PREFIX}$i" ] || die "'ssh ${NS_PREFIX}$i hostname' as $user answered '$got'" \
+      "(ssh: $(tail -1 "$STATE/ssh-check.err"); sshd: $(tail -1 "$STATE/h$i/sshd.log"))"
   done
   UP_DONE=1
   local shaping="unshaped" per_flow="no per-flow cap"
@@ -455,7 +460,8 @@ cmd_status() {
 # which ends the sender.
 CHECK_PY='
 import socket, sys, threading, time
-role, addr, port, n, secs, who = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), sys.argv[6]
+role, addr, who = sys.argv[1], sys.argv[2], sys.argv[6]
+port, n, secs = int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
 if role == "listen":
     srv = socket.socket()
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

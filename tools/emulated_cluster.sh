@@ -22,14 +22,14 @@
 #     perseus0 (inside the namespace; every host and the root namespace thus reach the cluster network
 #     through an interface of the same name, so "--network-interface perseus0" is right everywhere), address
 #     10.213.0.<10+i>, loopback up, no default route (traffic cannot leave the cluster's subnet);
-#   - per host an sshd (Debian's openssh-server) listening on the host's address only, started inside the
-#     namespace and inside its own UTS namespace whose hostname is perseus-h<i>. Distinct hostnames matter:
-#     Open MPI groups processes into nodes by hostname, and hosts sharing the machine's name would be taken
-#     for one node (shared-memory transports across namespaces, which crash);
+#   - per host an sshd (Debian's openssh-server; keys only, through PAM like the system's sshd) listening on
+#     the host's address only, started inside the namespace and inside its own UTS namespace whose hostname
+#     is perseus-h<i>. Distinct hostnames matter: Open MPI groups processes into nodes by hostname, and hosts
+#     sharing the machine's name would be taken for one node (shared-memory transports across namespaces,
+#     which crash);
 #   - htb shaping on both ends of each veth (the namespace end shapes the host's upload, the root end its
 #     download): one parent class at LINK_MBIT, and under it 256 leaf classes with ceil FLOW_MBIT chosen by a
-#     two-level u32 hash of the TCP ports (16 buckets on bits 1-4 of the source port, each linked to a table
-#     of 16 buckets on bits 1-4 of the destination port), plus a default class for everything else;
+#     two-level u32 hash of both TCP ports (see tc_batch), plus a default class for everything else;
 #   - state (keys, sshd configs, pid files, logs, the hostfile) under /run/perseus-cluster;
 #   - marked blocks in /etc/hosts (the host names), and in the cluster user's ~/.ssh/authorized_keys (a key
 #     made for the cluster) and ~/.ssh/config (so that plain "ssh perseus-h0", as Open MPI runs it, logs in

@@ -184,10 +184,10 @@ std::string Links::who(int peer) const {
 }
 
 void Links::fail(int peer, const std::string& what) const {
-  throw TransportError("perseus: rank " + std::to_string(options_.world_ranks[rank_]) + " lost its channel "
-                       "connection to " + who(peer) + ": " + what + ". The peer process may have died or "
-                       "its host may be unreachable; check that rank's output, and that "
-                       "PERSEUS_NETWORK_INTERFACE names an interface that connects the hosts.");
+  throw TransportError("perseus: the channel connection between rank " +
+                       std::to_string(options_.world_ranks[rank_]) + " and " + who(peer) + " failed: " + what +
+                       ". The peer process may have died or its host may be unreachable; check that rank's "
+                       "output, and that PERSEUS_NETWORK_INTERFACE names an interface that connects the hosts.");
 }
 
 void Links::check_cancel(int peer) const {

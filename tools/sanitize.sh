@@ -37,6 +37,13 @@ echo "== ${TESTS[*]} on 2 ranks, under ASan + UBSan"
 status=0
 timeout 1500 "${MPIRUN[@]}" -np 2 "$BIN/python" -m pytest -q -p no:cacheprovider -p no:faulthandler --color=no "${TESTS[@]}" \
   2>&1 | tee "$WORK/run.log" || status=1
+if [ $# -eq 0 ]; then
+  # The channels' TCP links and the hierarchical algorithms run only across hosts: the loopback tests give
+  # ranks different host keys in one process.
+  echo "== tests/unit/test_engine_loopback.py (ranks on several hosts), under ASan + UBSan"
+  timeout 900 "$BIN/python" -m pytest -q -p no:cacheprovider -p no:faulthandler --color=no \
+    tests/unit/test_engine_loopback.py -k "across_hosts or links" 2>&1 | tee -a "$WORK/run.log" || status=1
+fi
 if grep -a -q -E "ERROR: AddressSanitizer|runtime error:|ERROR: LeakSanitizer" "$WORK/run.log"; then
   echo "sanitize: REPORTS FOUND (above)"
   exit 1

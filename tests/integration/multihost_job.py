@@ -2,6 +2,7 @@
 
     python multihost_job.py collectives HOSTS PER_HOST [NETWORK_INTERFACE]
     python multihost_job.py train HOSTS PER_HOST
+    python multihost_job.py flows HOSTS PER_HOST     (PERSEUS_NUM_CHANNELS set by the caller)
 
 Ranks are expected to fill the hosts in order (perseusrun maps by slot): rank r runs on perseus-h<r // PER_HOST>.
 Every check that fails raises, which ends the whole job with a non-zero status; a rank that passes prints
@@ -134,12 +135,51 @@ def train(hosts, per_host):
           flush=True)
 
 
+def tcp_connections_to(peer_ip):
+    """Established TCP connections of this process to peer_ip (IPv4), from /proc/net/tcp and our fds."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    want = "".join(f"{int(part):02X}" for part in reversed(peer_ip.split(".")))  # little-endian hex
+    count = 0
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            fields = line.split()
+            remote, state, inode = fields[2], fields[3], fields[9]
+            if state == "01" and remote.split(":")[0] == want and inode in inodes:
+                count += 1
+    return count
+
+
+def flows(hosts, per_host):
+    """Every channel must have its own TCP connection to the other host once large all-reduces ran."""
+    hvd.init()
+    check_layout(hosts, per_host)
+    channels = int(os.environ.get("PERSEUS_NUM_CHANNELS", "1"))
+    xs = [torch.full((BIG,), 1.0) for _ in range(2 * channels)]  # 4 MB each: one unit per channel, twice
+    for h in [hvd.allreduce_async_(x, op=hvd.Sum, name=f"flow.{i}") for i, x in enumerate(xs)]:
+        hvd.synchronize(h)
+    check(all(torch.equal(x, torch.full((BIG,), float(hvd.size()))) for x in xs), "allreduce is wrong")
+    peer = socket.gethostbyname(f"perseus-h{1 - hvd.rank() // per_host}")
+    n = tcp_connections_to(peer)
+    hvd.barrier()  # nobody closes a connection before every rank has counted
+    print(f"OK flows rank {hvd.rank()} channels {channels} connections {n}", flush=True)
+
+
 if __name__ == "__main__":
     mode, n_hosts, n_per_host = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     if mode == "collectives":
         collectives(n_hosts, n_per_host, sys.argv[4] if len(sys.argv) > 4 else None)
     elif mode == "train":
         train(n_hosts, n_per_host)
+    elif mode == "flows":
+        flows(n_hosts, n_per_host)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     hvd.shutdown()

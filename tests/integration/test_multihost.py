@@ -145,6 +145,32 @@ def test_collectives_two_hosts_two_ranks_each_over_the_links(cluster, tmp_path):
     assert now_in - into_h0 >= moved and now_out - out_of_h0 >= moved, (now_in - into_h0, now_out - out_of_h0, moved)
 
 
+def test_each_channel_is_its_own_tcp_flow(cluster):
+    # MPI shares one connection per pair of processes between all communicators; perseus's channels
+    # open their own: N channels add N connections between the hosts.
+    counts = {}
+    for channels in (1, 4):
+        env = dict(os.environ, PERSEUS_NUM_CHANNELS=str(channels))
+        code, out, _ = perseusrun("-np", "2", "-H", "perseus-h0:1,perseus-h1:1", *job("flows", 2, 1), env=env)
+        assert code == 0, out
+        lines = ok_lines(out, "flows")
+        assert len(lines) == 2, out
+        counts[channels] = sorted(int(re.search(r"connections (\d+)", line).group(1)) for line in lines)
+    assert all(c >= 1 for c in counts[1]), counts
+    assert [b - a for a, b in zip(counts[1], counts[4])] == [3, 3], counts
+
+
+@pytest.mark.parametrize("settings", [
+    {"PERSEUS_ALLREDUCE_ALGORITHM": "ring", "HOROVOD_HIERARCHICAL_ALLGATHER": "1", "PERSEUS_NUM_CHANNELS": "2"},
+    {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "PERSEUS_NUM_CHANNELS": "3"},
+], ids=["ring+hierarchical-allgather", "hierarchical-allreduce"])
+def test_collectives_two_by_two_with_each_algorithm(cluster, settings):
+    env = dict(os.environ, **settings)
+    code, out, _ = perseusrun("-np", "4", "-H", "perseus-h0:2,perseus-h1:2", *job("collectives", 2, 2), env=env)
+    assert code == 0, out
+    assert len(ok_lines(out, "collectives")) == 4, out
+
+
 def test_training_two_hosts_two_ranks_each(cluster):
     code, out, _ = perseusrun("-np", "4", "-H", "perseus-h0:2,perseus-h1:2", *job("train", 2, 2))
     assert code == 0, out

@@ -165,7 +165,7 @@ void Channel::allreduce(Unit* u) {
       src = nullptr;
     }
     activity(u, "MPI_ALLREDUCE");
-    allreduce_buffer(src, dst, p.count, dt, u->reduce_op, post);
+    allreduce_buffer(src, dst, p.count, dt, u->reduce_op, post, u->algorithm);
     return;
   }
   if (fusion_.size() < u->nbytes()) fusion_.resize(u->nbytes());
@@ -178,7 +178,7 @@ void Channel::allreduce(Unit* u) {
     else copy_bytes(part, src, p.count * itemsize(dt));
   }
   activity(u, "MPI_ALLREDUCE");
-  allreduce_buffer(nullptr, buf, u->numel, dt, u->reduce_op, 1.0);  // postscale applied on copy-out
+  allreduce_buffer(nullptr, buf, u->numel, dt, u->reduce_op, 1.0, u->algorithm);  // postscale on copy-out
   activity(u, "MEMCPY_OUT_FUSION_BUFFER");
   for (const Piece& p : u->pieces) {
     const uint8_t* part = at(buf, p.buf_offset, dt);
@@ -193,10 +193,9 @@ void Channel::allreduce(Unit* u) {
 // host has the same number (>1) of ranks, else the flat ring, both over the channel's own connections (MPI
 // would put every channel into one TCP flow).
 void Channel::allreduce_buffer(const void* send, void* recv, size_t count, DType dt, ReduceOp op,
-                               double postscale) {
+                               double postscale, Algorithm a) {
   const int n = comm_->size();
   const bool large = count * itemsize(dt) >= kRingMinBytes && n > 1;
-  Algorithm a = config_.algorithm;
   if (a == Algorithm::HIERARCHICAL && local_ == nullptr) a = Algorithm::RING;  // one host, or uneven hosts
   if (a == Algorithm::AUTO) {
     // Across hosts with several ranks on each, the hierarchical algorithm sends a host's share across the

@@ -24,11 +24,8 @@
 
 namespace perseus {
 
-enum class Algorithm { AUTO, MPI, RING, HIERARCHICAL };
-
 // What a channel knows about where the ranks of its process set are.
 struct ChannelConfig {
-  Algorithm algorithm = Algorithm::AUTO;
   bool hierarchical_allgather = false;
   std::shared_ptr<const HostLayout> layout;  // null: one host
   LinkOptions links;                          // world_ranks filled in per communicator
@@ -64,7 +61,8 @@ class Channel {
   void run_unit(Unit* u);
   void execute(Unit* u);
   void allreduce(Unit* u);
-  void allreduce_buffer(const void* send, void* recv, size_t count, DType dtype, ReduceOp op, double postscale);
+  void allreduce_buffer(const void* send, void* recv, size_t count, DType dtype, ReduceOp op, double postscale,
+                        Algorithm algorithm);
   void allgather(Request* r);
   void broadcast(Request* r);
   void alltoall(Request* r);

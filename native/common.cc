@@ -18,10 +18,10 @@ const char* dtype_name(DType d) {
 }
 
 const char* op_name(OpType op) {
-  static const char* const names[] = {"allreduce", "allgather",     "broadcast",
-                                      "alltoall",  "reducescatter", "barrier"};
+  static const char* const names[] = {"allreduce", "allgather",     "broadcast", "alltoall",
+                                      "reducescatter", "barrier", "tune"};
   const int i = static_cast<int>(op);
-  return i >= 0 && i < 6 ? names[i] : "unknown";
+  return i >= 0 && i < 7 ? names[i] : "unknown";
 }
 
 const char* reduce_op_title(ReduceOp op) {

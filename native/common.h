@@ -27,8 +27,14 @@ const char* dtype_name(DType d);  // "float32", as numpy spells it ("bfloat16" f
 // Same numbering as perseus.engine.messages.OpType.
 enum class OpType : int32_t {
   ALLREDUCE = 0, ALLGATHER = 1, BROADCAST = 2, ALLTOALL = 3, REDUCESCATTER = 4, BARRIER = 5,
+  // Change the set's run-time parameters at this point of the negotiated sequence (shape = the values;
+  // see ProcessSet::apply_tune). No data moves.
+  TUNE = 6,
 };
 const char* op_name(OpType op);  // "allreduce"
+
+// How a large all-reduce unit runs (channels.cc); codes as in TUNE requests and PERSEUS_ALLREDUCE_ALGORITHM.
+enum class Algorithm : int32_t { AUTO = 0, MPI = 1, RING = 2, HIERARCHICAL = 3 };
 
 // Same numbering as perseus.common.reduce_ops.ReduceOp. AVERAGE travels as SUM plus a postscale.
 enum class ReduceOp : int32_t { AVERAGE = 0, SUM = 1, ADASUM = 2, MIN = 3, MAX = 4, PRODUCT = 5 };

@@ -125,6 +125,14 @@ std::shared_ptr<ProcessSet> Engine::find(int ps_id) {
 
 bool Engine::set_exists(int ps_id) { return find(ps_id) != nullptr; }
 
+bool Engine::set_params(int ps_id, TuneParams* params, int* max_channels) {
+  auto set = find(ps_id);
+  if (!set) return false;
+  *params = set->params();
+  *max_channels = set->max_channels();
+  return true;
+}
+
 int Engine::set_size(int ps_id) {
   auto set = find(ps_id);
   return set ? set->size() : 0;

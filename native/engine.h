@@ -28,6 +28,7 @@ struct Settings {
   int64_t inplace_threshold_bytes = 256 << 10;
   double cycle_time_ms = 0.0;
   int num_channels = 1;
+  int max_channels = 0;  // channels created per set (a TUNE request may activate up to this many)
   Algorithm algorithm = Algorithm::AUTO;
   int64_t cache_capacity = 4096;
   bool stall_check_disable = false;
@@ -68,6 +69,8 @@ class Engine {
   Error failed();
   bool set_exists(int ps_id);
   int set_size(int ps_id);
+  // The set's run-time parameters and how many channels it has; false when there is no such set.
+  bool set_params(int ps_id, TuneParams* params, int* max_channels);
 
   HandleTable& handles() { return handles_; }
   TimelineRecorder& timeline() { return timeline_; }

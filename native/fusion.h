@@ -30,6 +30,7 @@ struct Unit {
   double prescale = 1.0, postscale = 1.0;
   int64_t numel = 0;
   int64_t index = 0;  // position in the process set's unit sequence; picks the channel
+  Algorithm algorithm = Algorithm::AUTO;  // the set's setting when the unit was planned
   std::vector<Piece> pieces;
   size_t nbytes() const { return static_cast<size_t>(numel) * itemsize(dtype); }
 };

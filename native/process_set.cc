@@ -63,7 +63,6 @@ ProcessSet::ProcessSet(Engine* engine, int id, std::unique_ptr<Comm> control, st
   hooks.timeline = &engine->timeline();
   hooks.faults = &engine->faults();
   ChannelConfig config;
-  config.algorithm = s.algorithm;
   config.hierarchical_allgather = s.hierarchical_allgather;
   // One allgather of host keys at creation: a set on one host keeps MPI's shared-memory paths only.
   HostLayout layout = HostLayout::exchange(*control_, s.host_key);
@@ -72,8 +71,15 @@ ProcessSet::ProcessSet(Engine* engine, int id, std::unique_ptr<Comm> control, st
   config.links.timeout_s = s.link_timeout_s;
   config.links.cancel = &is_dead_;
   config.links.world_ranks = world_ranks_;
-  for (int i = 0; i < std::max(1, s.num_channels); ++i)
+  // Channels beyond num_channels (up to max_channels) wait idle until a TUNE request activates them: they
+  // are created now because creating one is collective.
+  for (int i = 0; i < std::max({1, s.num_channels, s.max_channels}); ++i)
     channels_.emplace_back(new Channel(control_->dup(), config, hooks));
+  params_.fusion_threshold_bytes = s.fusion_threshold_bytes;
+  params_.inplace_threshold_bytes = s.inplace_threshold_bytes;
+  params_.channels = std::max(1, s.num_channels);
+  params_.cycle_time_ms = s.cycle_time_ms;
+  params_.algorithm = s.algorithm;
 }
 
 ProcessSet::~ProcessSet() = default;
@@ -190,7 +196,7 @@ StepResult ProcessSet::maybe_start(double now) {
   const bool dirty = first_dirty != 0;
   const bool woken = woken_round_ >= round_;
   if (dirty && !woken) {
-    const double start_at = first_dirty * 1e-9 + engine_->settings().cycle_time_ms * 1e-3;
+    const double start_at = first_dirty * 1e-9 + params_.cycle_time_ms * 1e-3;
     if (now < start_at) return {false, false, start_at};
     if (!continue_mode_) {
       std::string msg("w");
@@ -329,17 +335,62 @@ void ProcessSet::dispatch(std::vector<Request*>& ready) {
   if (tl.on())
     for (Request* r : ready)
       if (!r->phantom) tl.record(TimelineKind::OP_START, r->sig.op_type, r->name);
-  const Settings& s = engine_->settings();
+  // TUNE requests take effect after this round's other requests are planned: the same point of the
+  // negotiated sequence on every rank.
+  tunes_.clear();
+  size_t kept = 0;
+  for (Request* r : ready) {
+    if (r->sig.op_type == OpType::TUNE) tunes_.push_back(r);
+    else ready[kept++] = r;
+  }
+  ready.resize(kept);
   units_.clear();
-  plan_units(ready, s.fusion_threshold_bytes, s.inplace_threshold_bytes, size_, &unit_pool_, &units_);
-  const size_t n = channels_.size();
+  plan_units(ready, params_.fusion_threshold_bytes, params_.inplace_threshold_bytes, size_, &unit_pool_, &units_);
+  const size_t n = static_cast<size_t>(params_.channels);
   for (Unit* u : units_) {
     u->index = unit_counter_++;
+    u->algorithm = params_.algorithm;
     // Always on the channel's thread, never here: a collective blocks until every peer joins it, and an
     // engine thread blocked in one could not receive the abort of a peer that failed before joining.
     channels_[u->index % n]->submit(u);
   }
+  for (Request* r : tunes_) apply_tune(r);
 }
+
+// shape = (fusion_threshold_bytes, inplace_threshold_bytes, channels, cycle_time_us, algorithm). Every
+// rank got the same values (negotiation compares shapes), so every rank accepts or rejects them alike.
+void ProcessSet::apply_tune(Request* r) {
+  const std::vector<int64_t>& v = r->shape;
+  Error error;
+  const int64_t max_channels = static_cast<int64_t>(channels_.size());
+  if (v.size() != 5 || v[0] < 0 || v[1] < 0 || v[2] < 1 || v[2] > max_channels || v[3] < 0 || v[4] < 0 || v[4] > 3) {
+    error = {ErrorKind::VALUE, "perseus: invalid run-time parameters " + py_repr(r->name) + ": expected (fusion "
+             "bytes >= 0, in-place bytes >= 0, channels 1.." + std::to_string(max_channels) +
+             ", cycle time us >= 0, algorithm 0..3)"};
+  } else {
+    std::lock_guard<std::mutex> lock(mu_);
+    params_.fusion_threshold_bytes = v[0];
+    params_.inplace_threshold_bytes = v[1];
+    params_.channels = static_cast<int>(v[2]);
+    params_.cycle_time_ms = static_cast<double>(v[3]) * 1e-3;
+    params_.algorithm = static_cast<Algorithm>(v[4]);
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto f = inflight_.find(r->name);
+    if (f != inflight_.end() && f->second == r) inflight_.erase(f);
+  }
+  engine_->timeline().record(TimelineKind::OP_END, r->sig.op_type, r->name);
+  engine_->handles().finish_request(r, error ? &error : nullptr);
+  engine_->handles().release_engine(r);
+}
+
+TuneParams ProcessSet::params() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return params_;
+}
+
+int ProcessSet::max_channels() const { return static_cast<int>(channels_.size()); }
 
 // -- completion (channel threads) -------------------------------------------------------------------------
 void ProcessSet::piece_done(Request* r) {

@@ -27,6 +27,15 @@ namespace perseus {
 
 class Engine;
 
+// The parameters a TUNE request changes at run time (at the same negotiated point on every rank).
+struct TuneParams {
+  int64_t fusion_threshold_bytes = 0;
+  int64_t inplace_threshold_bytes = 0;
+  int channels = 1;  // active channels: unit k goes to channel k % channels
+  double cycle_time_ms = 0.0;
+  Algorithm algorithm = Algorithm::AUTO;
+};
+
 struct StepResult {
   bool progressed = false;
   bool waiting = false;  // inside a round, waiting for peers
@@ -57,6 +66,8 @@ class ProcessSet {
   // Shutting down: finish a round in flight, start no new one.
   void begin_drain() { draining_ = true; }
   void send_to_all(const std::string& message);  // engine thread only
+  TuneParams params();  // any thread
+  int max_channels() const;
 
  private:
   enum class State { IDLE, BAND, EXCHANGE, JOINGATHER };
@@ -66,6 +77,7 @@ class ProcessSet {
   void finish_round();
   void finish_join();
   void dispatch(std::vector<Request*>& ready);
+  void apply_tune(Request* r);
   Request* phantom(int idx);
   void poll_control(double now);
   void check_stall(double now);
@@ -80,6 +92,8 @@ class ProcessSet {
   Negotiator negotiator_;
   UnitPool unit_pool_;
   std::vector<std::unique_ptr<Channel>> channels_;
+  TuneParams params_;  // written by the engine thread under mu_
+  std::vector<Request*> tunes_;
 
   // Shared with user threads.
   std::mutex mu_;  // guards incoming_, inflight_, join_handle_, dead_

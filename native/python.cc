@@ -166,6 +166,7 @@ class PyEngine {
     if (auto v = get("inplace_threshold_bytes")) s.inplace_threshold_bytes = v.cast<int64_t>();
     if (auto v = get("cycle_time_ms")) s.cycle_time_ms = v.cast<double>();
     if (auto v = get("num_channels")) s.num_channels = v.cast<int>();
+    if (auto v = get("max_channels")) s.max_channels = v.cast<int>();
     if (auto v = get("allreduce_algorithm")) {
       std::string a = v.cast<std::string>();
       s.algorithm = a == "ring" ? Algorithm::RING : a == "mpi" ? Algorithm::MPI
@@ -345,6 +346,18 @@ class PyEngine {
       raise(err);
     }
     return h->id;
+  }
+
+  // The set's run-time parameters: (fusion bytes, in-place bytes, channels, cycle time us, algorithm code,
+  // channels created).
+  py::tuple params(int ps_id) {
+    TuneParams p;
+    int max_channels = 0;
+    if (!engine_->set_params(ps_id, &p, &max_channels))
+      throw py::value_error("perseus: no process set with id " + std::to_string(ps_id));
+    return py::make_tuple(p.fusion_threshold_bytes, p.inplace_threshold_bytes, p.channels,
+                          static_cast<int64_t>(p.cycle_time_ms * 1e3 + 0.5), static_cast<int>(p.algorithm),
+                          max_channels);
   }
 
   int64_t join(int ps_id) {
@@ -540,6 +553,7 @@ PYBIND11_MODULE(_core, m) {
       .def("submit", &PyEngine::submit)
       .def("submit_one", &PyEngine::submit_one)
       .def("join", &PyEngine::join)
+      .def("params", &PyEngine::params)
       .def("wait", &PyEngine::wait, py::arg("hid"), py::arg("timeout_s") = -1.0)
       .def("poll", &PyEngine::poll)
       .def("on_done", &PyEngine::on_done)

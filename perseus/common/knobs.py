@@ -124,6 +124,9 @@ KNOBS: tuple[Knob, ...] = (
          doc="Concurrent communication channels per process set; each is a duplicated communicator driven "
              "by its own thread. 1 measured fastest on a single shared-memory host; networks gain from more.",
          flag=Flag("--num-channels", "tuning", "concurrent communication channels", minimum=1)),
+    Knob("max_channels", ("PERSEUS_MAX_CHANNELS",), int, 0, unit="channels",
+         doc="Channels created per process set (0: num_channels). Run-time tuning may switch the number in "
+             "use between 1 and this many at the same step on every rank; idle channels cost nothing."),
     Knob("allreduce_algorithm", ("PERSEUS_ALLREDUCE_ALGORITHM",), str, "auto", tunable=True,
          choices=("auto", "mpi", "ring", "hierarchical"),
          doc="How a large unit is all-reduced: mpi (MPI_Allreduce, then a scaling pass for Average), ring "

@@ -63,6 +63,7 @@ class OpType(enum.IntEnum):
     ALLTOALL = 3
     REDUCESCATTER = 4
     BARRIER = 5
+    TUNE = 6
 
     @property
     def prefix(self) -> str:

@@ -23,7 +23,7 @@ _core = None
 ENGINE_SETTINGS = ("fusion_threshold_bytes", "inplace_threshold_bytes", "cycle_time_ms", "num_channels",
                    "allreduce_algorithm", "cache_capacity", "stall_check_disable", "stall_check_time_s",
                    "stall_shutdown_time_s", "idle_poll_max_ms", "hierarchical_allgather", "network_interface",
-                   "link_timeout_s")
+                   "link_timeout_s", "max_channels")
 
 
 def load_core():
@@ -92,6 +92,7 @@ class Engine:
         self.wait: Callable[..., Any] = self._native.wait
         self.poll: Callable[[int], bool] = self._native.poll
         self.on_done = self._native.on_done
+        self.params = self._native.params
 
     def start(self) -> None:
         self._native.start()
@@ -103,6 +104,21 @@ class Engine:
     def add_loopback_process_set(self, ps_id: int, world, rank: int, world_ranks: list[int]) -> None:
         """Tests: a process set whose ranks are threads of this process (see ``perseus._core.LoopbackWorld``)."""
         self._native.add_loopback_process_set(ps_id, world, rank, list(world_ranks))
+
+    def tune(self, ps_id: int, name: str, fusion_threshold_bytes: int, inplace_threshold_bytes: int, channels: int,
+             cycle_time_us: int, algorithm: int) -> int:
+        """Submit a request that changes the set's run-time parameters; returns its handle.
+
+        Every rank of the set must submit it with the same name and values (a difference is a
+        MismatchError on every rank). It takes effect after the units of the negotiation round in which
+        it becomes ready on every rank, so every rank switches at the same point. Values out of range
+        (channels above those created) fail the request with ValueError on every rank.
+        """
+        from perseus.engine.messages import DType, OpType
+
+        item = (name, int(DType.UINT8), (int(fusion_threshold_bytes), int(inplace_threshold_bytes), int(channels),
+                                          int(cycle_time_us), int(algorithm)), None, None, 1, -1, 1.0, 1.0, 0, None)
+        return self._native.submit(ps_id, int(OpType.TUNE), [item], None, None)
 
     def remove_process_set(self, ps_id: int) -> None:
         self._native.remove_process_set(ps_id)

@@ -55,7 +55,7 @@ ALL_DTYPES = list(DType)
 DEFAULTS = dict(fusion_threshold_bytes=4 << 20, inplace_threshold_bytes=256 << 10, cycle_time_ms=0.0,
                 num_channels=1, allreduce_algorithm="auto", cache_capacity=4096, stall_check_disable=True,
                 stall_check_time_s=60.0, stall_shutdown_time_s=0.0, idle_poll_max_ms=5.0,
-                hierarchical_allgather=False, network_interface="", link_timeout_s=30.0)
+                hierarchical_allgather=False, network_interface="", link_timeout_s=30.0, max_channels=0)
 
 # Timeline event kinds (native/timeline.h).
 NEGOTIATE_START, OP_START, ACTIVITY, OP_END, CYCLE = 0, 1, 2, 3, 4
@@ -1390,3 +1390,75 @@ def test_timeline_records_each_request_and_fusion_activities(make_sim):
                 assert labels == ["MPI_ALLREDUCE"] * 16, labels
             else:
                 assert labels == [], labels
+
+
+# ============================================================================= run-time parameters (TUNE)
+
+MPI_ALG, RING_ALG, HIER_ALG = 1, 2, 3
+
+
+def _tune(e, name, fusion, inplace, channels, cycle_us=0, algorithm=0):
+    return e.tune(0, name, fusion, inplace, channels, cycle_us, algorithm)
+
+
+@pytest.mark.parametrize("hosts", [None, [0, 0, 1, 1]], ids=["one-host", "two-hosts"])
+def test_tune_changes_parameters_at_the_same_point_on_every_rank(make_sim, hosts):
+    # Each rank submits its tune requests at a different moment relative to its allreduces (and sleeps a
+    # different time), as ranks that measured different timings would; every rank must still switch after
+    # the same units, so every collective matches and every result is right.
+    n = 4
+    sim = make_sim(n, hosts=hosts, max_channels=4, network_interface="lo", fusion_threshold_bytes=1 << 20,
+                   inplace_threshold_bytes=64 << 10)
+    plans = [(64 << 10, 16 << 10, 4, 0, RING_ALG), (8 << 10, 1 << 30, 2, 200, MPI_ALG),
+             (2 << 20, 256 << 10, 3, 0, HIER_ALG if hosts else RING_ALG), (4 << 20, 256 << 10, 1, 0, 0)]
+    rng = np.random.default_rng(5)
+    data = [[random_data(rng, DType.FLOAT32, (s,), small_ints=True) for s in (5, 3000, 70001, 300000)]
+            for _ in range(n)]
+
+    def rank(r, e):
+        got, params = [], []
+        for step, plan in enumerate(plans):
+            xs = [d.copy() for d in data[r]]
+            hids = [submit(e, ALLREDUCE, [item(f"s{step}.t{i}", DType.FLOAT32, x, x)], x) for i, x in enumerate(xs)]
+            time.sleep(0.002 * ((r + step) % 3))
+            wait(e, _tune(e, f"tune.{step}", *plan))
+            for h in hids:
+                wait(e, h)
+            got.append(xs)
+            params.append(tuple(e.params(0)))
+        return got, params
+
+    out = sim.run(rank)
+    for r, (got, params) in enumerate(out):
+        assert params == out[0][1], f"rank {r} applied {params}, rank 0 {out[0][1]}"
+        for step, plan in enumerate(plans):
+            assert params[step][:5] == plan and params[step][5] == 4
+            for i in range(4):
+                assert_same(got[step][i], ref_reduce([data[q][i] for q in range(n)], DType.FLOAT32),
+                            f"step {step} tensor {i} rank {r}")
+
+
+def test_tune_with_different_values_is_a_mismatch_on_every_rank(make_sim):
+    sim = make_sim(2, max_channels=2)
+
+    def rank(r, e):
+        hid = _tune(e, "tune.x", 1 << 20, 1 << 20, 1 + r)
+        with pytest.raises(MismatchError) as info:
+            wait(e, hid)
+        return str(info.value)
+
+    texts = sim.run(rank)
+    assert texts[0] == texts[1] and "tune.x" in texts[0], texts
+
+
+def test_tune_out_of_range_fails_on_every_rank_and_keeps_the_old_values(make_sim):
+    sim = make_sim(2, num_channels=2)
+
+    def rank(r, e):
+        before = tuple(e.params(0))
+        with pytest.raises(ValueError, match="channels 1..2"):
+            wait(e, _tune(e, "tune.bad", 1 << 20, 1 << 20, 3))
+        return before, tuple(e.params(0))
+
+    for before, after in sim.run(rank):
+        assert before == after and after[2] == 2 and after[5] == 2

@@ -133,6 +133,13 @@ bool Engine::set_params(int ps_id, TuneParams* params, int* max_channels) {
   return true;
 }
 
+bool Engine::set_steps(int ps_id, int64_t since, int64_t* first, std::vector<StepSample>* out) {
+  auto set = find(ps_id);
+  if (!set) return false;
+  set->steps(since, first, out);
+  return true;
+}
+
 int Engine::set_size(int ps_id) {
   auto set = find(ps_id);
   return set ? set->size() : 0;

@@ -29,6 +29,7 @@ struct Settings {
   double cycle_time_ms = 0.0;
   int num_channels = 1;
   int max_channels = 0;  // channels created per set (a TUNE request may activate up to this many)
+  bool track_steps = false;  // time training steps for the run-time tuner (ProcessSet::steps)
   Algorithm algorithm = Algorithm::AUTO;
   int64_t cache_capacity = 4096;
   bool stall_check_disable = false;
@@ -71,6 +72,7 @@ class Engine {
   int set_size(int ps_id);
   // The set's run-time parameters and how many channels it has; false when there is no such set.
   bool set_params(int ps_id, TuneParams* params, int* max_channels);
+  bool set_steps(int ps_id, int64_t since, int64_t* first, std::vector<StepSample>* out);
 
   HandleTable& handles() { return handles_; }
   TimelineRecorder& timeline() { return timeline_; }

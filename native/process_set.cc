@@ -15,6 +15,8 @@ namespace {
 
 constexpr double kControlPollS = 100e-6;  // control messages are rare: look for them at most this often
 constexpr double kStallCheckS = 0.05;
+constexpr size_t kStepsKept = 1024;
+constexpr size_t kStepNamesMax = 1 << 16;  // unique names each call (unnamed ops) must not grow it forever
 
 template <typename T>
 void put(std::string* out, T v) {
@@ -80,6 +82,8 @@ ProcessSet::ProcessSet(Engine* engine, int id, std::unique_ptr<Comm> control, st
   params_.channels = std::max(1, s.num_channels);
   params_.cycle_time_ms = s.cycle_time_ms;
   params_.algorithm = s.algorithm;
+  track_steps_ = s.track_steps;
+  if (track_steps_) steps_.reserve(kStepsKept);
 }
 
 ProcessSet::~ProcessSet() = default;
@@ -98,6 +102,10 @@ Error ProcessSet::submit(const std::vector<Request*>& requests) {
     for (Request* r : requests) names.insert(r->name);
     if (names.size() != requests.size())
       return {ErrorKind::VALUE, "perseus: a grouped request names the same tensor twice"};
+  }
+  if (track_steps_) {
+    const int64_t now = now_ns();
+    for (Request* r : requests) track_step(r, now);
   }
   for (Request* r : requests) {
     r->dispatched = false;
@@ -392,9 +400,42 @@ TuneParams ProcessSet::params() {
 
 int ProcessSet::max_channels() const { return static_cast<int>(channels_.size()); }
 
+// -- step timing (user threads, under mu_) ------------------------------------------------------------------
+void ProcessSet::track_step(Request* r, int64_t now) {
+  // The tuner's own requests come at irregular times: they belong to no step.
+  if (r->sig.op_type == OpType::TUNE || r->name.compare(0, 17, "perseus.autotune.") == 0) return;
+  auto it = step_of_.find(r->name);
+  if (it != step_of_.end() && it->second == step_) {
+    StepSample s{step_begin_ns_, std::max(last_done_ns_.load(std::memory_order_acquire), step_begin_ns_),
+                 step_bytes_};
+    if (steps_.size() < kStepsKept) steps_.push_back(s);
+    else steps_[static_cast<size_t>(step_) % kStepsKept] = s;
+    ++step_;
+    step_begin_ns_ = 0;
+    step_bytes_ = 0;
+  }
+  if (it != step_of_.end()) {
+    it->second = step_;
+  } else {
+    if (step_of_.size() >= kStepNamesMax) step_of_.clear();
+    step_of_.emplace(r->name, step_);
+  }
+  if (step_begin_ns_ == 0) step_begin_ns_ = now;
+  step_bytes_ += static_cast<int64_t>(r->nbytes());
+}
+
+void ProcessSet::steps(int64_t since, int64_t* first, std::vector<StepSample>* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  out->clear();
+  const int64_t oldest = std::max<int64_t>(0, step_ - static_cast<int64_t>(steps_.size()));
+  *first = std::max(since, oldest);
+  for (int64_t i = *first; i < step_; ++i) out->push_back(steps_[static_cast<size_t>(i) % kStepsKept]);
+}
+
 // -- completion (channel threads) -------------------------------------------------------------------------
 void ProcessSet::piece_done(Request* r) {
   if (r->remaining.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  if (track_steps_) last_done_ns_.store(now_ns(), std::memory_order_release);
   if (r->phantom) {
     delete r;
     return;

@@ -27,6 +27,13 @@ namespace perseus {
 
 class Engine;
 
+// One training step as the run-time tuner sees it: from the first submission of the step to the last
+// completion before the next step began, and the bytes its requests carried.
+struct StepSample {
+  int64_t begin_ns = 0, end_ns = 0;
+  int64_t bytes = 0;
+};
+
 // The parameters a TUNE request changes at run time (at the same negotiated point on every rank).
 struct TuneParams {
   int64_t fusion_threshold_bytes = 0;
@@ -67,6 +74,8 @@ class ProcessSet {
   void begin_drain() { draining_ = true; }
   void send_to_all(const std::string& message);  // engine thread only
   TuneParams params();  // any thread
+  // Completed steps with index >= since (at most the last kStepsKept); *first = index of out[0].
+  void steps(int64_t since, int64_t* first, std::vector<StepSample>* out);
   int max_channels() const;
 
  private:
@@ -82,6 +91,7 @@ class ProcessSet {
   void poll_control(double now);
   void check_stall(double now);
   void peer_shutdown(int world_rank);
+  void track_step(Request* r, int64_t now);
   void piece_done(Request* r);
   void unit_failed(Unit* u, const std::string& what, ErrorKind kind);
 
@@ -104,6 +114,13 @@ class ProcessSet {
   std::atomic<int> incoming_count_{0};  // size of incoming_, readable without the lock
   std::atomic<bool> join_waiting_{false};
   std::string dead_;
+  // Step timing (Settings::track_steps), guarded by mu_: a step ends when a name it already submitted comes
+  // again. Names map to the last step that submitted them (no allocation once every name was seen).
+  bool track_steps_ = false;
+  std::unordered_map<std::string, int64_t> step_of_;
+  int64_t step_ = 0, step_begin_ns_ = 0, step_bytes_ = 0;
+  std::vector<StepSample> steps_;  // ring of the last kStepsKept completed steps
+  std::atomic<int64_t> last_done_ns_{0};
   std::atomic<bool> is_dead_{false};
 
   // Engine-thread state.

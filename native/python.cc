@@ -167,6 +167,7 @@ class PyEngine {
     if (auto v = get("cycle_time_ms")) s.cycle_time_ms = v.cast<double>();
     if (auto v = get("num_channels")) s.num_channels = v.cast<int>();
     if (auto v = get("max_channels")) s.max_channels = v.cast<int>();
+    if (auto v = get("autotune")) s.track_steps = v.cast<bool>();
     if (auto v = get("allreduce_algorithm")) {
       std::string a = v.cast<std::string>();
       s.algorithm = a == "ring" ? Algorithm::RING : a == "mpi" ? Algorithm::MPI
@@ -358,6 +359,18 @@ class PyEngine {
     return py::make_tuple(p.fusion_threshold_bytes, p.inplace_threshold_bytes, p.channels,
                           static_cast<int64_t>(p.cycle_time_ms * 1e3 + 0.5), static_cast<int>(p.algorithm),
                           max_channels);
+  }
+
+  // Steps timed since step `since`: (first index, [(seconds, bytes), ...]) for the completed steps kept.
+  py::tuple steps(int ps_id, int64_t since) {
+    std::vector<StepSample> out;
+    int64_t first = 0;
+    if (!engine_->set_steps(ps_id, since, &first, &out))
+      throw py::value_error("perseus: no process set with id " + std::to_string(ps_id));
+    py::list items;
+    for (const StepSample& s : out)
+      items.append(py::make_tuple((s.end_ns - s.begin_ns) * 1e-9, s.bytes));
+    return py::make_tuple(first, items);
   }
 
   int64_t join(int ps_id) {
@@ -554,6 +567,7 @@ PYBIND11_MODULE(_core, m) {
       .def("submit_one", &PyEngine::submit_one)
       .def("join", &PyEngine::join)
       .def("params", &PyEngine::params)
+      .def("steps", &PyEngine::steps, py::arg("ps_id"), py::arg("since") = 0)
       .def("wait", &PyEngine::wait, py::arg("hid"), py::arg("timeout_s") = -1.0)
       .def("poll", &PyEngine::poll)
       .def("on_done", &PyEngine::on_done)

@@ -23,7 +23,7 @@ _core = None
 ENGINE_SETTINGS = ("fusion_threshold_bytes", "inplace_threshold_bytes", "cycle_time_ms", "num_channels",
                    "allreduce_algorithm", "cache_capacity", "stall_check_disable", "stall_check_time_s",
                    "stall_shutdown_time_s", "idle_poll_max_ms", "hierarchical_allgather", "network_interface",
-                   "link_timeout_s", "max_channels")
+                   "link_timeout_s", "max_channels", "autotune")
 
 
 def load_core():
@@ -93,6 +93,7 @@ class Engine:
         self.poll: Callable[[int], bool] = self._native.poll
         self.on_done = self._native.on_done
         self.params = self._native.params
+        self.steps = self._native.steps
 
     def start(self) -> None:
         self._native.start()

@@ -55,7 +55,8 @@ ALL_DTYPES = list(DType)
 DEFAULTS = dict(fusion_threshold_bytes=4 << 20, inplace_threshold_bytes=256 << 10, cycle_time_ms=0.0,
                 num_channels=1, allreduce_algorithm="auto", cache_capacity=4096, stall_check_disable=True,
                 stall_check_time_s=60.0, stall_shutdown_time_s=0.0, idle_poll_max_ms=5.0,
-                hierarchical_allgather=False, network_interface="", link_timeout_s=30.0, max_channels=0)
+                hierarchical_allgather=False, network_interface="", link_timeout_s=30.0, max_channels=0,
+                autotune=False)
 
 # Timeline event kinds (native/timeline.h).
 NEGOTIATE_START, OP_START, ACTIVITY, OP_END, CYCLE = 0, 1, 2, 3, 4
@@ -1462,3 +1463,29 @@ def test_tune_out_of_range_fails_on_every_rank_and_keeps_the_old_values(make_sim
 
     for before, after in sim.run(rank):
         assert before == after and after[2] == 2 and after[5] == 2
+
+
+def test_steps_are_timed_from_first_submission_to_last_completion(make_sim):
+    # A step ends when one of its names comes again; the tuner's own requests belong to no step.
+    sim = make_sim(2, autotune=True)
+    xs = [np.ones(1000, np.float32) for _ in range(3)]
+
+    def rank(r, e):
+        for step in range(5):
+            hids = []
+            for i, x in enumerate(xs):
+                hids.append(submit(e, ALLREDUCE, [item(f"g{i}", DType.FLOAT32, x, x)], x))
+                if step == 2 and i == 0:
+                    time.sleep(0.1)  # the third step's last gradients come later: it lasts longer
+            wait(e, submit(e, ALLREDUCE, [item(f"perseus.autotune.score.{step}", DType.FLOAT32, xs[0][:1].copy(),
+                                               np.zeros(1, np.float32))], None))
+            for h in hids:
+                wait(e, h)
+            time.sleep(0.01)  # time between steps is not part of a step
+        return e.steps(0), e.steps(0, 3)
+
+    for (first, steps), (first3, steps3) in sim.run(rank):
+        assert first == 0 and len(steps) == 4, steps  # the fifth step has not ended (no name came again)
+        assert all(b == 3 * 4000 for _, b in steps), steps
+        assert steps[2][0] >= 0.1 > max(steps[0][0], steps[1][0], steps[3][0]), steps
+        assert first3 == 3 and steps3 == steps[3:]

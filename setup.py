@@ -28,7 +28,7 @@ with open(os.path.join(HERE, "perseus", "__init__.py")) as f:
 TORCH = ["torch>=2.1"]  # Tensor.register_post_accumulate_grad_hook
 TENSORFLOW_MIN = ">=2.16"  # Keras 3 by default; tf-keras 2 via TF_USE_LEGACY_KERAS=1
 EXAMPLES = ["scikit-learn>=1.3"]  # the digits data set ships with it (no download at run time)
-TEST = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.0", "tqdm>=4"] + EXAMPLES  # tqdm: a corpus script
+TEST = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.0", "tqdm>=4", "optuna>=3.0"] + EXAMPLES  # tqdm: a corpus script
 
 # -- the native core (perseus._core): native/*.cc, built with the MPI's C++ compiler wrapper --------------
 

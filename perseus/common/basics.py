@@ -35,6 +35,7 @@ class PerseusBasics:
         self._atexit = False
         self._timeline = None
         self._topology = (0, 1, 0, 1, 0, 1, True, 0)
+        self._tuner = None
         self._job_state_resets: list[Callable[[], None]] = []
 
     def register_job_state(self, reset: Callable[[], None]) -> None:
@@ -92,6 +93,8 @@ class PerseusBasics:
                 self._timeline = _open_timeline(path, settings.timeline_mark_cycles, settings.timeline_max_bytes)
             from perseus.engine.native import Engine
 
+            if settings.autotune and not settings.max_channels:
+                settings.max_channels = _AUTOTUNE_MAX_CHANNELS  # idle until the tuner activates them
             engine = Engine(settings, rank, host_key=self._topology[7])
             if self._timeline is not None:
                 engine.timeline = self._timeline
@@ -103,6 +106,8 @@ class PerseusBasics:
             self._next_id = 1
             engine.start()
             self._engine = engine
+            if settings.autotune and size > 1:
+                self._tuner = _start_tuner(engine, settings, self._topology)
             if settings.gc_freeze:
                 gc.freeze()
             if not self._atexit:
@@ -129,6 +134,9 @@ class PerseusBasics:
             engine, self._engine = self._engine, None
             if engine is None:
                 return
+            tuner, self._tuner = self._tuner, None
+            if tuner is not None:
+                tuner.stop()
             engine.shutdown()
             if self._timeline is not None:
                 self._timeline.close()
@@ -402,9 +410,22 @@ def _warn_ignored_settings(settings) -> None:
     if settings.mpi_threads_disable:
         log.warning("HOROVOD_MPI_THREADS_DISABLE/PERSEUS_MPI_THREADS_DISABLE is ignored: perseus's engine and "
                     "channel threads need MPI_THREAD_MULTIPLE, so MPI is always initialised with it.")
-    if settings.autotune:
-        log.warning("HOROVOD_AUTOTUNE/PERSEUS_AUTOTUNE is ignored: perseus has no autotuner yet; the fusion "
-                    "and channel settings stay as configured (see docs/configuration.md).")
+
+
+_AUTOTUNE_MAX_CHANNELS = 8
+
+
+def _start_tuner(engine, settings, topology):
+    """Start the run-time tuner thread of this rank (every rank of the job runs one)."""
+    from perseus.autotune.tuner import Tuner
+    from perseus.autotune.techniques import _optuna
+
+    _optuna()  # every rank, before any collective of the tuner: a missing Optuna fails init() everywhere
+    rank, size, _, local_size, _, cross_size, homogeneous, _ = topology
+    tuner = Tuner(engine, settings, rank=rank, size=size, topology=(size, local_size, cross_size),
+                  multi_host=cross_size > 1 and homogeneous and local_size > 1)
+    tuner.start()
+    return tuner
 
 
 def _topology(MPI, base):

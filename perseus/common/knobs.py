@@ -103,7 +103,7 @@ def _both(suffix: str) -> tuple[str, str]:
     return (f"PERSEUS_{suffix}", f"HOROVOD_{suffix}")
 
 
-_AUTOTUNE = "autotune (not implemented yet: accepted and ignored)"
+_AUTOTUNE = "autotune"
 
 
 KNOBS: tuple[Knob, ...] = (
@@ -220,24 +220,37 @@ KNOBS: tuple[Knob, ...] = (
              "wait blocks a thread, and a TF1 session with more concurrent collectives than inter-op threads "
              "can stall."),
     Knob("autotune", _both("AUTOTUNE"), bool, False,
-         doc="Tune fusion and channel settings at run time. NOT IMPLEMENTED YET: accepted for Horovod "
-             "compatibility and ignored, with a warning at init(); the settings stay as configured.",
+         doc="Tune the unit size, in-place threshold, channels, cycle time and all-reduce algorithm at run time: "
+             "a bandit over grid search, Bayesian optimisation, Hyperband and population-based training, fed "
+             "with measured step times (docs/autotune.md). Parameters set explicitly are not tuned.",
          flag=Flag("--autotune", _AUTOTUNE, "tune settings at run time", negation="--no-autotune")),
     Knob("autotune_log", _both("AUTOTUNE_LOG"), str, "",
-         doc="CSV log of autotune trials (rank 0). Accepted and ignored: there is no autotuner yet.",
-         flag=Flag("--autotune-log-file", _AUTOTUNE, "CSV log of autotune trials")),
-    Knob("autotune_warmup_samples", _both("AUTOTUNE_WARMUP_SAMPLES"), int, 3, unit="samples",
-         doc="Samples discarded before tuning starts. Accepted and ignored: there is no autotuner yet.",
+         doc="CSV log of the autotune samples (rank 0): Horovod's columns, then perseus's.",
+         flag=Flag("--autotune-log-file", _AUTOTUNE, "CSV log of autotune samples")),
+    Knob("autotune_warmup_samples", _both("AUTOTUNE_WARMUP_SAMPLES"), int, 1, unit="samples",
+         doc="Samples (of autotune_steps_per_sample steps) left untouched at the start, before tuning begins "
+             "(Horovod's default is 3).",
          flag=Flag("--autotune-warmup-samples", _AUTOTUNE)),
-    Knob("autotune_steps_per_sample", _both("AUTOTUNE_STEPS_PER_SAMPLE"), int, 10, unit="steps",
-         doc="Steps per autotune sample. Accepted and ignored: there is no autotuner yet.",
+    Knob("autotune_steps_per_sample", _both("AUTOTUNE_STEPS_PER_SAMPLE"), int, 3, unit="steps",
+         doc="Training steps measured per sample; the sample's score is their median (the slowest rank's). "
+             "Horovod's default is 10.",
          flag=Flag("--autotune-steps-per-sample", _AUTOTUNE, minimum=1)),
+    Knob("autotune_budget_steps", ("PERSEUS_AUTOTUNE_BUDGET_STEPS",), int, 100, unit="steps",
+         doc="Training steps the search may spend (they are ordinary training steps); then the best setting "
+             "is kept for the rest of the run.",
+         flag=Flag("--autotune-budget-steps", _AUTOTUNE, minimum=1)),
+    Knob("autotune_fixed", ("PERSEUS_AUTOTUNE_FIXED",), str, "explicit",
+         doc="Which tuned parameters keep their value: 'explicit' (those set in the environment, as Horovod "
+             "does), 'none' (explicit values are only the starting point of the search), or a comma-separated "
+             "list of fusion_threshold_bytes, inplace_threshold_bytes, channels, cycle_time_us, algorithm."),
     Knob("autotune_bayes_opt_max_samples", _both("AUTOTUNE_BAYES_OPT_MAX_SAMPLES"), int, 20, unit="samples",
-         doc="Most samples the autotuner takes before it settles. Accepted and ignored: there is no autotuner "
-             "yet.",
+         doc="When set, the most samples the search takes (it also stops when autotune_budget_steps are spent); "
+             "unset, only the step budget counts.",
          flag=Flag("--autotune-bayes-opt-max-samples", _AUTOTUNE, minimum=1)),
     Knob("autotune_gaussian_process_noise", _both("AUTOTUNE_GAUSSIAN_PROCESS_NOISE"), float, 0.8,
-         doc="Noise of Horovod's Gaussian process. Accepted and ignored: there is no autotuner yet.",
+         doc="Noise of Horovod's Gaussian process. Accepted and not used: perseus's Bayesian technique (Optuna's "
+             "TPE) takes no noise level; noise is handled by medians over steps and a re-measurement of the two "
+             "best settings.",
          flag=Flag("--autotune-gaussian-process-noise", _AUTOTUNE)),
 )
 

@@ -1486,6 +1486,7 @@ def test_steps_are_timed_from_first_submission_to_last_completion(make_sim):
 
     for (first, steps), (first3, steps3) in sim.run(rank):
         assert first == 0 and len(steps) == 4, steps  # the fifth step has not ended (no name came again)
-        assert all(b == 3 * 4000 for _, b in steps), steps
+        assert all(b == 3 * 4000 for _, b, _ in steps), steps
+        assert len({d for _, _, d in steps}) == 1, steps  # the same names, dtypes and shapes every step
         assert steps[2][0] >= 0.1 > max(steps[0][0], steps[1][0], steps[3][0]), steps
         assert first3 == 3 and steps3 == steps[3:]

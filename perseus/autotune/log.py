@@ -1,0 +1,36 @@
+"""The autotune log: one CSV row per sample (rank 0), Horovod's columns first, then perseus's own."""
+
+from __future__ import annotations
+
+import csv
+
+from perseus.autotune.space import ALGORITHMS, Config
+
+__all__ = ["TuneLog", "COLUMNS"]
+
+# Horovod's autotune log columns (as far as perseus has them), then perseus's.
+COLUMNS = ("hierarchical_allreduce", "hierarchical_allgather", "cache_enabled", "cycle_time_ms",
+           "tensor_fusion_threshold", "score", "sample", "step", "technique", "channels", "inplace_threshold",
+           "algorithm", "seconds_per_step", "best_seconds_per_step", "step_bytes")
+
+
+class TuneLog:
+    """Append-only CSV log; the header is written when the file is created."""
+
+    def __init__(self, file: str):
+        self._f = open(file, "w", newline="")
+        self._w = csv.writer(self._f)
+        self._w.writerow(COLUMNS)
+        self._f.flush()
+
+    def row(self, *, sample: int, step: int, technique: str, config: Config, cost: float, best_cost: float,
+            steps) -> None:
+        step_bytes = int(steps[-1][1]) if steps else 0
+        self._w.writerow([int(config.algorithm == 3), 0, 1, config.cycle_time_us / 1000.0,
+                          config.fusion_threshold_bytes, step_bytes / cost if cost > 0 else 0.0, sample, step,
+                          technique, config.channels, config.inplace_threshold_bytes, ALGORITHMS[config.algorithm],
+                          f"{cost:.6f}", f"{best_cost:.6f}", step_bytes])
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()

@@ -1,0 +1,117 @@
+"""What the run-time tuner searches: the engine parameters a TUNE request sets, each with its candidate values.
+
+A :class:`Config` is one point: fusion (all-reduce unit) size, in-place threshold, active channels, cycle time
+and all-reduce algorithm. :class:`Space` lists the candidate values per parameter; a parameter the user set
+explicitly has one candidate (its value), so the tuner never overrides an explicit choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+from typing import Iterator, Sequence
+
+__all__ = ["ALGORITHMS", "Config", "Space", "PARAMS"]
+
+# Codes as in the engine (native/common.h Algorithm) and PERSEUS_ALLREDUCE_ALGORITHM.
+ALGORITHMS = ("auto", "mpi", "ring", "hierarchical")
+PARAMS = ("fusion_threshold_bytes", "inplace_threshold_bytes", "channels", "cycle_time_us", "algorithm")
+
+_KB, _MB = 1 << 10, 1 << 20
+FUSION_CHOICES = (256 * _KB, 1 * _MB, 2 * _MB, 4 * _MB, 8 * _MB, 16 * _MB, 32 * _MB, 64 * _MB)
+INPLACE_CHOICES = (64 * _KB, 256 * _KB, 1 * _MB, 4 * _MB)
+CHANNEL_CHOICES = (1, 2, 4, 8, 16)
+CYCLE_CHOICES_US = (0, 250, 1000)
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Config:
+    """One setting of the tuned parameters (the values a TUNE request carries)."""
+
+    fusion_threshold_bytes: int
+    inplace_threshold_bytes: int
+    channels: int
+    cycle_time_us: int
+    algorithm: int  # index into ALGORITHMS
+
+    def values(self) -> tuple[int, int, int, int, int]:
+        return (self.fusion_threshold_bytes, self.inplace_threshold_bytes, self.channels, self.cycle_time_us,
+                self.algorithm)
+
+    def describe(self) -> str:
+        return (f"unit {self.fusion_threshold_bytes / _MB:g} MB, in-place from {self.inplace_threshold_bytes / _KB:g} KB, "
+                f"{self.channels} channel{'s' if self.channels != 1 else ''}, cycle {self.cycle_time_us / 1000:g} ms, "
+                f"{ALGORITHMS[self.algorithm]}")
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Space:
+    """Candidate values per parameter, in increasing order (algorithms in ALGORITHMS order)."""
+
+    fusion_threshold_bytes: tuple[int, ...]
+    inplace_threshold_bytes: tuple[int, ...]
+    channels: tuple[int, ...]
+    cycle_time_us: tuple[int, ...]
+    algorithm: tuple[int, ...]
+
+    @classmethod
+    def build(cls, *, max_channels: int, multi_host: bool, fixed: dict | None = None) -> "Space":
+        """The default space; ``fixed`` maps parameter names (PARAMS) to the one value they must keep."""
+        fixed = fixed or {}
+        algorithms = (0, 1, 2, 3) if multi_host else (0, 1, 2)
+        choices = {
+            "fusion_threshold_bytes": FUSION_CHOICES,
+            "inplace_threshold_bytes": INPLACE_CHOICES,
+            "channels": tuple(c for c in CHANNEL_CHOICES if c <= max_channels) or (1,),
+            "cycle_time_us": CYCLE_CHOICES_US,
+            "algorithm": algorithms,
+        }
+        for name, value in fixed.items():
+            if name not in choices:
+                raise ValueError(f"unknown tuned parameter {name!r}; expected one of {', '.join(PARAMS)}")
+            choices[name] = (value,)
+        return cls(**choices)
+
+    def choices(self, name: str) -> tuple[int, ...]:
+        return getattr(self, name)
+
+    def size(self) -> int:
+        n = 1
+        for name in PARAMS:
+            n *= len(self.choices(name))
+        return n
+
+    def contains(self, config: Config) -> bool:
+        return all(getattr(config, name) in self.choices(name) for name in PARAMS)
+
+    def grid(self, seed: int = 0) -> list[Config]:
+        """Every point, in a shuffled (seeded) order: a grid search that stops early has still spread out."""
+        points = [Config(*vals) for vals in itertools.product(*(self.choices(n) for n in PARAMS))]
+        random.Random(seed).shuffle(points)
+        return points
+
+    def random(self, rng: random.Random) -> Config:
+        return Config(*(rng.choice(self.choices(n)) for n in PARAMS))
+
+    def neighbours(self, config: Config) -> Iterator[Config]:
+        """Configs that differ in one parameter by one step of its candidate list."""
+        for name in PARAMS:
+            options = self.choices(name)
+            value = getattr(config, name)
+            i = options.index(value) if value in options else 0
+            for j in (i - 1, i + 1):
+                if 0 <= j < len(options):
+                    yield dataclasses.replace(config, **{name: options[j]})
+
+    def nearest(self, config: Config) -> Config:
+        """The point of this space closest to config (per parameter, the nearest candidate)."""
+        values = {}
+        for name in PARAMS:
+            options: Sequence[int] = self.choices(name)
+            v = getattr(config, name)
+            values[name] = v if v in options else min(options, key=lambda o: (abs(o - v), o))
+        return Config(**values)

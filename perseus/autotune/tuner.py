@@ -1,0 +1,283 @@
+"""The run-time tuner: measures training steps, searches the engine's parameters, applies the best.
+
+Every rank runs a :class:`Tuner` thread (started by ``init()`` when HOROVOD_AUTOTUNE/PERSEUS_AUTOTUNE is
+set). The engine times each step of the global process set (first submission to last completion; a step
+ends when one of its names comes again). One sample is ``steps_per_sample`` steps under one setting:
+
+1. rank 0 asks the search (:class:`~perseus.autotune.search.Search`) for a setting and broadcasts it;
+2. every rank submits a TUNE request with it: the engine switches at the same negotiated point on every
+   rank, whatever each rank's timing;
+3. the step during which the switch happened is skipped; the next ``steps_per_sample`` steps are measured;
+   their median time, the slowest rank's (an allreduce with MAX), is the sample's cost.
+
+The steps spent searching are ordinary training steps. When the budget of steps is spent, the two best
+settings are measured once more and the better one is applied for the rest of the run and remembered
+(:mod:`perseus.autotune.cache`), so that a later run of the same job on the same topology starts from it
+without searching. All collectives of the tuner are named ``perseus.autotune.*``; they belong to no step.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from typing import Optional
+
+import numpy as np
+
+from perseus.autotune import cache as cachelib
+from perseus.autotune.log import TuneLog
+from perseus.autotune.search import Search
+from perseus.autotune.space import ALGORITHMS, Config, Space
+
+__all__ = ["Tuner", "tuned_fixed_params"]
+
+log = logging.getLogger("perseus")
+
+_BROADCAST, _ALLREDUCE = 2, 0  # OpType codes
+_INT64, _FLOAT64 = 4, 8       # DType codes (perseus.engine.messages.DType)
+_MAX = 4                      # ReduceOp.MAX
+_POLL_S = 0.005  # how often the thread looks for finished steps (only while it searches)
+
+# Messages from rank 0 to every rank: what to do with the broadcast setting.
+_SAMPLE, _FINAL, _STOP = 0, 1, 2
+
+
+class _Stopped(Exception):
+    pass
+
+
+def tuned_fixed_params(settings) -> dict:
+    """The tuned parameters that keep their value (PERSEUS_AUTOTUNE_FIXED; by default those set explicitly).
+
+    Raises ValueError for an unknown parameter name.
+    """
+    algorithm = settings.allreduce_algorithm
+    if settings.hierarchical_allreduce and algorithm == "auto":
+        algorithm = "hierarchical"
+    values = {  # parameter: (value, set explicitly)
+        "fusion_threshold_bytes": (int(settings.fusion_threshold_bytes),
+                                   settings.is_explicit("fusion_threshold_bytes")),
+        "inplace_threshold_bytes": (int(settings.inplace_threshold_bytes),
+                                    settings.is_explicit("inplace_threshold_bytes")),
+        "channels": (int(settings.num_channels), settings.is_explicit("num_channels")),
+        "cycle_time_us": (int(round(settings.cycle_time_ms * 1000)), settings.is_explicit("cycle_time_ms")),
+        "algorithm": (ALGORITHMS.index(algorithm),
+                      settings.is_explicit("allreduce_algorithm") or settings.hierarchical_allreduce),
+    }
+    choice = settings.autotune_fixed.strip().lower()
+    if choice == "explicit":
+        return {name: v for name, (v, explicit) in values.items() if explicit}
+    if choice in ("none", ""):
+        return {}
+    names = [n.strip() for n in choice.split(",") if n.strip()]
+    unknown = [n for n in names if n not in values]
+    if unknown:
+        raise ValueError(f"PERSEUS_AUTOTUNE_FIXED names unknown parameters {', '.join(unknown)}; use 'explicit', "
+                         f"'none' or some of {', '.join(values)}")
+    return {name: values[name][0] for name in names}
+
+
+class Tuner:
+    """One rank's side of the search; rank 0 decides, every rank applies (see the module docstring)."""
+
+    def __init__(self, engine, settings, *, rank: int, size: int, topology: tuple, multi_host: bool):
+        self.engine = engine
+        self.rank = rank
+        self.size = size
+        self.settings = settings
+        self.steps_per_sample = max(1, int(settings.autotune_steps_per_sample))
+        self.warmup_steps = max(0, int(settings.autotune_warmup_samples)) * self.steps_per_sample
+        self.budget = max(1, int(settings.autotune_budget_steps))
+        self.max_samples = (int(settings.autotune_bayes_opt_max_samples)
+                            if settings.is_explicit("autotune_bayes_opt_max_samples") else None)
+        self.topology = topology
+        fixed = tuned_fixed_params(settings)
+        current = engine.params(0)
+        self.space = Space.build(max_channels=int(current[5]), multi_host=multi_host, fixed=fixed)
+        self.initial = Config(*current[:5])
+        self.search: Optional[Search] = None
+        self.log = TuneLog(settings.autotune_log) if rank == 0 and settings.autotune_log else None
+        self.cache_path = cachelib.path(settings)
+        self.result: Optional[Config] = None
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="perseus-autotune", daemon=True)
+        self._seq = 0
+        self._step = 0  # index of the next step not yet used
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Ask the thread to end (at shutdown); it leaves at its next wait."""
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    # -- engine plumbing ----------------------------------------------------------------------------------
+    def _wait(self, hid: int):
+        while True:
+            if self._stop.is_set():
+                raise _Stopped()
+            try:
+                return self.engine.wait(hid, 0.1)
+            except TimeoutError:
+                continue
+
+    def _name(self, what: str) -> str:
+        self._seq += 1
+        return f"perseus.autotune.{what}.{self._seq}"
+
+    def _broadcast(self, values: np.ndarray) -> np.ndarray:
+        item = (self._name("setting"), _INT64, values.shape, values, values, 1, 0, 1.0, 1.0, 0, None)
+        self._wait(self.engine.submit(0, _BROADCAST, [item], None, values))
+        return values
+
+    def _max(self, value: float) -> float:
+        buf = np.array([value], np.float64)
+        item = (self._name("score"), _FLOAT64, buf.shape, buf, buf, _MAX, -1, 1.0, 1.0, 0, None)
+        self._wait(self.engine.submit(0, _ALLREDUCE, [item], None, buf))
+        return float(buf[0])
+
+    def _apply(self, config: Config) -> None:
+        self._wait(self.engine.tune(0, self._name("tune"), *config.values()))
+
+    def _completed(self) -> int:
+        first, steps = self.engine.steps(0, self._step)
+        return first + len(steps)
+
+    def _wait_steps(self, count: int) -> list:
+        """Wait until steps [self._step, self._step + count) have completed; return them and move on."""
+        while self._completed() < self._step + count:
+            if self._stop.wait(_POLL_S):
+                raise _Stopped()
+        first, steps = self.engine.steps(0, self._step)
+        taken = steps[:count]
+        self._step = first + count
+        return taken
+
+    # -- the protocol -------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._tune()
+        except _Stopped:
+            pass
+        except Exception as exc:  # noqa: BLE001 - the job goes on with the setting in force
+            if not self._stop.is_set():
+                log.warning("perseus autotune stopped: %s; the job goes on with the setting in force", exc)
+
+    def _sample(self, config: Config) -> float:
+        """Apply config, skip the step in progress, measure steps_per_sample steps; the slowest rank's median."""
+        self._apply(config)
+        self._step = self._completed() + 1  # the step in progress when the switch happened is mixed
+        steps = self._wait_steps(self.steps_per_sample)
+        local = float(np.median([s[0] for s in steps]))
+        self._last_steps = steps
+        return self._max(local)
+
+    def _exchange(self, kind: int, technique: int = 0, config: Optional[Config] = None) -> tuple[int, int, Config]:
+        msg = np.zeros(7, np.int64)
+        if self.rank == 0:
+            msg[0], msg[1] = kind, technique
+            msg[2:] = (config or self.initial).values()
+        self._broadcast(msg)
+        return int(msg[0]), int(msg[1]), Config(*(int(v) for v in msg[2:]))
+
+    def _tune(self) -> None:
+        self._wait_steps(self.warmup_steps + 1)  # first steps: negotiation of new names, allocations
+        digest, step_bytes = self._last_signature()
+        # Rank 0 looks the job up in the cache and tells every rank whether to search, and from where.
+        known = cachelib.lookup(self.cache_path, digest, self.topology, step_bytes) if self.rank == 0 else None
+        exact = known is not None and known.exact and self.space.contains(known.config)
+        kind, _, start = self._exchange(_FINAL if exact else _SAMPLE, 0,
+                                        known.config if known is not None else self.initial)
+        if kind == _FINAL:
+            self._finish(start, reason=f"remembered from an earlier run ({self.cache_path})")
+            return
+        if self.rank == 0:
+            if known is not None:
+                print(f"perseus autotune: starting from the setting of a similar job: {start.describe()}",
+                      file=sys.stderr, flush=True)
+            self.search = Search(self.space, seed=0, start=start)
+            names = ["start"] + list(self.search.techniques)
+        spent = 0
+        while True:
+            if self.rank == 0:
+                over = spent >= self.budget or (self.max_samples is not None and self.samples >= self.max_samples)
+                technique, proposal = ("", None) if over else self._propose()
+                if proposal is None:
+                    kind, _, config = self._exchange(_STOP)
+                else:
+                    kind, _, config = self._exchange(_SAMPLE, names.index(technique), proposal)
+            else:
+                kind, technique_i, config = self._exchange(_SAMPLE)
+            if kind == _STOP:
+                break
+            began = self._step
+            cost = self._sample(config)
+            spent += self._step - began + 1
+            self.samples += 1
+            if self.rank == 0:
+                try:
+                    improved = self.search.observe(technique, config, cost)
+                except Exception as exc:  # noqa: BLE001 - the other ranks must still hear a decision
+                    log.warning("perseus autotune: the search failed (%s); keeping the best so far", exc)
+                    improved = False
+                self._report(technique, config, cost, improved)
+        # Measure the two best once more (noise on a shared machine), then keep the better.
+        finalists = self.search.finalists(2) if self.rank == 0 else []
+        for i in range(2):
+            kind, _, config = self._exchange(_SAMPLE if i < len(finalists) else _STOP,
+                                             0, finalists[i] if i < len(finalists) else None)
+            if kind == _STOP:
+                break
+            cost = self._sample(config)
+            if self.rank == 0:
+                self.search.observe("recheck", config, cost)
+                self._report("recheck", config, cost, False, label="recheck")
+        best = (self.search.best()[0] or self.initial) if self.rank == 0 else None
+        kind, _, config = self._exchange(_FINAL, 0, best)
+        if self.rank == 0:
+            cachelib.store(self.cache_path, digest, self.topology, step_bytes, config, self.search.cost(config))
+        self._finish(config, reason=f"best of {self.samples} samples")
+
+    def _propose(self):
+        """Rank 0: the next (technique, config), or (_, None) when the search fails: the other ranks wait
+        for rank 0's word, so a failure here must end the search, never the thread."""
+        try:
+            return self.search.next()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("perseus autotune: the search failed (%s); keeping the best so far", exc)
+            return "", None
+
+    def _last_signature(self) -> tuple[int, int]:
+        _, steps = self.engine.steps(0, max(0, self._step - 1))
+        if not steps:
+            return 0, 0
+        return int(steps[-1][2]), int(steps[-1][1])
+
+    def _finish(self, config: Config, reason: str) -> None:
+        self._apply(config)
+        self.result = config
+        if self.rank == 0:
+            line = f"perseus autotune: done ({reason}): {config.describe()}"
+            print(line, file=sys.stderr, flush=True)
+            if self.log is not None:
+                self.log.close()
+
+    def _report(self, technique: str, config: Config, cost: float, improved: bool, label: str = "") -> None:
+        best, best_cost = self.search.best()
+        what = label or f"sample {self.samples}"
+        print(f"perseus autotune: {what} [{technique}] {config.describe()}: "
+              f"{cost * 1e3:.1f} ms/step{' (new best)' if improved else ''}; best {best_cost * 1e3:.1f} ms",
+              file=sys.stderr, flush=True)
+        if self.log is not None:
+            self.log.row(sample=self.samples, step=self._step, technique=technique, config=config, cost=cost,
+                         best_cost=best_cost, steps=self._last_steps)

@@ -1,0 +1,77 @@
+"""The run-time tuner in a real job: ranks with different timings switch settings together, the results
+stay right, the search ends within its budget, and a second run of the same job reuses the stored setting."""
+
+import os
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("optuna")
+
+pytestmark = pytest.mark.timeout(240)
+
+SIZES = (3, 1000, 70001, 300000, 5)
+
+
+def _restart(hvd, env):
+    hvd.shutdown()
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    hvd.init()
+
+
+def _train_until_tuned(hvd, max_steps=600):
+    from perseus.common.basics import state
+
+    tuner = state()._tuner
+    assert tuner is not None
+    rng = random.Random(hvd.rank())
+    n = hvd.size()
+    steps = 0
+    while True:
+        # Every rank must run the same number of steps: stop once every rank's tuner has finished.
+        finished = hvd.allreduce(torch.tensor([1.0 if tuner.done else 0.0]), name="tune.done", op=hvd.Min)
+        if finished.item() == 1.0 and steps >= 5:
+            break
+        xs = [torch.full((s,), float(hvd.rank() + 1)) for s in SIZES]
+        handles = []
+        for i, x in enumerate(xs):
+            handles.append(hvd.allreduce_async_(x, name=f"tune.g{i}", op=hvd.Sum))
+            if hvd.rank() % 2 == 1:
+                time.sleep(rng.uniform(0, 0.003))  # this rank is slower, irregularly
+        for h in handles:
+            hvd.synchronize(h)
+        for x in xs:
+            assert torch.equal(x, torch.full_like(x, n * (n + 1) / 2))
+        steps += 1
+        assert steps < max_steps, "the tuner did not finish within its budget"
+    return tuner, steps
+
+
+def test_tuner_switches_every_rank_together_and_remembers(hvd, tmp_path):
+    cache = hvd.broadcast_object(str(tmp_path / "cache"), root_rank=0)  # one directory for every rank
+    env = {"PERSEUS_AUTOTUNE": "1", "PERSEUS_AUTOTUNE_BUDGET_STEPS": "30", "PERSEUS_AUTOTUNE_STEPS_PER_SAMPLE": "2",
+           "PERSEUS_AUTOTUNE_WARMUP_SAMPLES": "0", "PERSEUS_CACHE_DIR": cache, "PERSEUS_AUTOTUNE_FIXED": "none",
+           "PERSEUS_FUSION_THRESHOLD": str(64 << 10)}
+    old = {k: os.environ.get(k) for k in env}
+    try:
+        _restart(hvd, env)
+        tuner, steps = _train_until_tuned(hvd)
+        from perseus.common.basics import state
+
+        params = tuple(state().engine.params(0))
+        everyone = hvd.allgather_object((params, tuner.result, tuner.samples))
+        assert all(e == everyone[0] for e in everyone), everyone
+        assert params[:5] == tuner.result.values() and tuner.samples >= 3
+        # The same job again: the stored setting is applied at once, without a search.
+        _restart(hvd, env)
+        again, _ = _train_until_tuned(hvd, max_steps=60)
+        assert again.samples == 0 and again.result == tuner.result
+    finally:
+        _restart(hvd, old)

@@ -407,12 +407,13 @@ void ProcessSet::track_step(Request* r, int64_t now) {
   auto it = step_of_.find(r->name);
   if (it != step_of_.end() && it->second == step_) {
     StepSample s{step_begin_ns_, std::max(last_done_ns_.load(std::memory_order_acquire), step_begin_ns_),
-                 step_bytes_};
+                 step_bytes_, step_digest_};
     if (steps_.size() < kStepsKept) steps_.push_back(s);
     else steps_[static_cast<size_t>(step_) % kStepsKept] = s;
     ++step_;
     step_begin_ns_ = 0;
     step_bytes_ = 0;
+    step_digest_ = 0;
   }
   if (it != step_of_.end()) {
     it->second = step_;
@@ -422,6 +423,16 @@ void ProcessSet::track_step(Request* r, int64_t now) {
   }
   if (step_begin_ns_ == 0) step_begin_ns_ = now;
   step_bytes_ += static_cast<int64_t>(r->nbytes());
+  // FNV-1a over the name, op, dtype and shape; summed, so that the order of submission does not matter.
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&h](const void* p, size_t n) {
+    for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<const uint8_t*>(p)[i]) * 1099511628211ull;
+  };
+  mix(r->name.data(), r->name.size());
+  const int32_t codes[2] = {static_cast<int32_t>(r->sig.op_type), static_cast<int32_t>(r->sig.dtype)};
+  mix(codes, sizeof(codes));
+  mix(r->shape.data(), r->shape.size() * sizeof(int64_t));
+  step_digest_ += h;
 }
 
 void ProcessSet::steps(int64_t since, int64_t* first, std::vector<StepSample>* out) {

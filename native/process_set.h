@@ -32,6 +32,7 @@ class Engine;
 struct StepSample {
   int64_t begin_ns = 0, end_ns = 0;
   int64_t bytes = 0;
+  uint64_t digest = 0;  // of the step's names, dtypes and shapes, whatever their order
 };
 
 // The parameters a TUNE request changes at run time (at the same negotiated point on every rank).
@@ -119,6 +120,7 @@ class ProcessSet {
   bool track_steps_ = false;
   std::unordered_map<std::string, int64_t> step_of_;
   int64_t step_ = 0, step_begin_ns_ = 0, step_bytes_ = 0;
+  uint64_t step_digest_ = 0;
   std::vector<StepSample> steps_;  // ring of the last kStepsKept completed steps
   std::atomic<int64_t> last_done_ns_{0};
   std::atomic<bool> is_dead_{false};

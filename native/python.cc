@@ -361,7 +361,8 @@ class PyEngine {
                           max_channels);
   }
 
-  // Steps timed since step `since`: (first index, [(seconds, bytes), ...]) for the completed steps kept.
+  // Steps timed since step `since`: (first index, [(seconds, bytes, digest), ...]) for the completed steps
+  // kept (the last 1024).
   py::tuple steps(int ps_id, int64_t since) {
     std::vector<StepSample> out;
     int64_t first = 0;
@@ -369,7 +370,7 @@ class PyEngine {
       throw py::value_error("perseus: no process set with id " + std::to_string(ps_id));
     py::list items;
     for (const StepSample& s : out)
-      items.append(py::make_tuple((s.end_ns - s.begin_ns) * 1e-9, s.bytes));
+      items.append(py::make_tuple((s.end_ns - s.begin_ns) * 1e-9, s.bytes, s.digest));
     return py::make_tuple(first, items);
   }
 

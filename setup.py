@@ -28,7 +28,8 @@ with open(os.path.join(HERE, "perseus", "__init__.py")) as f:
 TORCH = ["torch>=2.1"]  # Tensor.register_post_accumulate_grad_hook
 TENSORFLOW_MIN = ">=2.16"  # Keras 3 by default; tf-keras 2 via TF_USE_LEGACY_KERAS=1
 EXAMPLES = ["scikit-learn>=1.3"]  # the digits data set ships with it (no download at run time)
-TEST = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.0", "tqdm>=4", "optuna>=3.0"] + EXAMPLES  # tqdm: a corpus script
+TEST = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.0", "tqdm>=4", "optuna>=3.0", "matplotlib>=3.5"] + EXAMPLES
+# tqdm: a corpus script; matplotlib: perseus-autotune-report
 
 # -- the native core (perseus._core): native/*.cc, built with the MPI's C++ compiler wrapper --------------
 
@@ -233,13 +234,15 @@ setup(
         "tensorflow-cpu": ["tensorflow-cpu" + TENSORFLOW_MIN],
         "mxnet": ["mxnet>=1.9.1,<2", "numpy<1.24"],  # MXNet 1.9 uses NumPy aliases removed in 1.24
         "tune": ["optuna>=3.0"],
+        "report": ["matplotlib>=3.5"],  # perseus-autotune-report
         "convert": [],  # libcst is a base dependency now; kept so that perseus[convert] still resolves
         "examples": EXAMPLES,
         "test": TEST,
         "all": TORCH + ["optuna>=3.0"] + TEST,
     },
     entry_points={"console_scripts": ["perseusrun = perseus.runner.launch:main",
-                                    "perseus-convert = perseus.convert.cli:main"]},
+                                    "perseus-convert = perseus.convert.cli:main",
+                                    "perseus-autotune-report = perseus.autotune.report:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",

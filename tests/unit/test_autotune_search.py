@@ -99,3 +99,24 @@ def test_search_finds_a_near_optimal_setting_from_a_bad_start():
     assert cost_fn(best) <= 1.15 * 1.0  # the optimum costs 1.0
     assert used >= {"start", "grid", "bayesian", "hyperband", "pbt"}
     assert search.finalists(2)[0] == best
+
+
+def test_log_and_report(tmp_path):
+    from perseus.autotune.log import COLUMNS, TuneLog
+    from perseus.autotune.report import main as report, read_log
+
+    log_path = tmp_path / "tune.csv"
+    log = TuneLog(str(log_path))
+    for i, (tech, cost) in enumerate([("start", 0.03), ("grid", 0.02), ("bayesian", 0.025)], 1):
+        log.row(sample=i, step=4 * i, technique=tech, config=Config(4 * MB, 256 << 10, 2, 0, 2), cost=cost,
+                best_cost=min(0.03, cost), steps=[(cost, 1000, 0)])
+    log.close()
+    rows = read_log(str(log_path))
+    assert list(rows[0]) == list(COLUMNS) and len(rows) == 3 and rows[1]["technique"] == "grid"
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "tune.png"
+    assert report([str(log_path), "-o", str(out)]) == 0
+    assert out.stat().st_size > 1000
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    assert report([str(bad), "-o", str(out)]) == 2

@@ -8,6 +8,7 @@ them; the configuration it picks reaches the other ranks by broadcast.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Optional
 
@@ -135,13 +136,15 @@ class Hyperband(_OptunaTechnique):
 
 class PopulationBased(Technique):
     """Population-based training over configurations: a population of members; each turn one member is
-    either replaced by a copy of the best member (when it is in the worst quarter) or kept, then moved to a
-    neighbouring configuration (one parameter one step)."""
+    either replaced by a copy of the best member (when it is in the worst quarter) or kept, then perturbed:
+    usually one parameter moves one step, sometimes (``resample``) one parameter takes any of its values,
+    so that the population can leave a region that one-step moves would take many samples to cross."""
 
     name = "pbt"
 
-    def __init__(self, space: Space, seed: int = 0, population: int = 4):
+    def __init__(self, space: Space, seed: int = 0, population: int = 4, resample: float = 0.3):
         self.space = space
+        self.resample = resample
         self.rng = random.Random(seed)
         self.population: list[tuple[Config, float]] = []  # (config, cost)
         self.size = population
@@ -159,8 +162,11 @@ class PopulationBased(Technique):
         base = self.population[i][0]
         if i in ranked[-max(1, len(ranked) // 4):]:
             base = self.population[ranked[0]][0]  # exploit: copy the best
-        options = list(self.space.neighbours(base)) or [base]
-        config = self.rng.choice(options)  # explore
+        if self.rng.random() < self.resample:  # explore far: one parameter, any value
+            name = self.rng.choice([n for n in PARAMS if len(self.space.choices(n)) > 1] or list(PARAMS))
+            config = dataclasses.replace(base, **{name: self.rng.choice(self.space.choices(name))})
+        else:  # explore near: one parameter, one step
+            config = self.rng.choice(list(self.space.neighbours(base)) or [base])
         self.pending = (i, config)
         return config
 

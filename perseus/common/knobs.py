@@ -231,7 +231,7 @@ KNOBS: tuple[Knob, ...] = (
          doc="Samples (of autotune_steps_per_sample steps) left untouched at the start, before tuning begins "
              "(Horovod's default is 3).",
          flag=Flag("--autotune-warmup-samples", _AUTOTUNE)),
-    Knob("autotune_steps_per_sample", _both("AUTOTUNE_STEPS_PER_SAMPLE"), int, 3, unit="steps",
+    Knob("autotune_steps_per_sample", _both("AUTOTUNE_STEPS_PER_SAMPLE"), int, 2, unit="steps",
          doc="Training steps measured per sample; the sample's score is their median (the slowest rank's). "
              "Horovod's default is 10.",
          flag=Flag("--autotune-steps-per-sample", _AUTOTUNE, minimum=1)),

@@ -120,3 +120,23 @@ def test_log_and_report(tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text("a,b\n1,2\n")
     assert report([str(bad), "-o", str(out)]) == 2
+
+
+def test_cache_exact_and_similar_jobs(tmp_path):
+    from perseus.autotune import cache
+
+    f = str(tmp_path / "sub" / "autotune.json")
+    assert cache.lookup(f, 1, (2, 1, 2), 100 * MB) is None  # nothing stored yet (no file)
+    a = Config(4 * MB, 256 << 10, 8, 0, 2)
+    cache.store(f, 0xABC, (2, 1, 2), 100 * MB, a, 1.1)
+    assert cache.lookup(f, 0xABC, (2, 1, 2), 100 * MB) == cache.Known(a, True)
+    # Another model on the same topology moving a similar number of bytes starts from a's setting...
+    assert cache.lookup(f, 0xDEF, (2, 1, 2), 150 * MB) == cache.Known(a, False)
+    # ...but not one that moves 3x as much, nor the same model on another topology.
+    assert cache.lookup(f, 0xDEF, (2, 1, 2), 300 * MB) is None
+    assert cache.lookup(f, 0xABC, (4, 2, 2), 100 * MB) is None
+    with open(f, "w") as damaged:
+        damaged.write("{not json")
+    assert cache.lookup(f, 0xABC, (2, 1, 2), 100 * MB) is None  # a damaged file is ignored, then rewritten
+    cache.store(f, 0xABC, (2, 1, 2), 100 * MB, a, 1.0)
+    assert cache.lookup(f, 0xABC, (2, 1, 2), 100 * MB).exact

@@ -39,6 +39,8 @@ _BROADCAST, _ALLREDUCE = 2, 0  # OpType codes
 _INT64, _FLOAT64 = 4, 8       # DType codes (perseus.engine.messages.DType)
 _MAX = 4                      # ReduceOp.MAX
 _POLL_S = 0.005  # how often the thread looks for finished steps (only while it searches)
+_WATCH_STEPS = 50     # re-tuning: steps per check
+_WATCH_POLL_S = 0.2
 
 # Messages from rank 0 to every rank: what to do with the broadcast setting.
 _SAMPLE, _FINAL, _STOP = 0, 1, 2
@@ -90,6 +92,7 @@ class Tuner:
         self.steps_per_sample = max(1, int(settings.autotune_steps_per_sample))
         self.warmup_steps = max(0, int(settings.autotune_warmup_samples)) * self.steps_per_sample
         self.budget = max(1, int(settings.autotune_budget_steps))
+        self.retune_drift = max(0.0, float(settings.autotune_retune_drift))
         self.max_samples = (int(settings.autotune_bayes_opt_max_samples)
                             if settings.is_explicit("autotune_bayes_opt_max_samples") else None)
         self.topology = topology
@@ -102,6 +105,7 @@ class Tuner:
         self.cache_path = cachelib.path(settings)
         self.result: Optional[Config] = None
         self.samples = 0
+        self.searches = 0  # searches finished or under way (re-tuning starts more)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="perseus-autotune", daemon=True)
         self._seq = 0
@@ -153,10 +157,10 @@ class Tuner:
         first, steps = self.engine.steps(0, self._step)
         return first + len(steps)
 
-    def _wait_steps(self, count: int) -> list:
+    def _wait_steps(self, count: int, poll: float = 0.0) -> list:
         """Wait until steps [self._step, self._step + count) have completed; return them and move on."""
         while self._completed() < self._step + count:
-            if self._stop.wait(_POLL_S):
+            if self._stop.wait(poll or _POLL_S):
                 raise _Stopped()
         first, steps = self.engine.steps(0, self._step)
         taken = steps[:count]
@@ -199,12 +203,22 @@ class Tuner:
         kind, _, start = self._exchange(_FINAL if exact else _SAMPLE, 0,
                                         known.config if known is not None else self.initial)
         if kind == _FINAL:
-            self._finish(start, reason=f"remembered from an earlier run ({self.cache_path})")
-            return
-        if self.rank == 0:
-            if known is not None:
+            config = start
+            self._finish(config, reason=f"remembered from an earlier run ({self.cache_path})")
+        else:
+            if self.rank == 0 and known is not None:
                 print(f"perseus autotune: starting from the setting of a similar job: {start.describe()}",
                       file=sys.stderr, flush=True)
+            config = self._search(start, digest, step_bytes)
+        while self.retune_drift > 0:
+            self._watch()
+            config = self._search(config, digest, step_bytes)
+
+    def _search(self, start: Config, digest: int, step_bytes: int) -> Config:
+        """One search from start within the step budget; applies, remembers and returns the best setting."""
+        self.samples = 0
+        self.searches += 1
+        if self.rank == 0:
             self.search = Search(self.space, seed=0, start=start)
             names = ["start"] + list(self.search.techniques)
         spent = 0
@@ -217,7 +231,7 @@ class Tuner:
                 else:
                     kind, _, config = self._exchange(_SAMPLE, names.index(technique), proposal)
             else:
-                kind, technique_i, config = self._exchange(_SAMPLE)
+                kind, _, config = self._exchange(_SAMPLE)
             if kind == _STOP:
                 break
             began = self._step
@@ -247,6 +261,25 @@ class Tuner:
         if self.rank == 0:
             cachelib.store(self.cache_path, digest, self.topology, step_bytes, config, self.search.cost(config))
         self._finish(config, reason=f"best of {self.samples} samples")
+        return config
+
+    def _watch(self) -> None:
+        """Re-tuning (PERSEUS_AUTOTUNE_RETUNE_DRIFT > 0): return when the median step time of
+        _WATCH_STEPS steps exceeded the first such median after tuning by the drift fraction twice in a row.
+        Every rank compares the same allreduced values, so all decide alike."""
+        baseline, strikes = None, 0
+        while True:
+            steps = self._wait_steps(_WATCH_STEPS, poll=_WATCH_POLL_S)
+            cost = self._max(float(np.median([s[0] for s in steps])))
+            if baseline is None:
+                baseline = cost
+                continue
+            strikes = strikes + 1 if cost > baseline * (1.0 + self.retune_drift) else 0
+            if strikes >= 2:
+                if self.rank == 0:
+                    print(f"perseus autotune: steps take {cost * 1e3:.1f} ms, up from {baseline * 1e3:.1f} ms "
+                          "after tuning; searching again", file=sys.stderr, flush=True)
+                return
 
     def _propose(self):
         """Rank 0: the next (technique, config), or (_, None) when the search fails: the other ranks wait

@@ -239,6 +239,9 @@ KNOBS: tuple[Knob, ...] = (
          doc="Training steps the search may spend (they are ordinary training steps); then the best setting "
              "is kept for the rest of the run.",
          flag=Flag("--autotune-budget-steps", _AUTOTUNE, minimum=1)),
+    Knob("autotune_retune_drift", ("PERSEUS_AUTOTUNE_RETUNE_DRIFT",), float, 0.0,
+         doc="After tuning, search again when the median step time of 50 steps exceeds the first such median "
+             "after tuning by this fraction (e.g. 0.2) twice in a row. 0 (the default): tune once."),
     Knob("autotune_fixed", ("PERSEUS_AUTOTUNE_FIXED",), str, "explicit",
          doc="Which tuned parameters keep their value: 'explicit' (those set in the environment, as Horovod "
              "does), 'none' (explicit values are only the starting point of the search), or a comma-separated "

@@ -75,3 +75,35 @@ def test_tuner_switches_every_rank_together_and_remembers(hvd, tmp_path):
         assert again.samples == 0 and again.result == tuner.result
     finally:
         _restart(hvd, old)
+
+
+def test_tuner_searches_again_when_steps_slow_down(hvd, tmp_path):
+    from perseus.common.basics import state
+
+    env = {"PERSEUS_AUTOTUNE": "1", "PERSEUS_AUTOTUNE_BUDGET_STEPS": "12", "PERSEUS_AUTOTUNE_STEPS_PER_SAMPLE": "2",
+           "PERSEUS_AUTOTUNE_WARMUP_SAMPLES": "0", "PERSEUS_AUTOTUNE_RETUNE_DRIFT": "0.5",
+           "PERSEUS_CACHE_DIR": "/proc/perseus-test-no-cache"}
+    old = {k: os.environ.get(k) for k in env}
+    try:
+        _restart(hvd, env)
+        tuner = state()._tuner
+        slow, tuned_at = False, None
+        for step in range(1200):
+            xs = [torch.ones(s) for s in SIZES]
+            handles = [hvd.allreduce_async_(x, name=f"drift.g{i}", op=hvd.Sum) for i, x in enumerate(xs)]
+            if slow:
+                time.sleep(0.004)  # the steps get slower (all ranks): the tuner must notice
+            for h in handles:
+                hvd.synchronize(h)
+            state_now = hvd.allreduce(torch.tensor([float(tuner.result is not None), float(tuner.searches)]),
+                                      name="drift.state", op=hvd.Min)
+            tuned, searches = state_now.tolist()
+            if tuned and tuned_at is None:
+                tuned_at = step
+            # Slow down once the tuner has taken its first 50-step measure after tuning.
+            slow = tuned_at is not None and step >= tuned_at + 120
+            if searches >= 2:
+                break
+        assert searches >= 2, "a slowdown of the steps did not start a new search"
+    finally:
+        _restart(hvd, old)

@@ -37,12 +37,14 @@ def test_clean_run_exits_zero():
 
 
 def test_ignored_horovod_settings_warn_and_run():
+    # Autotune on in a job too short to tune: the tuner's thread must not keep the job from ending.
     code, out, took = run("clean", env={"HOROVOD_MPI_THREADS_DISABLE": "1", "HOROVOD_AUTOTUNE": "1"})
     assert code == 0, out
     assert "rank 0 done" in out and "rank 1 done" in out
     assert "HOROVOD_MPI_THREADS_DISABLE/PERSEUS_MPI_THREADS_DISABLE is ignored" in out, out
-    assert "HOROVOD_AUTOTUNE/PERSEUS_AUTOTUNE is ignored: perseus has no autotuner yet" in out, out
     assert "[perseus rank 1]" in out, out
+    assert "autotune stopped" not in out, out
+    assert took < 30
 
 
 def test_stall_names_tensor_and_missing_rank():

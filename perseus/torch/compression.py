@@ -1,7 +1,9 @@
-"""Gradient compression for PyTorch: cast floating-point tensors to 16 bits for the wire and back."""
+"""Gradient compression for PyTorch: 16-bit casts for the wire, and the compressors that run their own
+collectives (top-k, random-k, sign, QSGD, PowerSGD; framework-neutral, in perseus.compression)."""
 
 import torch
 
+from perseus import compression as _lossy
 from perseus.common.compression import CastCompressor, Compressor, NoneCompressor
 
 __all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression"]
@@ -30,8 +32,13 @@ class BF16Compressor(_TorchCast):
 
 
 class Compression:
-    """The compressors, as Horovod names them (classes, not instances)."""
+    """The compressors: Horovod's (classes, not instances) and perseus's communicating ones, which are
+    built with their parameters (``Compression.topk(0.01)``); see docs/compression.md."""
 
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+
+
+for _name, _cls in _lossy.REDUCERS.items():
+    setattr(Compression, _name, _cls)

@@ -14,6 +14,7 @@ from perseus.common.api import (  # noqa: F401 - re-exported
 from perseus.common.exceptions import HorovodInternalError
 from perseus.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from perseus.common.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum, resolve_op
+from perseus.compression import Reducer
 from perseus.engine.messages import DType
 from perseus.torch.compression import Compression
 
@@ -149,7 +150,17 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     """Return the reduction of ``tensor`` over all ranks (default Average). Differentiable.
 
     Collective: every rank of ``process_set`` calls it with the same name, shape, dtype and op.
+
+    With a communicating compressor (``Compression.topk(0.01)`` ...), the result is that compressor's
+    estimate of the reduction (not differentiable); it needs ``name=`` to keep its residual per tensor.
     """
+    if isinstance(compression, Reducer):
+        _dtype(tensor)
+        src = _contig(tensor.detach())
+        out = torch.empty_like(src)
+        compression.reduce_async(name, [_np(src)], [_np(out)], _op(op, average), prescale_factor,
+                                 postscale_factor, process_set).wait()
+        return out
     compressed, ctx = compression.compress(tensor)
     out = _Allreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor, process_set)
     return compression.decompress(out, ctx)

@@ -13,11 +13,12 @@ from contextlib import contextmanager
 import torch
 
 from perseus.common.api import _basics
+from perseus.compression import Pending, Reducer
 from perseus.common.partition import split_list
 from perseus.common.process_sets import global_process_set
 from perseus.common.reduce_ops import Average, ReduceOp, Sum, reject_adasum
 from perseus.torch.compression import Compression
-from perseus.torch.mpi_ops import (allreduce, allreduce_async_, grouped_allreduce_async_, size,
+from perseus.torch.mpi_ops import (_np, allreduce, allreduce_async_, grouped_allreduce_async_, size,
                                    sparse_allreduce_async, synchronize)
 
 __all__ = ["DistributedOptimizer"]
@@ -157,6 +158,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 return sparse_allreduce_async(grad, name=name, op=self.op, process_set=self.process_set), None
             grad = grad.to_dense()
         pre, post = self._scales()
+        if isinstance(self._compression, Reducer):
+            if not grad.is_contiguous() or sparse:
+                grad = p.grad = grad.contiguous()
+            buf = [_np(grad)]
+            pending = self._compression.reduce_async(name, buf, buf, self.op, pre, post, self.process_set)
+            return pending, None
         compressed, ctx = self._compression.compress(grad)
         handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=pre,
                                   postscale_factor=post, process_set=self.process_set)
@@ -169,6 +176,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad.to_dense() if p.grad.is_sparse else p.grad)
         pre, post = self._scales()
+        if isinstance(self._compression, Reducer):
+            grads = [g.contiguous() for g in grads]
+            for p, g in zip(group, grads):
+                p.grad = g
+            bufs = [_np(g) for g in grads]
+            pending = self._compression.reduce_async(f"grad.group.{self._parameter_names[group[0]]}", bufs, bufs,
+                                                     self.op, pre, post, self.process_set)
+            return pending, None
         pairs = [self._compression.compress(g) for g in grads]
         handle = grouped_allreduce_async_([c for c, _ in pairs],
                                           name=f"grad.group.{self._parameter_names[group[0]]}",
@@ -201,6 +216,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._handles[group] = self._grouped_allreduce_async(group)
                 self._group_ready[group].clear()
         for key, (handle, ctx) in list(self._handles.items()):
+            if isinstance(handle, Pending):  # a communicating compressor wrote the result into the gradients
+                handle.wait()
+                for p in key if isinstance(key, tuple) else (key,):
+                    self._allreduce_delay[p] = self.backward_passes_per_step
+                continue
             if isinstance(key, tuple):
                 outputs = synchronize(handle)
                 for p, out, (c, sparse) in zip(key, outputs, ctx):
@@ -353,7 +373,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     Args:
         optimizer: the torch.optim.Optimizer to wrap.
         named_parameters: ``model.named_parameters()``; names the gradients so every rank matches them.
-        compression: ``Compression.none``, ``Compression.fp16`` or ``Compression.bf16`` for the wire.
+        compression: ``Compression.none``, ``Compression.fp16`` or ``Compression.bf16`` for the wire, or a
+            communicating compressor such as ``Compression.topk(0.01)`` (docs/compression.md); those keep
+            per-parameter state, so give each optimizer its own instance.
         backward_passes_per_step: backward passes accumulated locally before gradients are reduced.
         op: ``Average`` (default) or ``Sum``.
         gradient_predivide_factor: divide gradients by this before summing and multiply after (Average only).

@@ -1,0 +1,13 @@
+"""Lossy gradient compression that runs its own collectives, framework-neutral (NumPy).
+
+The framework modules expose these through their ``Compression`` namespaces
+(``hvd.Compression.topk(0.01)``); see docs/compression.md.
+"""
+
+from perseus.compression.base import Pending, Reducer
+from perseus.compression.topk import TopK
+
+__all__ = ["Reducer", "Pending", "TopK", "REDUCERS"]
+
+#: name -> class, for the Compression namespaces and the command line
+REDUCERS = {"topk": TopK}

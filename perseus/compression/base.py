@@ -1,0 +1,285 @@
+"""Compressors that communicate: the framework-neutral base every lossy gradient compressor builds on.
+
+Horovod's compressors (``Compression.fp16``) only change the dtype of a tensor before a normal allreduce.
+The compressors here change *what* travels and *which collective* carries it (a sparse allgather of
+(value, index) pairs, an allreduce of a few random coordinates, packed sign bits, low-rank factors), so each
+one runs its own collective through the engine and hands back the dense reduced gradient.
+
+Framework adapters pass NumPy views of their tensors (zero-copy for torch CPU tensors) to
+:meth:`Reducer.reduce_async` and convert the result back; every compressor is written once, here.
+
+Error feedback (``error_feedback=True``, the default for the biased compressors): per key (one gradient
+or one fused group of gradients), each rank keeps a float32 residual of what it computed but did not send;
+the next step adds it to the new gradient before compressing. What a rank sends plus its new residual is
+exactly what it had to send (tests check this to the bit). :meth:`Reducer.reset` drops every residual (an
+elastic reset calls it: the ranks of a new job start from none).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from perseus.common.process_sets import ProcessSet, global_process_set
+from perseus.common.reduce_ops import ReduceOp
+
+__all__ = ["Reducer", "Pending", "KeyState"]
+
+
+class KeyState:
+    """What a compressor keeps for one key across steps: the residual, scratch buffers, a step counter."""
+
+    __slots__ = ("size", "residual", "scratch", "step", "extra")
+
+    def __init__(self, size: int):
+        self.size = size
+        self.residual: Optional[np.ndarray] = None
+        self.scratch: Optional[np.ndarray] = None
+        self.step = 0
+        self.extra: dict = {}
+
+
+class Pending:
+    """An in-flight compressed reduction; :meth:`wait` returns the dense outputs (a list, one per input).
+
+    ``finish`` runs once, on the first :meth:`wait`, on the caller's thread.
+    """
+
+    __slots__ = ("_finish", "_result")
+
+    def __init__(self, finish: Callable[[], list]):
+        self._finish = finish
+        self._result = None
+
+    def wait(self) -> list:
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            self._result = finish()
+        return self._result
+
+
+_live = weakref.WeakSet()
+_live_lock = threading.Lock()
+_registered = False
+
+
+def _forget_at_shutdown(reducer) -> None:
+    """Drop the reducer's residuals whenever the job shuts down (an elastic reset included), without keeping
+    the reducer alive."""
+    global _registered
+    with _live_lock:
+        _live.add(reducer)
+        if _registered:
+            return
+        _registered = True
+    from perseus.common.basics import state
+
+    def reset():
+        with _live_lock:
+            reducers = list(_live)
+        for r in reducers:
+            r.reset()
+    state().register_job_state(reset)
+
+
+def _flat_len(arrays: Sequence[np.ndarray]) -> int:
+    return int(sum(a.size for a in arrays))
+
+
+class Reducer:
+    """Base of the communicating compressors. One instance serves every tensor given to it (its state is
+    kept per key), so pass the same instance to one optimizer; instances are cheap.
+
+    Subclasses implement :meth:`_encode` and :meth:`_decode` and set ``collective`` to ``"allgather"`` (each
+    rank's payload is gathered, payload sizes may differ) or ``"allreduce"`` (payloads of the same shape are
+    summed). Multi-round compressors (PowerSGD) override :meth:`_submit` instead.
+    """
+
+    #: name used in collective names, logs and reports
+    kind = "compressed"
+    #: "allgather" or "allreduce"
+    collective = "allgather"
+    #: the compressor is biased and keeps residuals unless told not to
+    default_error_feedback = True
+
+    def __init__(self, error_feedback: Optional[bool] = None):
+        self.error_feedback = self.default_error_feedback if error_feedback is None else bool(error_feedback)
+        self._states: dict = {}
+        self._lock = threading.Lock()
+        #: payload bytes this rank submitted, cumulative (the transport's own counters give wire bytes)
+        self.payload_bytes = 0
+        #: bytes the same tensors would have taken uncompressed (float32), cumulative
+        self.dense_bytes = 0
+        _forget_at_shutdown(self)
+
+    # -- the Horovod compressor interface, for code that calls it directly -----------------------------
+    def compress(self, tensor):
+        raise TypeError(f"perseus: {self!r} runs its own collective and cannot be used as a plain "
+                        "compress/decompress pair; pass it as compression= to DistributedOptimizer, "
+                        "DistributedGradientTape or allreduce")
+
+    decompress = compress
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._describe()})"
+
+    def _describe(self) -> str:
+        return f"error_feedback={self.error_feedback}"
+
+    # -- state -----------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget every residual and per-key state (elastic reset; a new model)."""
+        with self._lock:
+            self._states.clear()
+
+    def residual(self, key: str) -> Optional[np.ndarray]:
+        """The float32 residual kept for ``key`` (flat; None without error feedback or before the first step)."""
+        st = self._states.get(key)
+        return None if st is None else st.residual
+
+    def _state(self, key: str, size: int) -> KeyState:
+        with self._lock:
+            st = self._states.get(key)
+            if st is None or st.size != size:
+                st = KeyState(size)
+                self._states[key] = st
+        return st
+
+    # -- the work --------------------------------------------------------------------------------------
+    def reduce_async(self, key: str, arrays: Sequence[np.ndarray], outputs: Optional[Sequence[np.ndarray]] = None,
+                     op=ReduceOp.AVERAGE, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> Pending:
+        """Compress ``arrays`` (one gradient, or a fused group compressed as one vector) and start the
+        collective; the returned :class:`Pending` gives the dense sum or average, one array per input.
+
+        ``outputs``, when given, receive the results (they may be the inputs themselves); else new arrays
+        of the inputs' shapes and dtypes are made. Floating-point inputs only; they are compressed in float32.
+
+        Collective: every rank of ``process_set`` calls it with the same ``key``, the same number of arrays
+        and the same sizes, in any order relative to other keys.
+
+        Raises:
+            ValueError: no key, a non-float input, an op other than Sum/Average, or a size that changed
+                between ranks (reported by the engine as a mismatch naming the key).
+        """
+        if not key:
+            raise ValueError(f"perseus: {type(self).__name__} keeps state per tensor and needs a name; pass "
+                             "name= (DistributedOptimizer names gradients after their parameters)")
+        op = ReduceOp(op)
+        if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+            raise ValueError(f"perseus: {type(self).__name__} reduces with Sum or Average only, not {op.name}")
+        for a in arrays:
+            if not isinstance(a, np.ndarray) or a.dtype.kind != "f" and a.dtype != np.uint16:
+                raise ValueError(f"perseus: {type(self).__name__} compresses floating-point gradients only; "
+                                 f"{key!r} is {getattr(a, 'dtype', type(a).__name__)}")
+        from perseus.common.basics import state
+
+        _, set_size, _ = state().process_set_info(process_set)
+        n = _flat_len(arrays)
+        st = self._state(key, n)
+        acc = self._accumulate(st, arrays, prescale_factor)
+        scale = postscale_factor / set_size if op == ReduceOp.AVERAGE else postscale_factor
+        self.dense_bytes += 4 * n
+        collect = self._submit(key, st, acc, process_set, set_size)
+
+        def finish():
+            dense = collect()
+            return self._scatter(dense, arrays, outputs, scale)
+        return Pending(finish)
+
+    def _accumulate(self, st: KeyState, arrays, prescale: float) -> np.ndarray:
+        """The flat float32 vector to compress: the (prescaled) inputs plus the residual. With error feedback
+        it *is* the residual buffer, which :meth:`_encode` leaves holding what was not sent."""
+        n = st.size
+        if self.error_feedback:
+            if st.residual is None:
+                st.residual = np.zeros(n, np.float32)
+            acc = st.residual
+            off = 0
+            for a in arrays:
+                flat = _as_float(a).reshape(-1)
+                if prescale != 1.0:
+                    acc[off:off + flat.size] += flat * np.float32(prescale)
+                else:
+                    acc[off:off + flat.size] += flat
+                off += flat.size
+            return acc
+        if st.scratch is None:
+            st.scratch = np.empty(n, np.float32)
+        acc = st.scratch
+        off = 0
+        for a in arrays:
+            flat = _as_float(a).reshape(-1)
+            acc[off:off + flat.size] = flat
+            off += flat.size
+        if prescale != 1.0:
+            acc *= np.float32(prescale)
+        return acc
+
+    def _submit(self, key: str, st: KeyState, acc: np.ndarray, process_set: ProcessSet, set_size: int):
+        """Encode ``acc`` and start the collective; return a function that waits and gives the dense sum
+        (float32, flat, length ``st.size``)."""
+        from perseus.common import collectives as c
+
+        payload, ctx = self._encode(acc, st)
+        st.step += 1
+        self.payload_bytes += payload.nbytes
+        name = f"{self.kind}.{key}"
+        if self.collective == "allreduce":
+            out = np.empty_like(payload)
+            handle = c.allreduce_async(payload, out, name=name, op=ReduceOp.SUM, process_set=process_set)
+
+            def collect():
+                c.synchronize(handle)
+                return self._decode(out, None, ctx, st)
+        else:
+            handle = c.allgather_async(payload, lambda shape: np.empty(shape, payload.dtype), name=name,
+                                       process_set=process_set)
+
+            def collect():
+                res = c.synchronize(handle)
+                return self._decode(res.output, res.received_splits, ctx, st)
+        return collect
+
+    def _encode(self, acc: np.ndarray, st: KeyState):
+        """Return ``(payload, ctx)`` for the flat float32 ``acc``; with error feedback, leave ``acc`` holding
+        ``acc - (what this rank's payload decodes to)``."""
+        raise NotImplementedError
+
+    def _decode(self, data: np.ndarray, splits, ctx, st: KeyState) -> np.ndarray:
+        """The dense float32 sum over ranks (flat, length ``st.size``) from the collective's output."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _scatter(dense: np.ndarray, arrays, outputs, scale: float) -> list:
+        """Split the flat dense result into one output per input, scaled, in the inputs' shapes and dtypes."""
+        if scale != 1.0:
+            dense *= np.float32(scale)
+        results, off = [], 0
+        for i, a in enumerate(arrays):
+            part = dense[off:off + a.size].reshape(a.shape)
+            off += a.size
+            target = outputs[i] if outputs is not None else np.empty(a.shape, a.dtype)
+            if target.dtype == np.uint16:  # bfloat16 carried as raw words
+                target[...] = _to_bf16_words(part)
+            else:
+                np.copyto(target, part, casting="unsafe")
+            results.append(target)
+        return results
+
+
+def _as_float(a: np.ndarray) -> np.ndarray:
+    """float16/32/64 as they are; raw bfloat16 words (uint16) widened to float32."""
+    if a.dtype == np.uint16:
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a
+
+
+def _to_bf16_words(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 words, rounding to nearest even."""
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    rounded = bits + (np.uint32(0x7FFF) + ((bits >> 16) & 1))
+    return (rounded >> 16).astype(np.uint16)

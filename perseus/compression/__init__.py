@@ -5,9 +5,10 @@ The framework modules expose these through their ``Compression`` namespaces
 """
 
 from perseus.compression.base import Pending, Reducer
+from perseus.compression.hierarchical import HiTopK
 from perseus.compression.topk import TopK
 
-__all__ = ["Reducer", "Pending", "TopK", "REDUCERS"]
+__all__ = ["Reducer", "Pending", "TopK", "HiTopK", "REDUCERS"]
 
 #: name -> class, for the Compression namespaces and the command line
-REDUCERS = {"topk": TopK}
+REDUCERS = {"topk": TopK, "hitopk": HiTopK}

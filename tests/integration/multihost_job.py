@@ -135,6 +135,43 @@ def train(hosts, per_host):
           flush=True)
 
 
+def hitopk(hosts, per_host):
+    """Hierarchical top-k across hosts: density 1 equals the dense all-reduce, every rank gets the same
+    result, and what was sent plus every rank's residual equals the dense sum; then a short training run."""
+    hvd.init()
+    check_layout(hosts, per_host)
+    torch.manual_seed(7 + hvd.rank())
+    x = torch.randn(10007)
+    dense = hvd.allreduce(x, name="hitopk.dense", op=hvd.Sum)
+    for density in (1.0, 0.05):
+        comp = hvd.Compression.hitopk(density)
+        y = hvd.allreduce(x, name=f"hitopk.{density}", compression=comp, op=hvd.Sum)
+        every = hvd.allgather(y.unsqueeze(0), name=f"hitopk.all.{density}")
+        check(all(torch.equal(every[0], every[i]) for i in range(hvd.size())), "hitopk results differ")
+        left = hvd.allreduce(torch.from_numpy(comp.residual(f"hitopk.{density}").copy()),
+                             name=f"hitopk.res.{density}", op=hvd.Sum)
+        check(torch.allclose(y + left, dense, atol=1e-4), f"density {density}: sent + residuals != dense sum")
+        if density == 1.0:
+            check(torch.allclose(y, dense, atol=1e-4), "density 1 differs from the dense all-reduce")
+        else:
+            nonzero = int((y != 0).sum())
+            check(nonzero <= hosts * 0.05 * 10007 + hvd.size() * 2, f"too many nonzeros: {nonzero}")
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), compression=hvd.Compression.hitopk(0.1),
+                                   named_parameters=model.named_parameters())
+    gen = torch.Generator().manual_seed(99 + hvd.rank())
+    for _ in range(5):
+        xb = torch.randn(32, 16, generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(xb), xb.sum(1, keepdim=True)).backward()
+        opt.step()
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    every = hvd.allgather(flat.unsqueeze(0), name="hitopk.params")
+    check(all(torch.equal(every[0], every[i]) for i in range(hvd.size())), "parameters differ between ranks")
+    print(f"OK hitopk rank {hvd.rank()} on {socket.gethostname()}", flush=True)
+
+
 def tcp_connections_to(peer_ip):
     """Established TCP connections of this process to peer_ip (IPv4), from /proc/net/tcp and our fds."""
     inodes = set()
@@ -180,6 +217,8 @@ if __name__ == "__main__":
         train(n_hosts, n_per_host)
     elif mode == "flows":
         flows(n_hosts, n_per_host)
+    elif mode == "hitopk":
+        hitopk(n_hosts, n_per_host)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     hvd.shutdown()

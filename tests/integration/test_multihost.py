@@ -177,6 +177,12 @@ def test_training_two_hosts_two_ranks_each(cluster):
     assert len(ok_lines(out, "train")) == 4, out
 
 
+def test_hierarchical_topk_two_by_two(cluster):
+    code, out, _ = perseusrun("-np", "4", "-H", "perseus-h0:2,perseus-h1:2", *job("hitopk", 2, 2))
+    assert code == 0, out
+    assert len(ok_lines(out, "hitopk")) == 4, out
+
+
 def one_error_line(out):
     lines = [line for line in out.splitlines() if line.strip()]
     assert len(lines) == 1, out

@@ -255,6 +255,11 @@ KNOBS: tuple[Knob, ...] = (
              "TPE) takes no noise level; noise is handled by medians over steps and a re-measurement of the two "
              "best settings.",
          flag=Flag("--autotune-gaussian-process-noise", _AUTOTUNE)),
+    Knob("topk_selector", ("PERSEUS_TOPK_SELECTOR",), str, "auto",
+         doc="How top-k compressors pick the largest entries: 'auto' (the fastest of the others, timed on this "
+             "machine once per size class), 'exact' (NumPy introselect), 'torch' (torch.topk), 'mstopk' "
+             "(threshold bisection, approximate) or 'dgc' (sampled threshold, then exact). "
+             "See docs/compression.md."),
 )
 
 _BY_NAME = {k.name: k for k in KNOBS}

@@ -31,6 +31,7 @@ from typing import Optional
 
 import numpy as np
 
+from perseus.common.knobs import read_knob
 from perseus.common.partition import even_counts
 from perseus.common.process_sets import ProcessSet, global_process_set
 from perseus.common.reduce_ops import ReduceOp
@@ -118,7 +119,7 @@ class HiTopK(Reducer):
         if not 0.0 < density <= 1.0:
             raise ValueError(f"perseus: Compression.hitopk(density): density must be in (0, 1], got {density}")
         self.density = density
-        self.selector = selector or "auto"
+        self.selector = selector or read_knob("topk_selector")[0]
         if self.selector != "auto" and self.selector not in selectors.SELECTORS:
             raise ValueError(f"perseus: unknown top-k selector {self.selector!r}")
 

@@ -1,0 +1,636 @@
+"""Cupcake: fuse consecutive gradients before compressing them, with the optimal grouping for a timeline model.
+
+A communicating compressor pays a fixed cost per call (Python dispatch, allocation, one collective's
+latency) on top of the work per byte; compressing each gradient on its own pays it once per layer. Cupcake
+groups gradients that become ready one after another during backward into *consecutive* groups; each group
+is compressed once, as one vector, and travels in one collective.
+
+The planner (:func:`plan_fusion`) picks the partition that minimises the modelled iteration time:
+
+* gradients ``0..N-1`` in backward order (0 ready first), ``sizes[i]`` bytes, ``backward_times[i]`` the
+  seconds of backward between gradient ``i-1`` becoming ready and gradient ``i`` becoming ready;
+* backward and encoding share one compute resource (serialised): a group is encoded right after its last
+  gradient is computed, and backward resumes only afterwards (the encode runs in the gradient hook);
+* one communication channel, first in first out: a group's collective starts when its encode has ended
+  and the previous group's collective has finished;
+* ``h(x) = alpha_h + beta_h * x`` seconds to encode a group of ``x`` bytes and ``g(x) = alpha_g +
+  beta_g * ratio * x`` seconds to communicate it. Both take ``x`` = the group's *dense* (input) bytes; the
+  encoded size enters through ``ratio`` (encoded bytes per dense byte) or a ``beta_g`` already expressed
+  per dense byte (the default ``ratio=1.0``). A payload with a constant part (``p0 + r * x`` bytes)
+  folds into ``alpha_g += beta_g * p0``, ``beta_g *= r``;
+* iteration time = ``forward`` + the end of the last collective (decoding is not modelled).
+
+Under this model the compute end after the first ``j`` gradients in ``m`` groups depends only on ``(j, m)``
+and every later collective's end is non-decreasing in the current channel end, so the dynamic programme
+``D[j][m] = min_k max(D[k][m-1], C(j, m)) + g(k..j-1)`` is exact: ``O(N^3)`` time, vectorised over
+``(k, j)`` with NumPy (300 gradients plan in a few tens of milliseconds). :func:`plan_fusion_brute_force`
+enumerates all ``2**(N-1)`` partitions; it exists for tests.
+
+:class:`Cupcake` wraps any :class:`~perseus.compression.base.Reducer`: it profiles the job's first steps,
+plans on the first rank of the process set, broadcasts the plan, and from then on reduces each group
+through the wrapped compressor as one call (``Compression.cupcake(Compression.topk(0.01))``).
+
+Semantics: a compressor that selects entries (top-k) selects *across the group* once gradients are fused:
+the ``density`` fraction of the group's entries with the largest magnitudes, wherever they lie (a global
+top-k), not ``density`` of every gradient. Error feedback keeps one residual per group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import pickle
+import threading
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+
+from perseus.common.process_sets import ProcessSet, global_process_set
+from perseus.common.reduce_ops import ReduceOp
+from perseus.compression.base import Pending, Reducer
+
+__all__ = ["plan_fusion", "simulate", "plan_fusion_brute_force", "Cupcake", "StepProfiler", "fit_affine",
+           "probe_collective", "broadcast_from_first", "merge_residuals"]
+
+log = logging.getLogger("perseus")
+
+
+# -- the model and the planner -------------------------------------------------------------------------------
+def _model(sizes, backward_times, encode, comm, ratio):
+    s = np.asarray(sizes, np.float64).reshape(-1)
+    b = np.asarray(backward_times, np.float64).reshape(-1)
+    if s.shape != b.shape:
+        raise ValueError(f"perseus: plan_fusion: {s.size} sizes but {b.size} backward times")
+    if (s < 0).any() or (b < 0).any():
+        raise ValueError("perseus: plan_fusion: sizes and backward times must be non-negative")
+    ah, bh = (float(v) for v in encode)
+    ag, bg = (float(v) for v in comm)
+    if min(ah, bh, ag, bg, float(ratio)) < 0:
+        raise ValueError("perseus: plan_fusion: the cost coefficients and the ratio must be non-negative")
+    return s, b, ah, bh, ag, bg * float(ratio)
+
+
+def simulate(groups, sizes, backward_times, encode=(0.0, 0.0), comm=(0.0, 0.0), forward: float = 0.0,
+             ratio: float = 1.0) -> float:
+    """The modelled iteration time (seconds) of ``groups``: half-open ``(start, end)`` index ranges that
+    cover ``0..N-1`` in order (see the module docstring for the model)."""
+    s, b, ah, bh, ag, bg = _model(sizes, backward_times, encode, comm, ratio)
+    expect = 0
+    comp_end = comm_end = 0.0
+    for start, end in groups:
+        if start != expect or end <= start:
+            raise ValueError(f"perseus: simulate: groups must be consecutive, non-empty and start at 0; "
+                             f"got {list(groups)}")
+        expect = end
+        x = float(s[start:end].sum())
+        comp_end += float(b[start:end].sum()) + ah + bh * x
+        comm_end = max(comp_end, comm_end) + ag + bg * x
+    if expect != s.size:
+        raise ValueError(f"perseus: simulate: the groups cover {expect} of {s.size} tensors")
+    return float(forward) + comm_end
+
+
+def plan_fusion(sizes, backward_times, encode=(0.0, 0.0), comm=(0.0, 0.0), forward: float = 0.0,
+                ratio: float = 1.0) -> list:
+    """The partition of tensors ``0..N-1`` (backward order) into consecutive groups with the least modelled
+    iteration time: a list of half-open ``(start, end)`` index ranges.
+
+    Args:
+        sizes: bytes of each tensor (dense).
+        backward_times: seconds of backward before each tensor is ready (after the previous one).
+        encode: ``(alpha_h, beta_h)``: seconds per encode call and per dense byte.
+        comm: ``(alpha_g, beta_g)``: seconds per collective and per byte sent.
+        forward: seconds of forward pass (a constant added to every plan's time).
+        ratio: bytes sent per dense byte (1.0: ``beta_g`` is already per dense byte).
+
+    Ties go to the plan found first: fewest groups, then the largest last group. Deterministic.
+    """
+    s, b, ah, bh, ag, bg = _model(sizes, backward_times, encode, comm, ratio)
+    n = s.size
+    if n == 0:
+        return []
+    P = np.concatenate([[0.0], np.cumsum(s)])
+    PB = np.concatenate([[0.0], np.cumsum(b)])
+    inf = np.inf
+    prev = np.full(n + 1, inf)
+    prev[0] = 0.0
+    parent = np.zeros((n + 1, n + 1), np.int64)  # parent[m, j]: end of the previous group
+    best_t, best_m = inf, 0
+    for m in range(1, n + 1):
+        j = np.arange(m, n + 1)           # the m-th group ends before tensor j
+        k = np.arange(m - 1, n)           # ... and starts at tensor k
+        comp = PB[j] + m * ah + bh * P[j]
+        cost = np.maximum(prev[k][:, None], comp[None, :]) + (ag + bg * (P[j][None, :] - P[k][:, None]))
+        cost[k[:, None] >= j[None, :]] = inf
+        arg = np.argmin(cost, axis=0)
+        cur = np.full(n + 1, inf)
+        cur[j] = cost[arg, np.arange(j.size)]
+        parent[m, j] = k[arg]
+        if cur[n] < best_t:
+            best_t, best_m = cur[n], m
+        prev = cur
+    groups, end = [], n
+    for m in range(best_m, 0, -1):
+        start = int(parent[m, end])
+        groups.append((start, end))
+        end = start
+    groups.reverse()
+    return groups
+
+
+def plan_fusion_brute_force(sizes, backward_times, encode=(0.0, 0.0), comm=(0.0, 0.0), forward: float = 0.0,
+                            ratio: float = 1.0):
+    """Every partition evaluated with :func:`simulate` (``2**(N-1)`` of them; for tests, N up to ~16).
+
+    Returns ``(best time, [every plan reaching it within 1e-12 relative], sorted times of all plans)``.
+    """
+    n = len(sizes)
+    if n == 0:
+        return float(forward), [[]], [float(forward)]
+    results = []
+    for cuts in itertools.product((False, True), repeat=n - 1):
+        groups, start = [], 0
+        for i, cut in enumerate(cuts, 1):
+            if cut:
+                groups.append((start, i))
+                start = i
+        groups.append((start, n))
+        results.append((simulate(groups, sizes, backward_times, encode, comm, forward, ratio), groups))
+    best = min(t for t, _ in results)
+    tol = 1e-12 * max(1.0, abs(best))
+    return best, [g for t, g in results if t <= best + tol], sorted(t for t, _ in results)
+
+
+# -- profiling, fitting, probing: shared with Espresso ---------------------------------------------------------
+def fit_affine(x, y) -> tuple:
+    """Least-squares ``y = a + b*x`` with ``a, b >= 0``."""
+    x = np.asarray(x, np.float64)
+    y = np.asarray(y, np.float64)
+    if x.size == 0:
+        return 0.0, 0.0
+    if x.size == 1 or np.ptp(x) == 0:
+        return max(0.0, float(np.mean(y))), 0.0
+    b, a = np.polyfit(x, y, 1)
+    if b < 0:
+        return max(0.0, float(np.mean(y))), 0.0
+    if a < 0:
+        return 0.0, max(0.0, float(np.dot(x, y) / np.dot(x, x)))
+    return float(a), float(b)
+
+
+class StepProfiler:
+    """What a wrapper learns while it passes each gradient through on its own: per call the key, its
+    elements, when it arrived, how long the caller's thread spent in the reduction call (accumulate +
+    encode + submission) and the payload bytes it produced. A step ends when a key comes a second time."""
+
+    def __init__(self):
+        self.steps: list = []      # one list of (key, elements, arrival, busy, payload bytes) per step
+        self.shapes: dict = {}     # key -> the shapes of its arrays (latest call)
+        self._seen: set = set()
+
+    @property
+    def step(self) -> int:
+        """Index of the current step (0 for the first); -1 before the first call."""
+        return len(self.steps) - 1
+
+    def arrive(self, key: str) -> bool:
+        """Note a call for ``key``; True when it starts a new step (the first call included)."""
+        if not self.steps or key in self._seen:
+            self.steps.append([])
+            self._seen = set()
+            self._seen.add(key)
+            return True
+        self._seen.add(key)
+        return False
+
+    def record(self, key: str, elements: int, arrival: float, busy: float, payload: int,
+               shapes: tuple = ()) -> None:
+        self.steps[-1].append((key, int(elements), float(arrival), float(busy), int(payload)))
+        self.shapes[key] = tuple(shapes)
+
+    def summary(self, skip: int = 0) -> dict:
+        """Per key over the steps after the first ``skip`` (all steps when there are no others): backward
+        order (of the last step), elements, backward seconds before it (median), busy seconds (minimum),
+        payload bytes (last)."""
+        steps = [s for s in self.steps if s]
+        used = steps[skip:] or steps
+        gaps: dict = {}
+        busy: dict = {}
+        elems: dict = {}
+        payload: dict = {}
+        for step in used:
+            prev_free = None
+            for key, n, arrival, t, p in step:
+                gap = 0.0 if prev_free is None else max(0.0, arrival - prev_free)
+                prev_free = arrival + t
+                gaps.setdefault(key, []).append(gap)
+                busy[key] = min(busy.get(key, np.inf), t)
+                elems[key] = n
+                payload[key] = p
+        order = [key for key, *_ in used[-1]] if used else []
+        seen = set(order)
+        for step in used:  # keys absent from the last step still get planned (at the end)
+            for key, *_ in step:
+                if key not in seen:
+                    order.append(key)
+                    seen.add(key)
+        return {"order": order,
+                "elements": [elems[k] for k in order],
+                "backward": [float(np.median(gaps[k])) for k in order],
+                "busy": [float(busy[k]) for k in order],
+                "payload": [payload[k] for k in order],
+                "shapes": [self.shapes.get(k, ()) for k in order]}
+
+
+def _set_info(process_set: ProcessSet):
+    from perseus.common.basics import state
+
+    ps_id, size, rank = state().process_set_info(process_set)
+    return size, rank, state().process_set_ranks(ps_id)[0]
+
+
+def probe_collective(kind: str, process_set: ProcessSet, nbytes=(4096, 65536, 1 << 20), repeats: int = 3,
+                     tag: str = "probe") -> list:
+    """Time an ``"allgather"`` or ``"allreduce"`` (sum) of ``nbytes`` float32 bytes per rank, ``repeats``
+    times each, on this rank; the best time per size (seconds).
+
+    Collective: every rank of ``process_set`` calls it with the same arguments.
+    """
+    from perseus.common import collectives as c
+
+    best = []
+    for nb in nbytes:
+        a = np.zeros(max(1, int(nb) // 4), np.float32)
+        t_best = np.inf
+        for r in range(repeats):
+            name = f"{tag}.{kind}.{nb}.{r}"
+            t0 = time.perf_counter()
+            if kind == "allgather":
+                h = c.allgather_async(a, lambda shape: np.empty(shape, np.float32), name=name,
+                                      process_set=process_set)
+            else:
+                out = np.empty_like(a)
+                h = c.allreduce_async(a, out, name=name, op=ReduceOp.SUM, process_set=process_set)
+            c.synchronize(h)
+            t_best = min(t_best, time.perf_counter() - t0)
+        best.append(t_best)
+    return best
+
+
+def broadcast_from_first(obj, process_set: ProcessSet, tag: str):
+    """The first rank of ``process_set``'s ``obj`` on every rank: pickled to uint8, then two broadcasts
+    (the length, then the bytes). Collective: every rank calls it with the same ``tag``."""
+    from perseus.common import collectives as c
+
+    _, rank, root = _set_info(process_set)
+    if rank == 0:
+        data = np.frombuffer(pickle.dumps(obj, protocol=4), np.uint8).copy()
+        length = np.array([data.size], np.int64)
+    else:
+        data, length = None, np.zeros(1, np.int64)
+    got = np.zeros(1, np.int64)
+    c.synchronize(c.broadcast_async(length, got, root, name=f"{tag}.len", process_set=process_set))
+    if data is None:
+        data = np.zeros(int(got[0]), np.uint8)
+    out = np.empty(int(got[0]), np.uint8)
+    c.synchronize(c.broadcast_async(data, out, root, name=f"{tag}.data", process_set=process_set))
+    return obj if rank == 0 else pickle.loads(out.tobytes())
+
+
+def merge_residuals(reducer: Reducer, new_key: str, old_keys: Sequence[str], sizes: Sequence[int],
+                    shapes: Sequence[tuple] = ()) -> None:
+    """Carry the residuals of ``old_keys`` (``sizes`` entries each; ``shapes``: the shapes of each key's
+    arrays) into the residual of ``new_key``, their concatenation in that order (zeros where a key has none),
+    and drop the old keys' state: no residual mass is lost when gradients reduced one by one start being
+    reduced as one group (whose arrays are the old keys' arrays, in that order).
+
+    Uses :meth:`Reducer.merge_residuals` when the reducer has one (a compressor with other per-key state
+    decides what to carry), else the base class's per-key state directly.
+    """
+    own = getattr(reducer, "merge_residuals", None)
+    if own is not None:
+        own(new_key, list(old_keys), list(sizes), list(shapes))
+        return
+    total = int(sum(sizes))
+    parts = []
+    for key, n in zip(old_keys, sizes):
+        r = reducer.residual(key)
+        parts.append(r if r is not None and r.size == n else np.zeros(int(n), np.float32))
+    with reducer._lock:
+        for key in old_keys:
+            reducer._states.pop(key, None)
+    group_shapes = tuple(s for per_key in shapes for s in per_key)
+    try:
+        st = reducer._state(new_key, total, group_shapes)
+    except TypeError:  # a base class whose per-key state does not track shapes
+        st = reducer._state(new_key, total)
+    if reducer.error_feedback:
+        st.residual = np.concatenate(parts).astype(np.float32, copy=False) if parts else \
+            np.zeros(0, np.float32)
+
+
+# -- the wrapper ------------------------------------------------------------------------------------------------
+class _Batch:
+    """The gradients of one group that arrived this step and have not been submitted yet."""
+
+    __slots__ = ("group", "entries", "params", "pending", "offsets")
+
+    def __init__(self, group, params):
+        self.group = group
+        self.entries: dict = {}    # key -> (arrays, outputs)
+        self.params = params
+        self.pending = None
+        self.offsets: dict = {}    # key -> (first output index, count)
+
+
+class _Group:
+    __slots__ = ("keys", "name", "sizes", "batch")
+
+    def __init__(self, keys, sizes):
+        self.keys = tuple(keys)
+        self.sizes = tuple(int(n) for n in sizes)
+        self.name = keys[0] if len(keys) == 1 else f"cupcake[{keys[0]}..{keys[-1]}]"
+        self.batch: Optional[_Batch] = None
+
+
+def _partial_name(keys) -> str:
+    digest = hashlib.blake2s("\0".join(keys).encode(), digest_size=8).hexdigest()
+    return f"cupcake.partial.{digest}"
+
+
+class Cupcake(Reducer):
+    """Fuse consecutive gradients into groups planned for the least iteration time, and reduce each group
+    through ``inner`` as one compressed vector (``Compression.cupcake(Compression.topk(0.01))``).
+
+    Life cycle, per instance (give each optimizer its own):
+
+    1. *Warm-up and profiling*: for the first ``warmup_steps + profile_steps`` steps every gradient goes
+       through ``inner`` on its own. The wrapper records each key's size, arrival order and arrival time, the
+       seconds the caller spent in ``inner.reduce_async`` (accumulate + encode + submit: the model's encode
+       time, on the compute thread) and the payload bytes it produced. Warm-up steps are not used for timing
+       (first calls allocate buffers and calibrate top-k selectors). A step ends when a key comes again.
+    2. *Planning*, at the first call of the next step, collective over the process set: unless ``comm_cost``
+       is given, every rank times allgathers of 4 KB, 64 KB and 1 MB per rank (3 times each, best kept); the
+       first rank of the set fits ``h`` (encode seconds vs dense bytes over the profiled keys), the payload
+       (bytes vs dense bytes) and ``g`` (probe seconds vs payload bytes per rank), runs :func:`plan_fusion`
+       and broadcasts the plan (key names, not positions) to every rank. Each key's residual is carried into
+       its group's residual (concatenated in plan order): no residual mass is lost.
+    3. *Fused*: each group's gradients are held as they arrive and submitted as one
+       ``inner.reduce_async(group name, all arrays, all outputs)`` when the last one arrives; every key's
+       :class:`Pending` waits on its group's. A group of one keeps the key's own name; a larger one is named
+       ``cupcake[<first key>..<last key>]``. Keys the plan does not know (never seen while profiling) are
+       reduced alone.
+
+    If ``wait()`` is called on a key whose group is still incomplete (a framework that waits tensor by
+    tensor, or a step that skips some gradients), the keys of that group held so far are submitted at once
+    as a *partial group* named ``cupcake.partial.<blake2s of their names>``, with its own residual; every
+    rank makes the same partial groups when it makes the same calls in the same order.
+
+    Top-k over a fused group selects across the group (a global top-k), not per gradient.
+
+    Args:
+        inner: the compressor that reduces every gradient or group (a :class:`Reducer`).
+        plan: ``'auto'`` (profile, then plan), or a list of groups of keys (every rank must pass the same;
+            used from the first call, with no profiling).
+        profile_steps: steps timed before planning (after the warm-up steps).
+        warmup_steps: steps passed through before timing starts.
+        encode_cost: ``(alpha_h, beta_h)`` seconds per call and per dense byte, instead of the measurement.
+        comm_cost: ``(alpha_g, beta_g)`` seconds per collective and per dense byte (the encoded size
+            included), instead of the probe and the payload fit.
+
+    Raises:
+        TypeError: ``inner`` is not a communicating compressor.
+        ValueError: a bad ``plan``, ``profile_steps`` < 1 or ``warmup_steps`` < 0.
+    """
+
+    kind = "cupcake"
+    default_error_feedback = False
+
+    def __init__(self, inner: Reducer, plan="auto", profile_steps: int = 1, warmup_steps: int = 1,
+                 encode_cost: Optional[tuple] = None, comm_cost: Optional[tuple] = None):
+        if not isinstance(inner, Reducer):
+            raise TypeError(f"perseus: Compression.cupcake(inner): inner must be a communicating compressor such "
+                            f"as Compression.topk(0.01), not {inner!r}")
+        if int(profile_steps) < 1 or int(warmup_steps) < 0:
+            raise ValueError("perseus: Compression.cupcake: profile_steps must be >= 1 and warmup_steps >= 0")
+        if plan != "auto":
+            if not isinstance(plan, (list, tuple)) or not all(isinstance(g, (list, tuple)) and g for g in plan):
+                raise ValueError("perseus: Compression.cupcake: plan must be 'auto' or a list of non-empty lists "
+                                 "of keys")
+            flat = [k for g in plan for k in g]
+            if len(set(flat)) != len(flat):
+                raise ValueError("perseus: Compression.cupcake: a key appears in two groups of the plan")
+        self.inner = inner
+        super().__init__(error_feedback=False)
+        self.error_feedback = inner.error_feedback
+        self.plan_arg = plan
+        self.profile_steps = int(profile_steps)
+        self.warmup_steps = int(warmup_steps)
+        self.encode_cost = None if encode_cost is None else tuple(float(v) for v in encode_cost)
+        self.comm_cost = None if comm_cost is None else tuple(float(v) for v in comm_cost)
+        self._rlock = threading.RLock()
+        self._init_run_state()
+
+    def _init_run_state(self):
+        self.profiler = StepProfiler()
+        self._groups: Optional[dict] = None   # key -> _Group once a plan is adopted
+        self._plan: Optional[list] = None
+        self.model: dict = {}
+
+    # the byte counters are the inner compressor's
+    @property
+    def payload_bytes(self):
+        return self.inner.payload_bytes
+
+    @payload_bytes.setter
+    def payload_bytes(self, value):
+        pass
+
+    @property
+    def dense_bytes(self):
+        return self.inner.dense_bytes
+
+    @dense_bytes.setter
+    def dense_bytes(self, value):
+        pass
+
+    def _describe(self) -> str:
+        plan = "auto" if self.plan_arg == "auto" else f"{len(self.plan_arg)} groups"
+        return f"{self.inner!r}, plan={plan}, profile_steps={self.profile_steps}"
+
+    # -- state -----------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget the plan, the profile and every residual (the next steps profile again)."""
+        with self._rlock:
+            self.inner.reset()
+            self._init_run_state()
+
+    def residual(self, key: str) -> Optional[np.ndarray]:
+        """The residual of ``key``: its own, or its slice of its group's (a view)."""
+        group = None if self._groups is None else self._groups.get(key)
+        if group is None or len(group.keys) == 1:
+            return self.inner.residual(key)
+        r = self.inner.residual(group.name)
+        if r is None:
+            return None
+        i = group.keys.index(key)
+        off = sum(group.sizes[:i])
+        return r[off:off + group.sizes[i]]
+
+    @property
+    def plan(self) -> Optional[list]:
+        """The adopted plan: a list of groups (lists of keys) in backward order; None while profiling."""
+        return None if self._plan is None else [list(g) for g in self._plan]
+
+    @property
+    def adopted(self) -> bool:
+        return self._plan is not None
+
+    # -- planning --------------------------------------------------------------------------------------
+    def _make_plan(self, probe) -> tuple:
+        prof = self.profiler.summary(skip=self.warmup_steps)
+        keys = prof["order"]
+        dense = 4.0 * np.asarray(prof["elements"], np.float64)
+        if self.encode_cost is not None:
+            enc = self.encode_cost
+        else:
+            enc = fit_affine(dense, prof["busy"])
+        if self.comm_cost is not None:
+            comm = self.comm_cost
+            pay = (0.0, 1.0)
+            link = None
+        else:
+            pay = fit_affine(dense, prof["payload"])
+            nbytes, times = probe
+            link = fit_affine(nbytes, times)
+            comm = (link[0] + link[1] * pay[0], link[1] * pay[1])
+        groups = plan_fusion(dense, prof["backward"], enc, comm)
+        plan = [keys[a:b] for a, b in groups]
+        model = {"keys": keys, "elements": prof["elements"], "shapes": prof["shapes"],
+                 "backward": prof["backward"], "encode": enc,
+                 "payload": pay, "link": link, "comm": comm, "groups": groups,
+                 "predicted": simulate(groups, dense, prof["backward"], enc, comm),
+                 "predicted_unfused": simulate([(i, i + 1) for i in range(len(keys))], dense,
+                                               prof["backward"], enc, comm) if keys else 0.0}
+        return plan, model
+
+    def _plan_now(self, process_set: ProcessSet) -> None:
+        """Collective: probe the link, plan on the first rank, broadcast, adopt. The collectives have fixed
+        names (``cupcake.probe.*``, ``cupcake.plan.*``): they are blocking, so two instances never have them
+        in flight at once, and a process that rejoins an elastic job uses the same names."""
+        nbytes = (4096, 65536, 1 << 20)
+        probe = None
+        if self.comm_cost is None:
+            times = probe_collective("allgather", process_set, nbytes, tag="cupcake.probe")
+            probe = (list(nbytes), times)
+        _, rank, _ = _set_info(process_set)
+        info = self._make_plan(probe) if rank == 0 else None
+        plan, model = broadcast_from_first(info, process_set, "cupcake.plan")
+        self.model = model
+        own = self.profiler.summary(skip=self.warmup_steps)  # this rank's residuals follow its own shapes
+        sizes = dict(zip(model["keys"], model["elements"]))
+        sizes.update(zip(own["order"], own["elements"]))
+        self._adopt(plan, sizes=sizes, shapes=dict(zip(own["order"], own["shapes"])))
+        if rank == 0:
+            fused = sum(1 for g in plan if len(g) > 1)
+            log.info("cupcake: %d gradients in %d groups (%d fused); modelled backward+comm %.3f ms vs %.3f ms "
+                     "one by one (encode %.1f us + %.3g ns/B, comm %.1f us + %.3g ns/B)", len(model["keys"]),
+                     len(plan), fused, model["predicted"] * 1e3, model["predicted_unfused"] * 1e3,
+                     model["encode"][0] * 1e6, model["encode"][1] * 1e9, model["comm"][0] * 1e6,
+                     model["comm"][1] * 1e9)
+
+    def _adopt(self, plan, sizes: dict, shapes: Optional[dict] = None) -> None:
+        """Use ``plan`` from now on; carry each key's residual into its group's."""
+        shapes = shapes or {}
+        groups = {}
+        for keys in plan:
+            keys = [str(k) for k in keys]
+            n = [int(sizes.get(k, 0)) for k in keys]
+            group = _Group(keys, n)
+            if len(keys) > 1 and all(n):
+                merge_residuals(self.inner, group.name, keys, n, [shapes.get(k, ()) for k in keys])
+            for k in keys:
+                groups[k] = group
+        self._groups = groups
+        self._plan = [list(g) for g in plan]
+
+    # -- the work --------------------------------------------------------------------------------------
+    def reduce_async(self, key: str, arrays: Sequence[np.ndarray], outputs: Optional[Sequence[np.ndarray]] = None,
+                     op=ReduceOp.AVERAGE, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> Pending:
+        """As :meth:`Reducer.reduce_async`; see the class docstring for when gradients are fused."""
+        if not key:
+            raise ValueError("perseus: Cupcake keeps state per tensor and needs a name; pass name= "
+                             "(DistributedOptimizer names gradients after their parameters)")
+        arrays = list(arrays)
+        if ReduceOp(op) not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+            raise ValueError(f"perseus: Cupcake reduces with Sum or Average only, not {ReduceOp(op).name}")
+        for a in arrays:
+            if not isinstance(a, np.ndarray) or a.dtype.kind != "f" and a.dtype != np.uint16:
+                raise ValueError(f"perseus: Cupcake compresses floating-point gradients only; {key!r} is "
+                                 f"{getattr(a, 'dtype', type(a).__name__)}")
+        with self._rlock:
+            if self._plan is None:
+                if self.plan_arg != "auto":
+                    self._adopt(self.plan_arg, sizes={})
+                else:
+                    new_step = self.profiler.arrive(key)
+                    if new_step and self.profiler.step == self.warmup_steps + self.profile_steps:
+                        self.profiler.steps.pop()  # the step that starts now is not profiled
+                        self._plan_now(process_set)
+            if self._plan is None:
+                t0 = time.perf_counter()
+                before = self.inner.payload_bytes
+                pending = self.inner.reduce_async(key, arrays, outputs, op, prescale_factor, postscale_factor,
+                                                  process_set)
+                self.profiler.record(key, sum(a.size for a in arrays), t0, time.perf_counter() - t0,
+                                     self.inner.payload_bytes - before, tuple(tuple(a.shape) for a in arrays))
+                return pending
+            group = self._groups.get(key)
+            if group is None:
+                return self.inner.reduce_async(key, arrays, outputs, op, prescale_factor, postscale_factor,
+                                               process_set)
+            if group.sizes[group.keys.index(key)] == 0:  # an explicit plan learns sizes as keys arrive
+                sizes = list(group.sizes)
+                sizes[group.keys.index(key)] = sum(a.size for a in arrays)
+                group.sizes = tuple(sizes)
+            if outputs is None:
+                outputs = [np.empty(a.shape, a.dtype) for a in arrays]
+            params = (ReduceOp(op), float(prescale_factor), float(postscale_factor), process_set)
+            batch = group.batch
+            if batch is not None and (key in batch.entries or batch.params != params):
+                self._submit(batch)  # a key came again before its group completed, or other parameters
+                batch = None
+            if batch is None:
+                batch = group.batch = _Batch(group, params)
+            batch.entries[key] = (arrays, list(outputs))
+            if len(batch.entries) == len(group.keys):
+                self._submit(batch)
+
+        def finish():
+            with self._rlock:
+                if batch.pending is None:
+                    self._submit(batch)
+            results = batch.pending.wait()
+            first, count = batch.offsets[key]
+            return results[first:first + count]
+        return Pending(finish)
+
+    def _submit(self, batch: _Batch) -> None:
+        """Submit what ``batch`` holds through ``inner``: the whole group under its name, else a partial
+        group under a name made from its keys."""
+        group = batch.group
+        if group.batch is batch:
+            group.batch = None
+        keys = [k for k in group.keys if k in batch.entries]
+        name = group.name if len(keys) == len(group.keys) else _partial_name(keys)
+        arrays, outputs = [], []
+        for k in keys:
+            a, o = batch.entries[k]
+            batch.offsets[k] = (len(arrays), len(a))
+            arrays.extend(a)
+            outputs.extend(o)
+        op, pre, post, ps = batch.params
+        batch.pending = self.inner.reduce_async(name, arrays, outputs, op, pre, post, ps)

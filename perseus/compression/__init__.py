@@ -5,10 +5,12 @@ The framework modules expose these through their ``Compression`` namespaces
 """
 
 from perseus.compression.base import Pending, Reducer
+from perseus.compression.cupcake import Cupcake
+from perseus.compression.espresso import Espresso
 from perseus.compression.hierarchical import HiTopK
 from perseus.compression.topk import TopK
 
-__all__ = ["Reducer", "Pending", "TopK", "HiTopK", "REDUCERS"]
+__all__ = ["Reducer", "Pending", "TopK", "HiTopK", "Cupcake", "Espresso", "REDUCERS"]
 
 #: name -> class, for the Compression namespaces and the command line
-REDUCERS = {"topk": TopK, "hitopk": HiTopK}
+REDUCERS = {"topk": TopK, "hitopk": HiTopK, "cupcake": Cupcake, "espresso": Espresso}

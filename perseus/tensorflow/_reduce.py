@@ -1,16 +1,123 @@
-"""Horovod's public horovod.tensorflow allreduce/reducescatter: compression, tf.IndexedSlices, defaults."""
+"""Horovod's public horovod.tensorflow allreduce/reducescatter: compression, tf.IndexedSlices, defaults.
+
+A communicating compressor (``Compression.topk(0.01)``, any :class:`perseus.compression.Reducer`) runs its own
+collective: :func:`reduce_with` hands the tensors to it as NumPy arrays through the same eager/graph bridge as
+the other collectives (:func:`perseus.tensorflow._core.run`) and turns its dense results back into tensors.
+"""
 
 from __future__ import annotations
+
+import threading
 
 import tensorflow as tf
 
 from perseus.common.process_sets import global_process_set
 from perseus.common.reduce_ops import Adasum, Average, ReduceOp, Sum, resolve_op
+from perseus.compression import Reducer
+from perseus.tensorflow import _core
 from perseus.tensorflow.compression import Compression
 from perseus.tensorflow.mpi_ops import (_grouped_allreduce, _grouped_reducescatter, _ps_info, _reducescatter,
                                         grouped_allgather)
 
-__all__ = ["allreduce", "grouped_allreduce", "reducescatter", "grouped_reducescatter"]
+__all__ = ["allreduce", "grouped_allreduce", "reducescatter", "grouped_reducescatter", "reduce_with"]
+
+
+class _ReducerResults:
+    """:func:`_core.run`'s view of a reducer's in-flight work (one :class:`perseus.compression.Pending` per
+    group). Eagerly :meth:`wait` collects the results on the caller's thread. In a graph, :meth:`on_done`
+    collects them on a helper thread and then completes the await op, so no TensorFlow thread waits for the
+    peers (the finish op finds the results ready), as for the engine's own collectives."""
+
+    __slots__ = ("pendings", "_done", "_outs", "_exc")
+
+    def __init__(self, pendings):
+        self.pendings = pendings
+        self._done = None
+        self._outs = self._exc = None
+
+    def _collect(self):
+        return [out for p in self.pendings for out in p.wait()]
+
+    def on_done(self, callback):
+        self._done = threading.Event()
+
+        def work():
+            try:
+                self._outs = self._collect()
+            except BaseException as exc:  # noqa: BLE001 - handed to the finish op, which raises it
+                self._exc = exc
+            finally:
+                self._done.set()
+                callback()
+        threading.Thread(target=work, name="perseus-compressed-reduce", daemon=True).start()
+
+    def wait(self):
+        if self._done is None:
+            return self._collect()
+        self._done.wait()
+        if self._exc is not None:
+            raise self._exc
+        return self._outs
+
+
+def _dense(t):
+    """A dense tensor (tf.IndexedSlices are densified)."""
+    return tf.convert_to_tensor(t)
+
+
+def reduce_with(reducer, groups, keys, op=Average, prescale_factor=1.0, postscale_factor=1.0,
+                process_set=global_process_set):
+    """Reduce with a communicating compressor: each of ``groups`` (a list of tensors, tf.IndexedSlices
+    densified) is compressed as one vector under its key in ``keys``; returns one list of dense tensors per
+    group, in the inputs' shapes and dtypes. Works eagerly and in a graph (one op for all the groups, whose
+    collectives are all started before the first is awaited). Not differentiable.
+
+    Collective: every rank of ``process_set`` passes the same keys with tensors of the same sizes.
+
+    Raises:
+        ValueError: a missing key, a non-floating-point tensor, or an op other than Sum/Average.
+    """
+    op = ReduceOp(op)
+    groups = [[_dense(t) for t in g] for g in groups]
+    keys = list(keys)
+    if len(keys) != len(groups):
+        raise ValueError(f"perseus: {len(groups)} groups of tensors but {len(keys)} keys")
+    what = f"perseus.allreduce({type(reducer).__name__}: {keys[0] if keys else ''})"
+    for key, group in zip(keys, groups):
+        if not key:
+            raise ValueError(f"perseus: {reducer!r} keeps state per tensor and needs a name: pass name= to "
+                             "allreduce (DistributedGradientTape and DistributedOptimizer name gradients after "
+                             "their variables)")
+        for t in group:
+            if not t.dtype.is_floating:
+                raise ValueError(f"perseus: {type(reducer).__name__} compresses floating-point tensors only; "
+                                 f"{key!r} is {t.dtype.name}")
+    if op not in (Sum, Average):
+        raise ValueError(f"perseus: {type(reducer).__name__} reduces with Sum or Average only, not {op.name}")
+    _ps_info(process_set)
+    flat = [t for g in groups for t in g]
+    if not flat:
+        return [[] for _ in groups]
+    sizes = [len(g) for g in groups]
+    pre, post = float(prescale_factor), float(postscale_factor)
+
+    def fn(arrays):
+        pendings, off = [], 0
+        for key, n in zip(keys, sizes):
+            if n:
+                pendings.append(reducer.reduce_async(key, arrays[off:off + n], None, op, pre, post, process_set))
+            off += n
+        return _ReducerResults(pendings)
+
+    outs = _core.run(fn, flat, [t.dtype for t in flat], what)
+    result, off = [], 0
+    for n in sizes:
+        part = list(outs[off:off + n])
+        for y, x in zip(part, flat[off:off + n]):
+            y.set_shape(x.shape)
+        result.append(part)
+        off += n
+    return result
 
 
 def _sparse_checks(op, prescale_factor, postscale_factor):
@@ -48,9 +155,19 @@ def allreduce(tensor, average=None, device_dense='', device_sparse='', compressi
     by allgathering its values and indices (Sum or Average only, no scale factors). ``device_dense`` and
     ``device_sparse`` are accepted for compatibility (perseus moves host memory). Differentiable.
 
+    With a communicating compressor (``compression=Compression.topk(0.01)``, see docs/compression.md) the
+    result is that compressor's dense estimate of the reduction (Sum or Average; a tf.IndexedSlices is
+    densified first; not differentiable). It keeps a residual per tensor, so ``name=`` is required eagerly
+    (in a graph an unnamed tensor is named after its graph tensor, which is stable across steps).
+
     Collective: every rank of ``process_set`` calls it with the same name, shape, dtype and op.
     """
     op = resolve_op(op, average)
+    if isinstance(compression, Reducer):
+        tensor = _dense(tensor)
+        key = _core.op_name("HorovodAllreduce", name, [tensor], ignore_name_scope)
+        return reduce_with(compression, [[tensor]], [key], op, prescale_factor, postscale_factor,
+                           process_set)[0][0]
     if isinstance(tensor, tf.IndexedSlices):
         _sparse_checks(op, prescale_factor, postscale_factor)
         return _sparse_allreduce([tensor], op, process_set, ignore_name_scope)[0]
@@ -64,11 +181,18 @@ def grouped_allreduce(tensors, average=None, device_dense='', device_sparse='', 
                       op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set,
                       ignore_name_scope=False, name=None):
     """Reduce each of ``tensors`` (dense tensors negotiated as one group; tf.IndexedSlices through grouped
-    allgathers). Returns a list in the input order. Differentiable."""
+    allgathers). Returns a list in the input order. Differentiable.
+
+    With a communicating compressor (``Compression.topk(0.01)``) the group is densified and compressed as one
+    vector keyed by ``name`` (required eagerly; see :func:`allreduce`); not differentiable."""
     if not tensors:
         return tensors
     op = resolve_op(op, average)
     tensors = list(tensors)
+    if isinstance(compression, Reducer):
+        tensors = [_dense(t) for t in tensors]
+        key = _core.op_name("HorovodGroupedAllreduce", name, tensors, ignore_name_scope)
+        return reduce_with(compression, [tensors], [key], op, prescale_factor, postscale_factor, process_set)[0]
     sparse_idx = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
     dense_idx = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
     out = [None] * len(tensors)

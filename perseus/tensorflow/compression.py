@@ -1,9 +1,11 @@
-"""Gradient compression for TensorFlow: cast floating-point tensors to 16 bits for the wire and back."""
+"""Gradient compression for TensorFlow: 16-bit casts for the wire, and the compressors that run their own
+collectives (top-k, random-k, sign, QSGD, PowerSGD; framework-neutral, in perseus.compression)."""
 
 from __future__ import annotations
 
 import tensorflow as tf
 
+from perseus import compression as _lossy
 from perseus.common.compression import CastCompressor, Compressor, NoneCompressor
 
 __all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression"]
@@ -32,8 +34,16 @@ class BF16Compressor(_TFCast):
 
 
 class Compression:
-    """The compressors, as Horovod names them (classes, not instances)."""
+    """The compressors: Horovod's (classes, not instances) and perseus's communicating ones, which are
+    built with their parameters (``Compression.topk(0.01)``); see docs/compression.md."""
 
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+
+
+for _name, _cls in _lossy.REDUCERS.items():
+    setattr(Compression, _name, _cls)
+if Compression.__doc__:  # None under python -OO
+    Compression.__doc__ += ("\n\n    The communicating ones: "
+                            + ", ".join(f"``{name}``" for name in _lossy.REDUCERS) + ".")

@@ -2,8 +2,12 @@
 
 The reduction of a step's gradients is one grouped allreduce (dense gradients negotiated and fused together;
 tf.IndexedSlices through grouped allgathers, or densified with ``sparse_as_dense``). ``groups`` splits it into
-several groups as Horovod does. The Keras ``DistributedOptimizer`` belongs in perseus.tensorflow.keras (not
-written yet); the gradient-reduction function here, :func:`_make_allreduce_grads_fn`, is what it will share.
+several groups as Horovod does. The Keras ``DistributedOptimizer`` (perseus._keras) shares the
+gradient-reduction function here, :func:`_make_allreduce_grads_fn`.
+
+With a communicating compressor (``Compression.topk(0.01)``...) every gradient is compressed on its own (each
+group as one vector when ``groups`` is given), keyed by its variable's name, which names its residual: the
+same on every rank and at every step. tf.IndexedSlices gradients are densified first.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import tensorflow as tf
 
 from perseus.common.process_sets import global_process_set
 from perseus.common.reduce_ops import Average, ReduceOp
-from perseus.tensorflow._reduce import grouped_allreduce
+from perseus.compression import Reducer
+from perseus.tensorflow._reduce import grouped_allreduce, reduce_with
 from perseus.tensorflow.compression import Compression
 from perseus.common.partition import split_list
 from perseus.tensorflow.util import var_key
@@ -23,12 +28,39 @@ __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "_make_a
            "split_list"]
 
 
+def _variable_name(var) -> str:
+    """A variable's full name: a Keras 3 variable's ``path`` (its ``name`` is only the last part), else
+    ``name`` without the ``:0`` output suffix."""
+    path = getattr(var, "path", None)
+    name = path if isinstance(path, str) and path else getattr(var, "name", None)
+    if not isinstance(name, str) or not name:
+        return ""
+    return name[:-2] if name.endswith(":0") else name
+
+
+def _gradient_keys(prefix, indices, variables, use_generic_names):
+    """One key per gradient position in ``indices``: ``<prefix>.<variable name>`` (made unique in order of
+    appearance), or ``<prefix>.grad_<i>`` without variables or with generic names."""
+    keys, seen = {}, {}
+    for i in indices:
+        name = "" if use_generic_names or variables is None else _variable_name(variables[i])
+        base = f"{prefix}.{name}" if name else f"{prefix}.grad_{i}"
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        keys[i] = base if n == 0 else f"{base}_{n}"
+    return keys
+
+
 def _make_allreduce_grads_fn(name, device_dense, device_sparse, compression, sparse_as_dense, op,
                              gradient_predivide_factor, groups, process_set):
     """Return ``allreduce_grads(grads, vars=None, use_generic_names=False)`` reducing a list of gradients.
 
     None gradients stay None. With op=Average, ``gradient_predivide_factor`` f scales by 1/f before the sum
     and by f/size after it. The reduction is skipped when the process set has one rank.
+
+    A communicating ``compression`` (a :class:`perseus.compression.Reducer`) compresses each gradient on its
+    own (each group as one vector when ``groups`` is given), keyed ``<name>.<variable name>``; sparse
+    gradients are densified for it.
     """
     op = ReduceOp(op)
     if op == Average:
@@ -53,12 +85,29 @@ def _make_allreduce_grads_fn(name, device_dense, device_sparse, compression, spa
             return parts
         return [p for p in split_list(present, int(groups)) if p]
 
+    def compressed(grads, variables, use_generic_names):
+        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+        present = [i for i, g in enumerate(grads) if g is not None]
+        parts = [[i] for i in present] if groups is None else _partition(grads, variables)
+        keys = _gradient_keys(name, present, variables, use_generic_names)
+        group_keys = [keys[p[0]] if len(p) == 1 and groups is None else f"{keys[p[0]]}.group{gi}"
+                      for gi, p in enumerate(parts)]
+        out = list(grads)
+        reduced = reduce_with(compression, [[grads[i] for i in p] for p in parts], group_keys, op, prescale,
+                              postscale, process_set)
+        for part, rs in zip(parts, reduced):
+            for i, r in zip(part, rs):
+                out[i] = r
+        return out
+
     def allreduce_grads(grads, vars=None, use_generic_names=False):
         grads = list(grads)
         if sparse_as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
         if not process_set.included() or process_set.size() <= 1:
             return grads
+        if isinstance(compression, Reducer):
+            return compressed(grads, vars, use_generic_names)
         out = list(grads)
         with tf.name_scope(name + "_Allreduce"):
             for gi, part in enumerate(_partition(grads, vars)):
@@ -121,6 +170,12 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compres
     ``device_*`` are accepted for compatibility. ``gradient_predivide_factor`` (Average only) splits the
     averaging before and after the sum. ``groups`` (int or lists of variables; ``num_groups`` is its
     deprecated spelling) splits the reduction into several groups.
+
+    ``compression``: ``Compression.none``/``fp16``/``bf16`` (a cast for the wire), or a communicating
+    compressor such as ``Compression.topk(0.01)`` (docs/compression.md), which keeps a residual per gradient
+    keyed by its variable's name: create it once and pass the same instance at every step (a new instance
+    starts without residuals). With one, tf.IndexedSlices gradients are densified, and the reduction is not
+    differentiable.
     """
     op = ReduceOp(op)
     if gradient_predivide_factor != 1.0 and op != Average:

@@ -37,8 +37,12 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
 
     Returns a new optimizer of a subclass of ``optimizer``'s class with the same name, configured from
     ``optimizer.get_config()``. ``op`` is Average or Sum (ValueError otherwise). ``compression`` compresses the
-    gradients on the wire; ``sparse_as_dense`` densifies ``tf.IndexedSlices`` gradients (embeddings) before
-    the reduction; ``gradient_predivide_factor`` splits the averaging before/after the sum;
+    gradients on the wire: ``Compression.fp16``/``bf16`` cast them; a communicating compressor
+    (``Compression.topk(0.01)``, ``hitopk``, ``randomk``, ``sign``, ``qsgd``, ``powersgd``, ``cupcake``,
+    ``espresso``: docs/compression.md) runs its own collective on each gradient (each group with
+    ``groups``) and keeps its residual under the variable's name (give each optimizer its own instance;
+    sparse gradients are densified for it). ``sparse_as_dense`` densifies ``tf.IndexedSlices`` gradients
+    (embeddings) before the reduction; ``gradient_predivide_factor`` splits the averaging before/after the sum;
     ``backward_passes_per_step`` > 1 sums gradients locally and reduces every that many passes (divided by
     the count when ``average_aggregated_gradients``); ``groups`` splits the reduction into several groups.
 

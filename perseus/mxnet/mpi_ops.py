@@ -27,9 +27,11 @@ from perseus.common.api import (  # noqa: F401 - re-exported
 from perseus.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from perseus.common.reduce_ops import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, reject_adasum,
                                        resolve_op)
+from perseus.common.exceptions import PerseusInternalError
 from perseus.common.partition import even_counts as reducescatter_rows
-from perseus.mxnet._bridge import (Output, Pending, PerseusMXNetValueError, WriteTarget, check_ndarray, ps_info,
-                                   read_view)
+from perseus.compression import Reducer
+from perseus.mxnet._bridge import (Output, Pending, PerseusMXNetValueError, WriteTarget, _message, check_ndarray,
+                                   mx_error, ps_info, read_view)
 
 __all__ = [
     "init", "shutdown", "is_initialized", "start_timeline", "stop_timeline", "size", "local_size", "cross_size",
@@ -83,49 +85,128 @@ def _start_allreduce(tensors, inplace, op, name, priority, prescale_factor, post
     return Pending(what, submit)
 
 
+def reduce_with(reducer, groups, keys, inplace, op, prescale_factor, postscale_factor, process_set, what):
+    """Reduce with a communicating compressor (a :class:`perseus.compression.Reducer`): each of ``groups`` (a
+    list of NDArrays) is compressed as one vector under its key in ``keys``. Every group is submitted before
+    the first is awaited. Returns one list of NDArrays per group: the inputs themselves when ``inplace``,
+    else new ones.
+
+    Raises:
+        PerseusMXNetValueError: a missing key, a non-floating-point NDArray, an op other than Sum/Average.
+        PerseusMXNetMismatchError, PerseusMXNetInternalError: the collective failed.
+    """
+    for key, group in zip(keys, groups):
+        if not key:
+            raise PerseusMXNetValueError(
+                f"perseus.mxnet.{what}: {reducer!r} keeps state per tensor and needs a name: pass name= "
+                "(DistributedTrainer and DistributedOptimizer name gradients after their parameters)")
+        for t in group:
+            check_ndarray(t, what)
+            if not np.issubdtype(np.dtype(t.dtype), np.floating):
+                raise PerseusMXNetValueError(f"perseus.mxnet.{what}: {type(reducer).__name__} compresses "
+                                             f"floating-point NDArrays only; {key!r} is {np.dtype(t.dtype)}")
+    if ReduceOp(op) not in (Sum, Average):
+        raise PerseusMXNetValueError(f"perseus.mxnet.{what}: {type(reducer).__name__} reduces with Sum or Average "
+                                     f"only, not {ReduceOp(op).name}")
+    ps_info(process_set)
+    started = []
+    try:
+        for key, group in zip(keys, groups):
+            if not group:
+                started.append((None, []))
+                continue
+            if inplace:
+                targets = [WriteTarget(t) for t in group]
+                inputs = outputs = [t.array for t in targets]
+            else:
+                targets = [WriteTarget(mx.nd.empty(t.shape, ctx=t.context, dtype=t.dtype), initialise=False)
+                           for t in group]
+                inputs, outputs = [read_view(t) for t in group], [t.array for t in targets]
+            started.append((reducer.reduce_async(key, inputs, outputs, op, prescale_factor, postscale_factor,
+                                                 process_set), targets))
+        results = []
+        for pending, targets in started:
+            if pending is not None:
+                pending.wait()
+            results.append([t.commit() for t in targets])
+        return results
+    except PerseusInternalError as exc:
+        raise mx_error(exc, what) from None
+    except ValueError as exc:
+        if isinstance(exc, PerseusMXNetValueError):
+            raise
+        raise PerseusMXNetValueError(_message(exc, what)) from None
+
+
+def _compressed_allreduce(compression, tensors, inplace, op, name, prescale_factor, postscale_factor,
+                          process_set, what):
+    return reduce_with(compression, [list(tensors)], [name], inplace, op, prescale_factor, postscale_factor,
+                       process_set, what)[0]
+
+
 def allreduce(tensor, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0,
-              process_set=global_process_set, op=None):
+              process_set=global_process_set, op=None, compression=None):
     """Return a new NDArray with the reduction of ``tensor`` over the ranks of ``process_set``.
 
     ``op`` is Average (default), Sum, Min, Max or Product (``average`` is Horovod's deprecated spelling).
     The input is multiplied by ``prescale_factor`` before the reduction and the result by
     ``postscale_factor`` after it (integers are scaled in float64 and truncated, float16 in float32).
 
+    ``compression`` (a perseus addition): a communicating compressor such as ``Compression.topk(0.01)``
+    (docs/compression.md) reduces a floating-point NDArray with its own collective (Sum or Average) and gives
+    its dense estimate; it keeps a residual per tensor, so ``name`` is required. ``None`` (or
+    ``Compression.none``) reduces exactly.
+
     Raises:
         PerseusMXNetMismatchError: ranks disagree about name, shape, dtype, op or scale factors.
         NotImplementedError: op=Adasum, or a GPU NDArray.
     """
     op = _reduce_op(op, average, "allreduce")
+    if isinstance(compression, Reducer):
+        return _compressed_allreduce(compression, [tensor], False, op, name, prescale_factor, postscale_factor,
+                                     process_set, "allreduce")[0]
     return _start_allreduce([tensor], False, op, name, priority, prescale_factor, postscale_factor, process_set,
                             "allreduce", True).wait()[0]
 
 
 def allreduce_(tensor, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0,
-               process_set=global_process_set, op=None):
+               process_set=global_process_set, op=None, compression=None):
     """Reduce ``tensor`` in place over the ranks of ``process_set`` and return it; see :func:`allreduce`."""
     op = _reduce_op(op, average, "allreduce_")
+    if isinstance(compression, Reducer):
+        return _compressed_allreduce(compression, [tensor], True, op, name, prescale_factor, postscale_factor,
+                                     process_set, "allreduce_")[0]
     return _start_allreduce([tensor], True, op, name, priority, prescale_factor, postscale_factor, process_set,
                             "allreduce_", True).wait()[0]
 
 
 def grouped_allreduce(tensors, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0,
-                      process_set=global_process_set, op=None):
+                      process_set=global_process_set, op=None, compression=None):
     """Return new NDArrays with the reduction of each tensor of ``tensors``, negotiated and fused together.
 
-    Tensors are matched across ranks by position; see :func:`allreduce` for the arguments.
+    Tensors are matched across ranks by position; see :func:`allreduce` for the arguments. A communicating
+    ``compression`` compresses the group as one vector keyed by ``name``.
     """
     op = _reduce_op(op, average, "grouped_allreduce")
     if not _as_list(tensors, "grouped_allreduce"):
         return tensors
+    if isinstance(compression, Reducer):
+        return _compressed_allreduce(compression, tensors, False, op, name, prescale_factor, postscale_factor,
+                                     process_set, "grouped_allreduce")
     return _start_allreduce(list(tensors), False, op, name, priority, prescale_factor, postscale_factor,
                             process_set, "grouped_allreduce", False).wait()
 
 
 def grouped_allreduce_(tensors, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0,
-                       process_set=global_process_set, op=None):
-    """Reduce each tensor of ``tensors`` in place, negotiated and fused together; return ``tensors``."""
+                       process_set=global_process_set, op=None, compression=None):
+    """Reduce each tensor of ``tensors`` in place, negotiated and fused together; return ``tensors``. See
+    :func:`grouped_allreduce` for ``compression``."""
     op = _reduce_op(op, average, "grouped_allreduce_")
     if not _as_list(tensors, "grouped_allreduce_"):
+        return tensors
+    if isinstance(compression, Reducer):
+        _compressed_allreduce(compression, tensors, True, op, name, prescale_factor, postscale_factor,
+                              process_set, "grouped_allreduce_")
         return tensors
     _start_allreduce(list(tensors), True, op, name, priority, prescale_factor, postscale_factor, process_set,
                      "grouped_allreduce_", False).wait()

@@ -9,6 +9,11 @@ batch size, N ranks therefore train exactly like one process on the global batch
 Gradients are handed to the engine as MXNet finishes computing them: the requests are submitted from the
 last parameter to the first (the order backward produces them) and awaited together, so the reduction of
 late layers overlaps the backward pass of early ones.
+
+Compression: ``Compression.fp16`` sends floating-point gradients as float16; a communicating compressor
+(``Compression.topk(0.01)``..., docs/compression.md) reduces each gradient (each group with ``num_groups``)
+through its own collective, keyed by the gradient's name (the parameter's index), under which it keeps the
+gradient's residual.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ import numpy as np
 from perseus.common.process_sets import global_process_set
 from perseus.common.reduce_ops import Average
 from perseus.common.util import split_list
+from perseus.compression import Reducer
 from perseus.mxnet.compression import Compression
-from perseus.mxnet.mpi_ops import _start_allreduce
+from perseus.mxnet.mpi_ops import _start_allreduce, reduce_with
 
 __all__ = ["DistributedOptimizer", "DistributedTrainer"]
 
@@ -36,14 +42,16 @@ def _check_factor(gradient_predivide_factor) -> float:
 
 
 class _GradientAverager:
-    """Submits in-place averaging allreduces of named gradients and waits for them all."""
+    """Submits in-place averaging allreduces of named gradients (compressed by ``compression``) and waits for
+    them all."""
 
-    def __init__(self, gradient_predivide_factor, num_groups, process_set):
+    def __init__(self, gradient_predivide_factor, num_groups, process_set, compression=None):
         self.factor = _check_factor(gradient_predivide_factor)
         if int(num_groups) < 0:
             raise ValueError(f"num_groups must be >= 0, got {num_groups}")
         self.num_groups = int(num_groups)
         self.process_set = process_set
+        self.compression = Compression.none if compression is None else compression
 
     def active(self) -> bool:
         return bool(self.process_set.included()) and self.process_set.size() > 1
@@ -54,6 +62,29 @@ class _GradientAverager:
 
     def reduce(self, names, grads, what: str) -> None:
         """Average ``grads`` (NDArrays, in parameter order) in place; ``names`` identify them across ranks."""
+        if isinstance(self.compression, Reducer):
+            self._reduce_compressed(names, grads, what)
+            return
+        pairs = [self.compression.compress(g) for g in grads]
+        self._reduce([c for c, _ in pairs], names, what)
+        for grad, (compressed, ctx) in zip(grads, pairs):
+            if compressed is not grad:
+                grad[:] = self.compression.decompress(compressed, ctx)
+
+    def _reduce_compressed(self, names, grads, what: str) -> None:
+        if self.num_groups > 0:
+            groups = [(ns, gs) for ns, gs in zip(split_list(list(names), self.num_groups),
+                                                 split_list(list(grads), self.num_groups)) if ns]
+            keys = [f"{what}.{ns[0]}:{ns[-1]}" for ns, _ in groups]
+            parts = [list(gs) for _, gs in groups]
+        else:
+            keys = [f"{what}.{n}" for n in names]
+            parts = [[g] for g in grads]
+        # From the last parameter to the first, as backward produces them.
+        reduce_with(self.compression, parts[::-1], keys[::-1], True, Average, 1.0 / self.factor, self.factor,
+                    self.process_set, what)
+
+    def _reduce(self, grads, names, what: str) -> None:
         pending = []
         if self.num_groups > 0:
             groups = [g for g in zip(split_list(list(names), self.num_groups),
@@ -88,18 +119,23 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         num_groups: 0 to reduce each gradient on its own; N to reduce the gradients of one update call in N
             grouped allreduces.
         process_set: the ranks to average over; ranks outside it update with their local gradients.
+        compression: a perseus addition (Horovod's MXNet DistributedOptimizer has none): ``None``/
+            ``Compression.none``, ``Compression.fp16``, or a communicating compressor such as
+            ``Compression.topk(0.01)`` (docs/compression.md), which keeps a residual per gradient (give each
+            optimizer its own instance).
 
     Collective: every rank of the set makes the same updates in the same order.
     """
 
     _OWN = ("_optimizer", "_averager")
 
-    def __init__(self, optimizer, gradient_predivide_factor=1.0, num_groups=0, process_set=global_process_set):
+    def __init__(self, optimizer, gradient_predivide_factor=1.0, num_groups=0, process_set=global_process_set,
+                 compression=None):
         if not isinstance(optimizer, mx.optimizer.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps an mx.optimizer.Optimizer, got {type(optimizer).__name__}")
         object.__setattr__(self, "_optimizer", optimizer)
         object.__setattr__(self, "_averager", _GradientAverager(gradient_predivide_factor, num_groups,
-                                                                process_set))
+                                                                process_set, compression))
 
     def __getattr__(self, item):
         if item in DistributedOptimizer._OWN or item.startswith("__"):
@@ -192,8 +228,10 @@ class DistributedTrainer(mx.gluon.Trainer):
         params: the parameters (a ParameterDict, dict or list of Parameters).
         optimizer, optimizer_params: as for ``gluon.Trainer``. A :class:`DistributedOptimizer` is unwrapped
             (with a warning): the trainer averages the gradients itself.
-        compression: ``Compression.none`` or ``Compression.fp16`` (floating-point gradients travel as
-            float16 and are cast back).
+        compression: ``Compression.none``, ``Compression.fp16`` (floating-point gradients travel as
+            float16 and are cast back), or a communicating compressor such as ``Compression.topk(0.01)``
+            (docs/compression.md), which reduces each gradient through its own collective and keeps its
+            residual under the gradient's name (give each trainer its own instance).
         gradient_predivide_factor: see the module docstring (must be positive).
         prefix: prepended to the gradient names; programs with several DistributedTrainers must give each
             a different prefix.
@@ -213,7 +251,7 @@ class DistributedTrainer(mx.gluon.Trainer):
             optimizer = optimizer._optimizer
             warnings.warn("DistributedTrainer averages gradients itself; the DistributedOptimizer passed to it "
                           "has been unwrapped.")
-        averager = _GradientAverager(gradient_predivide_factor, num_groups, process_set)
+        averager = _GradientAverager(gradient_predivide_factor, num_groups, process_set, compression)
         super().__init__(params, optimizer, optimizer_params=optimizer_params, kvstore=None)
         self._compression = compression
         self._process_set = process_set
@@ -223,7 +261,7 @@ class DistributedTrainer(mx.gluon.Trainer):
     def _allreduce_grads(self):
         if not self._averager.active():
             return
-        names, grads, originals = [], [], []
+        names, grads = [], []
         for i, param in enumerate(self._params):
             if param.grad_req == "null":
                 continue
@@ -231,13 +269,8 @@ class DistributedTrainer(mx.gluon.Trainer):
             if len(grad_list) != 1:
                 raise NotImplementedError(f"DistributedTrainer: parameter {param.name} lives on {len(grad_list)} "
                                           "contexts; perseus.mxnet supports one context per process")
-            compressed, ctx = self._compression.compress(grad_list[0])
             names.append(self._prefix + str(i))
-            grads.append(compressed)
-            originals.append((grad_list[0], compressed, ctx))
+            grads.append(grad_list[0])
         if not grads:
             return
         self._averager.reduce(names, grads, "DistributedTrainer")
-        for grad, compressed, ctx in originals:
-            if compressed is not grad:
-                grad[:] = self._compression.decompress(compressed, ctx)

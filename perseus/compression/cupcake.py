@@ -372,7 +372,8 @@ class Cupcake(Reducer):
        time, on the compute thread) and the payload bytes it produced. Warm-up steps are not used for timing
        (first calls allocate buffers and calibrate top-k selectors). A step ends when a key comes again.
     2. *Planning*, at the first call of the next step, collective over the process set: unless ``comm_cost``
-       is given, every rank times allgathers of 4 KB, 64 KB and 1 MB per rank (3 times each, best kept); the
+       is given, every rank times the inner compressor's collective (all-gather, or all-reduce for one that
+       sums its payloads) of 4 KB, 64 KB and 1 MB per rank (3 times each, best kept); the
        first rank of the set fits ``h`` (encode seconds vs dense bytes over the profiled keys), the payload
        (bytes vs dense bytes) and ``g`` (probe seconds vs payload bytes per rank), runs :func:`plan_fusion`
        and broadcasts the plan (key names, not positions) to every rank. Each key's residual is carried into
@@ -523,7 +524,8 @@ class Cupcake(Reducer):
         nbytes = (4096, 65536, 1 << 20)
         probe = None
         if self.comm_cost is None:
-            times = probe_collective("allgather", process_set, nbytes, tag="cupcake.probe")
+            kind = "allreduce" if getattr(self.inner, "collective", "") == "allreduce" else "allgather"
+            times = probe_collective(kind, process_set, nbytes, tag="cupcake.probe")
             probe = (list(nbytes), times)
         _, rank, _ = _set_info(process_set)
         info = self._make_plan(probe) if rank == 0 else None

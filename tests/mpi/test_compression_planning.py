@@ -172,3 +172,18 @@ def test_espresso_given_link_slow_compresses_fast_does_not(hvd):
     train(hvd, model, fast)
     assert set(fast.choices().values()) == {"dense"}
     assert_same_on_all_ranks(hvd, flat(model), "espresso.fast.params")
+
+
+def test_cupcake_over_an_allreduce_compressor_equals_dense(hvd):
+    """An inner compressor that sums its payloads (here the internal dense float32 one): the probe times
+    all-reduces; fused or not, the result is the plain average."""
+    from perseus.compression.dense import Dense
+
+    reference = mlp()
+    model = copy.deepcopy(reference)
+    train(hvd, reference, hvd.Compression.none)
+    cc = Cupcake(Dense("float32"))
+    train(hvd, model, cc)
+    assert cc.adopted and sorted(k for g in cc.plan for k in g) == sorted(grad_keys(model))
+    assert_same_on_all_ranks(hvd, digest(cc.plan), "cupcake.allreduce.plan")
+    torch.testing.assert_close(flat(model), flat(reference), rtol=1e-5, atol=1e-6)

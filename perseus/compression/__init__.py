@@ -8,9 +8,15 @@ from perseus.compression.base import Pending, Reducer
 from perseus.compression.cupcake import Cupcake
 from perseus.compression.espresso import Espresso
 from perseus.compression.hierarchical import HiTopK
+from perseus.compression.powersgd import PowerSGD
+from perseus.compression.qsgd import QSGD
+from perseus.compression.randomk import RandomK
+from perseus.compression.sign import Sign
 from perseus.compression.topk import TopK
 
-__all__ = ["Reducer", "Pending", "TopK", "HiTopK", "Cupcake", "Espresso", "REDUCERS"]
+__all__ = ["Reducer", "Pending", "TopK", "HiTopK", "RandomK", "Sign", "QSGD", "PowerSGD", "Cupcake", "Espresso",
+           "REDUCERS"]
 
 #: name -> class, for the Compression namespaces and the command line
-REDUCERS = {"topk": TopK, "hitopk": HiTopK, "cupcake": Cupcake, "espresso": Espresso}
+REDUCERS = {"topk": TopK, "hitopk": HiTopK, "randomk": RandomK, "sign": Sign, "qsgd": QSGD,
+            "powersgd": PowerSGD, "cupcake": Cupcake, "espresso": Espresso}

@@ -19,27 +19,71 @@ from __future__ import annotations
 
 import threading
 import weakref
+import zlib
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from perseus.common.exceptions import MismatchError
 from perseus.common.process_sets import ProcessSet, global_process_set
 from perseus.common.reduce_ops import ReduceOp
 
-__all__ = ["Reducer", "Pending", "KeyState"]
+__all__ = ["Reducer", "Pending", "KeyState", "signature", "CHECK_LEN", "put_check", "verify_check",
+           "key_hash"]
 
 
 class KeyState:
-    """What a compressor keeps for one key across steps: the residual, scratch buffers, a step counter."""
+    """What a compressor keeps for one key across steps: the residual, scratch buffers, a step counter.
 
-    __slots__ = ("size", "residual", "scratch", "step", "extra")
+    ``shapes`` are the shapes of the arrays given under the key (a new state is made when they change);
+    ``set_size`` and ``rank`` are the process set's size and this rank's place in it, as of the latest call.
+    """
 
-    def __init__(self, size: int):
+    __slots__ = ("key", "size", "shapes", "residual", "scratch", "step", "extra", "set_size", "rank")
+
+    def __init__(self, size: int, shapes: tuple = (), key: str = ""):
+        self.key = key
         self.size = size
+        self.shapes = shapes
         self.residual: Optional[np.ndarray] = None
         self.scratch: Optional[np.ndarray] = None
         self.step = 0
         self.extra: dict = {}
+        self.set_size = 1
+        self.rank = 0
+
+
+def key_hash(key: str) -> int:
+    """A hash of ``key`` that is the same in every process (Python's ``hash()`` of a str is salted)."""
+    return zlib.crc32(key.encode("utf-8"))
+
+
+def signature(*parts) -> int:
+    """A 32-bit digest of what every rank must agree on for a key (its sizes, shapes, parameters)."""
+    return zlib.crc32(repr(parts).encode("utf-8"))
+
+
+#: float32 entries :func:`put_check` appends to a summed payload
+CHECK_LEN = 16
+
+
+def put_check(buf: np.ndarray, sig: int) -> None:
+    """Write ``sig`` into the ``CHECK_LEN`` float32 entries ``buf`` so that, after a Sum over the ranks,
+    :func:`verify_check` tells on *every* rank whether all ranks wrote the same ``sig``: the 8 hex digits
+    d and their squares d*d. If every rank finds sum(d) == size*d_own and sum(d*d) == size*d_own**2 for
+    each digit, the digits' variance over the ranks is zero, so they are all equal; if they are not all
+    equal, no rank can find both equalities. The sums are exact in float32 up to 74,000 ranks."""
+    digits = (np.uint32(sig) >> (np.arange(8, dtype=np.uint32) * 4)) & np.uint32(0xF)
+    buf[:8] = digits
+    buf[8:CHECK_LEN] = digits * digits
+
+
+def verify_check(summed: np.ndarray, sig: int, set_size: int) -> bool:
+    """True when every rank gave :func:`put_check` the same ``sig`` (``summed``: the Sum of the checks)."""
+    own = np.empty(CHECK_LEN, np.float32)
+    put_check(own, sig)
+    own *= np.float32(set_size)
+    return bool(np.array_equal(summed[:CHECK_LEN], own))
 
 
 class Pending:
@@ -85,6 +129,22 @@ def _forget_at_shutdown(reducer) -> None:
     state().register_job_state(reset)
 
 
+class _Refused:
+    """``compress``/``decompress``: a communicating compressor is not a plain compress/decompress pair.
+    Called on an instance or on the class itself (``Compression.sign`` instead of ``Compression.sign()``),
+    they raise TypeError saying what to do instead."""
+
+    def __get__(self, obj, cls):
+        def refuse(*_args, **_kwargs):
+            if obj is None:
+                raise TypeError(f"perseus: {cls.__name__} is a class of communicating compressors; pass an "
+                                f"instance (e.g. Compression.{cls.kind}(...)) as compression=")
+            raise TypeError(f"perseus: {obj!r} runs its own collective and cannot be used as a plain "
+                            "compress/decompress pair; pass it as compression= to DistributedOptimizer, "
+                            "DistributedGradientTape or allreduce")
+        return refuse
+
+
 def _flat_len(arrays: Sequence[np.ndarray]) -> int:
     return int(sum(a.size for a in arrays))
 
@@ -116,12 +176,7 @@ class Reducer:
         _forget_at_shutdown(self)
 
     # -- the Horovod compressor interface, for code that calls it directly -----------------------------
-    def compress(self, tensor):
-        raise TypeError(f"perseus: {self!r} runs its own collective and cannot be used as a plain "
-                        "compress/decompress pair; pass it as compression= to DistributedOptimizer, "
-                        "DistributedGradientTape or allreduce")
-
-    decompress = compress
+    compress = decompress = _Refused()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._describe()})"
@@ -140,13 +195,31 @@ class Reducer:
         st = self._states.get(key)
         return None if st is None else st.residual
 
-    def _state(self, key: str, size: int) -> KeyState:
+    def _state(self, key: str, size: int, shapes: tuple = ()) -> KeyState:
         with self._lock:
             st = self._states.get(key)
-            if st is None or st.size != size:
-                st = KeyState(size)
+            if st is None or st.size != size or st.shapes != shapes:
+                st = KeyState(size, shapes, key)
                 self._states[key] = st
         return st
+
+    def _drop(self, st: KeyState) -> None:
+        """Forget the state ``st`` if it is still its key's (after a failed reduction the residual is not
+        trustworthy: the part that was sent never arrived)."""
+        with self._lock:
+            if self._states.get(st.key) is st:
+                del self._states[st.key]
+
+    def _mismatch(self, st: KeyState, what: str) -> MismatchError:
+        """The error every rank raises when the ranks' payloads show that they disagree about ``st``'s key
+        (its state is dropped)."""
+        key = st.key
+        self._drop(st)
+        shapes = ", ".join(str(tuple(s)) for s in st.shapes) or str(st.size)
+        return MismatchError(
+            f"perseus: {type(self).__name__}: ranks disagree about {what} of {key!r} (this rank has shapes "
+            f"[{shapes}], {st.size} elements, and {self!r}); every rank must pass the same tensors, in the same "
+            "shapes, to the same compressor settings")
 
     # -- the work --------------------------------------------------------------------------------------
     def reduce_async(self, key: str, arrays: Sequence[np.ndarray], outputs: Optional[Sequence[np.ndarray]] = None,
@@ -162,8 +235,10 @@ class Reducer:
         and the same sizes, in any order relative to other keys.
 
         Raises:
-            ValueError: no key, a non-float input, an op other than Sum/Average, or a size that changed
-                between ranks (reported by the engine as a mismatch naming the key).
+            ValueError: no key, a non-float input, an op other than Sum/Average.
+            MismatchError (a HorovodInternalError), from :meth:`Pending.wait` on every rank: the ranks
+                disagree about the sizes (or shapes, or the compressor's parameters) under ``key``; the
+                key's residual is dropped.
         """
         if not key:
             raise ValueError(f"perseus: {type(self).__name__} keeps state per tensor and needs a name; pass "
@@ -177,16 +252,25 @@ class Reducer:
                                  f"{key!r} is {getattr(a, 'dtype', type(a).__name__)}")
         from perseus.common.basics import state
 
-        _, set_size, _ = state().process_set_info(process_set)
+        _, set_size, rank = state().process_set_info(process_set)
         n = _flat_len(arrays)
-        st = self._state(key, n)
+        st = self._state(key, n, tuple(tuple(a.shape) for a in arrays))
+        st.set_size, st.rank = set_size, rank
         acc = self._accumulate(st, arrays, prescale_factor)
         scale = postscale_factor / set_size if op == ReduceOp.AVERAGE else postscale_factor
         self.dense_bytes += 4 * n
-        collect = self._submit(key, st, acc, process_set, set_size)
+        try:
+            collect = self._submit(key, st, acc, process_set, set_size)
+        except BaseException:
+            self._drop(st)
+            raise
 
         def finish():
-            dense = collect()
+            try:
+                dense = collect()
+            except BaseException:
+                self._drop(st)
+                raise
             return self._scatter(dense, arrays, outputs, scale)
         return Pending(finish)
 
@@ -229,7 +313,9 @@ class Reducer:
         self.payload_bytes += payload.nbytes
         name = f"{self.kind}.{key}"
         if self.collective == "allreduce":
-            out = np.empty_like(payload)
+            out = st.extra.get("reduced")
+            if out is None or out.shape != payload.shape or out.dtype != payload.dtype:
+                out = st.extra["reduced"] = np.empty_like(payload)
             handle = c.allreduce_async(payload, out, name=name, op=ReduceOp.SUM, process_set=process_set)
 
             def collect():

@@ -1,9 +1,11 @@
 """Top-k sparsification with error feedback, reduced by a sparse allgather.
 
 Each rank sends the ``k = ceil(density * n)`` entries of largest magnitude of (gradient + residual) as one
-float32 payload ``[values (k), indices (k, int32 bits)]``; the payloads of all ranks are gathered (one
-collective, sizes may differ) and every rank adds them into a dense vector in rank order, so every rank
-gets bitwise the same result. The unsent entries stay in the residual for the next step.
+float32 payload ``[values (k), indices (k, int32 bits), signature (1, uint32 bits)]``; the payloads of all
+ranks are gathered (one collective, sizes may differ) and every rank adds them into a dense vector in rank
+order, so every rank gets bitwise the same result. The unsent entries stay in the residual for the next step.
+The signature (a digest of n) lets every rank see that another rank reduced a gradient of a different size
+under the same name, and raise, instead of adding indices from a different tensor.
 """
 
 from __future__ import annotations
@@ -15,23 +17,23 @@ from typing import Optional
 import numpy as np
 
 from perseus.compression import selectors
-from perseus.compression.base import KeyState, Reducer
+from perseus.compression.base import KeyState, Reducer, signature
 
 __all__ = ["TopK", "sparse_sum"]
 
 
-def sparse_sum(data: np.ndarray, splits, out: np.ndarray) -> np.ndarray:
-    """Add gathered ``[values, indices]`` payloads (one per rank, ``splits`` their lengths) into ``out``,
-    rank by rank; returns ``out`` (zeroed first)."""
+def sparse_sum(data: np.ndarray, splits, out: np.ndarray, trailer: int = 0) -> np.ndarray:
+    """Add gathered ``[values, indices]`` payloads (one per rank, ``splits`` their lengths, each followed by
+    ``trailer`` entries that are skipped) into ``out``, rank by rank; returns ``out`` (zeroed first)."""
     out.fill(0.0)
     off = 0
     for length in splits:
         length = int(length)
-        k = length // 2
+        k = (length - trailer) // 2
         seg = data[off:off + length]
         off += length
         if k:
-            out[seg[k:].view(np.int32)] += seg[:k]
+            out[seg[k:2 * k].view(np.int32)] += seg[:k]
     return out
 
 
@@ -47,6 +49,7 @@ class TopK(Reducer):
 
     Raises:
         ValueError: density outside (0, 1], an unknown selector, or a gradient of 2**31 entries or more.
+        MismatchError: (from the wait, on every rank) the ranks' gradients under one name differ in size.
     """
 
     kind = "topk"
@@ -83,12 +86,18 @@ class TopK(Reducer):
             st.extra["selector"] = selectors.choice(n, self.density, self.selector)
         np.abs(acc, out=mag)
         idx = selectors.select(mag, k, st.extra["selector"])
-        payload = np.empty(2 * k, np.float32)
+        payload = np.empty(2 * k + 1, np.float32)
         np.take(acc, idx, out=payload[:k])
-        payload[k:].view(np.int32)[:] = idx
+        payload[k:2 * k].view(np.int32)[:] = idx
+        payload[2 * k:].view(np.uint32)[0] = st.extra.setdefault("sig", signature("topk", n))
         if self.error_feedback:
             acc[idx] = 0.0
         return payload, None
 
     def _decode(self, data, splits, ctx, st: KeyState) -> np.ndarray:
-        return sparse_sum(data, splits, st.extra["dense"])
+        sig, off = st.extra["sig"], 0
+        for length in splits:
+            off += int(length)
+            if length < 1 or data[off - 1:off].view(np.uint32)[0] != sig:
+                raise self._mismatch(st, "the size")
+        return sparse_sum(data, splits, st.extra["dense"], trailer=1)

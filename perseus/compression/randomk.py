@@ -1,0 +1,102 @@
+"""Random-k sparsification with error feedback, reduced by a (small) dense allreduce.
+
+Every rank picks the same ``k = ceil(density * n)`` coordinates of a gradient: a generator seeded from
+``(seed, crc32(key), step)`` draws them, so the indices never travel. The payload is the k float32 values
+at those coordinates (in increasing index order) followed by a 16-entry size check (see
+:func:`perseus.compression.base.put_check`); the payloads are summed by one allreduce and every rank
+scatters the sums back into a dense vector. Unlike top-k nothing is gathered: the payload does not grow
+with the number of ranks.
+
+Random-k without error feedback is unbiased only after rescaling by n/k (which inflates the variance by the
+same factor); with error feedback (the default) the coordinates not sent this step stay in the residual and
+go out in a later step, which is the usual way random-k is used.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+from perseus.compression.base import CHECK_LEN, KeyState, Reducer, key_hash, put_check, signature, verify_check
+
+__all__ = ["RandomK"]
+
+
+class RandomK(Reducer):
+    """Send the values of ``density * n`` coordinates chosen at random, the same on every rank.
+
+    Args:
+        density: fraction of entries sent per step, in (0, 1]; at least one entry is always sent.
+        seed: a non-negative int; with the key's name and the step number it seeds the choice of coordinates.
+            Every rank must use the same seed.
+        error_feedback: keep what was not sent and add it to the next step's gradient (default True).
+
+    Collective: every rank reduces the same keys, in the same number of steps, with the same sizes, density
+    and seed, and the same NumPy version (the choice comes from ``numpy.random.Generator.choice``).
+
+    Payload: float32 ``[values (k), size check (16)]``, summed by one allreduce (Sum).
+
+    Raises:
+        ValueError: density outside (0, 1], or a negative or non-integer seed.
+        MismatchError: (from the wait, on every rank) the ranks' gradients under one name differ in size, or
+            the ranks use different densities or seeds.
+    """
+
+    kind = "randomk"
+    collective = "allreduce"
+
+    def __init__(self, density: float, seed: int = 0, error_feedback: Optional[bool] = None):
+        super().__init__(error_feedback)
+        density = float(density)
+        if not 0.0 < density <= 1.0:
+            raise ValueError(f"perseus: Compression.randomk(density): density must be in (0, 1], got {density}")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"perseus: Compression.randomk(seed=): a non-negative int, got {seed!r}")
+        self.density = density
+        self.seed = int(seed)
+
+    def _describe(self) -> str:
+        return f"density={self.density}, seed={self.seed}, error_feedback={self.error_feedback}"
+
+    def k_of(self, n: int) -> int:
+        """How many entries of an ``n``-entry gradient are sent."""
+        return 0 if n == 0 else max(1, min(n, math.ceil(self.density * n)))
+
+    def indices(self, key: str, n: int, step: int) -> np.ndarray:
+        """The coordinates sent for ``key`` (``n`` entries) at ``step`` (0 for the first call): ``k_of(n)``
+        distinct int64 indices in increasing order, the same on every rank."""
+        k = self.k_of(n)
+        rng = np.random.default_rng([self.seed, key_hash(key), int(step)])
+        if k == n:
+            return np.arange(n, dtype=np.int64)
+        idx = rng.choice(n, size=k, replace=False, shuffle=False)
+        idx.sort()
+        return idx
+
+    def _encode(self, acc: np.ndarray, st: KeyState):
+        n = acc.size
+        k = self.k_of(n)
+        ex = st.extra
+        payload = ex.get("payload")
+        if payload is None:
+            payload = ex["payload"] = np.empty(k + CHECK_LEN, np.float32)
+            ex["dense"] = np.empty(n, np.float32)
+            ex["sig"] = signature("randomk", n, k, self.seed)
+        idx = self.indices(st.key, n, st.step)
+        np.take(acc, idx, out=payload[:k])
+        put_check(payload[k:], ex["sig"])
+        if self.error_feedback:
+            acc[idx] = 0.0
+        return payload, idx
+
+    def _decode(self, data: np.ndarray, splits, ctx, st: KeyState) -> np.ndarray:
+        idx = ctx
+        k = idx.size
+        if not verify_check(data[k:], st.extra["sig"], st.set_size):
+            raise self._mismatch(st, "the size (or the density or seed)")
+        dense = st.extra["dense"]
+        dense.fill(0.0)
+        dense[idx] = data[:k]
+        return dense

@@ -140,6 +140,13 @@ bool Engine::set_steps(int ps_id, int64_t since, int64_t* first, std::vector<Ste
   return true;
 }
 
+bool Engine::set_wire_bytes(int ps_id, WireBytes* out) {
+  auto set = find(ps_id);
+  if (!set) return false;
+  *out = set->wire_bytes();
+  return true;
+}
+
 int Engine::set_size(int ps_id) {
   auto set = find(ps_id);
   return set ? set->size() : 0;

@@ -73,6 +73,8 @@ class Engine {
   // The set's run-time parameters and how many channels it has; false when there is no such set.
   bool set_params(int ps_id, TuneParams* params, int* max_channels);
   bool set_steps(int ps_id, int64_t since, int64_t* first, std::vector<StepSample>* out);
+  // Bytes on the wire for the set so far (wire.h); false when there is no such set.
+  bool set_wire_bytes(int ps_id, WireBytes* out);
 
   HandleTable& handles() { return handles_; }
   TimelineRecorder& timeline() { return timeline_; }

@@ -113,7 +113,7 @@ std::vector<std::string> local_ipv4_addresses(const std::vector<std::string>& in
 
 Links::Links(Comm& comm, LinkOptions options)
     : rank_(comm.rank()), size_(comm.size()), options_(std::move(options)), fds_(size_, -1), addrs_(size_),
-      ports_(size_, 0) {
+      ports_(size_, 0), wire_(comm.wire_counters()) {
   if (options_.world_ranks.size() != static_cast<size_t>(size_)) {
     options_.world_ranks.resize(size_);
     for (int r = 0; r < size_; ++r) options_.world_ranks[r] = r;
@@ -235,6 +235,7 @@ int Links::connect_to(int peer) {
         uint8_t ack = 0;
         if (send_all(fd, &h, sizeof(h), attempt_end) && recv_all(fd, &ack, 1, attempt_end) && ack == 1) {
           tune(fd);
+          wire_->control(sizeof(h), sizeof(ack));
           return fd;
         }
         last = "no answer from " + dotted(addr) + ":" + std::to_string(ports_[peer]);
@@ -266,6 +267,7 @@ void Links::accept_from(int peer) {
     const uint8_t ack = ok ? 1 : 0;
     if (ok && send_all(fd, &ack, 1, now_s() + kAttemptS)) {
       tune(fd);
+      wire_->control(sizeof(ack), sizeof(h));
       fds_[h.from] = fd;
     } else {
       close_fd(&fd);  // a stray connection (another job, or an address that reached the wrong process)
@@ -317,7 +319,11 @@ void Links::sendrecv(const void* send, size_t send_bytes, int dest, void* recv, 
       m.msg_iovlen = k;
       const ssize_t sent = ::sendmsg(out, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
       if (sent > 0) {
-        out_done += static_cast<size_t>(sent);
+        const size_t moved = static_cast<size_t>(sent);
+        const size_t header = out_done < sizeof(out_hdr) ? std::min(moved, sizeof(out_hdr) - out_done) : 0;
+        wire_->control(header, 0);
+        wire_->data(moved - header, 0);
+        out_done += moved;
         last_progress = now_s();
       } else if (sent < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
         fail(dest, "sending failed: " + errno_text(errno));
@@ -340,7 +346,11 @@ void Links::sendrecv(const void* send, size_t send_bytes, int dest, void* recv, 
         fail(source, "receiving failed: " + errno_text(errno));
       if (got > 0) {
         const bool had_header = in_done >= sizeof(in_hdr);
-        in_done += static_cast<size_t>(got);
+        const size_t moved = static_cast<size_t>(got);
+        const size_t header = had_header ? 0 : std::min(moved, sizeof(in_hdr) - in_done);
+        wire_->control(0, header);
+        wire_->data(0, moved - header);
+        in_done += moved;
         last_progress = now_s();
         if (!had_header && in_done >= sizeof(in_hdr) && in_hdr != recv_bytes)
           fail(source, "it sent " + std::to_string(in_hdr) + " bytes where " + std::to_string(recv_bytes) +

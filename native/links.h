@@ -14,11 +14,15 @@
 // A transfer fails with TransportError (naming both ranks and the peer's address) when the peer closes the
 // connection or dies, on a socket error, when no byte moves for `timeout_s`, or when `cancel` becomes true
 // (the process set is failing). The owning channel thread is the only user of a Links object.
+//
+// Links count what they move into the wire counters of the Comm they were built over (wire.h), as the
+// bytes leave and arrive: transfer bodies as data, the length headers and the handshakes as control.
 #pragma once
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -65,6 +69,7 @@ class Links {
   std::vector<int> fds_;  // per peer; -1 until connected
   std::vector<std::vector<uint32_t>> addrs_;  // per peer, network byte order
   std::vector<uint16_t> ports_;
+  std::shared_ptr<WireCounters> wire_;
 };
 
 // This machine's IPv4 addresses (dotted) on `interfaces` (all up, non-loopback ones when empty).

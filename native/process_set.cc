@@ -56,7 +56,8 @@ std::string format_s(double v) {
 
 ProcessSet::ProcessSet(Engine* engine, int id, std::unique_ptr<Comm> control, std::vector<int> world_ranks)
     : engine_(engine), id_(id), rank_(control->rank()), size_(control->size()),
-      world_ranks_(std::move(world_ranks)), control_(std::move(control)), negotiator_(rank_, size_) {
+      world_ranks_(std::move(world_ranks)), control_(std::move(control)), wire_(control_->wire_counters()),
+      negotiator_(rank_, size_) {
   const Settings& s = engine->settings();
   ChannelHooks hooks;
   hooks.piece_done = [this](Request* r) { piece_done(r); };

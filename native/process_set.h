@@ -78,6 +78,8 @@ class ProcessSet {
   // Completed steps with index >= since (at most the last kStepsKept); *first = index of out[0].
   void steps(int64_t since, int64_t* first, std::vector<StepSample>* out);
   int max_channels() const;
+  // Bytes this rank has sent and received for the set since it was created (any thread; see wire.h).
+  WireBytes wire_bytes() const { return wire_->read(); }
 
  private:
   enum class State { IDLE, BAND, EXCHANGE, JOINGATHER };
@@ -100,6 +102,8 @@ class ProcessSet {
   int id_, rank_, size_;
   std::vector<int> world_ranks_;
   std::unique_ptr<Comm> control_;
+  // The control Comm's counters, which its dups (the channels), their splits and links share.
+  std::shared_ptr<WireCounters> wire_;
   Negotiator negotiator_;
   UnitPool unit_pool_;
   std::vector<std::unique_ptr<Channel>> channels_;

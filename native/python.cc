@@ -374,6 +374,24 @@ class PyEngine {
     return py::make_tuple(first, items);
   }
 
+  // Bytes this rank has put on the wire and taken off it for the set since the set was created:
+  // {"sent_bytes", "received_bytes", "control_sent_bytes", "control_received_bytes"} (see wire.h).
+  py::dict wire_bytes(int ps_id) {
+    WireBytes w;
+    bool found;
+    {
+      py::gil_scoped_release release;  // the engine's lock, held only briefly by other threads
+      found = engine_->set_wire_bytes(ps_id, &w);
+    }
+    if (!found) throw py::value_error("perseus: no process set with id " + std::to_string(ps_id));
+    py::dict out;
+    out["sent_bytes"] = w.sent;
+    out["received_bytes"] = w.received;
+    out["control_sent_bytes"] = w.control_sent;
+    out["control_received_bytes"] = w.control_received;
+    return out;
+  }
+
   int64_t join(int ps_id) {
     Handle* h = engine_->handles().new_handle();
     h->extra.reset(new PyExtra());
@@ -569,6 +587,9 @@ PYBIND11_MODULE(_core, m) {
       .def("join", &PyEngine::join)
       .def("params", &PyEngine::params)
       .def("steps", &PyEngine::steps, py::arg("ps_id"), py::arg("since") = 0)
+      .def("wire_bytes", &PyEngine::wire_bytes, py::arg("ps_id"),
+           "Bytes on the wire for a process set since it was created: a dict of sent_bytes, received_bytes, "
+           "control_sent_bytes, control_received_bytes.")
       .def("wait", &PyEngine::wait, py::arg("hid"), py::arg("timeout_s") = -1.0)
       .def("poll", &PyEngine::poll)
       .def("on_done", &PyEngine::on_done)

@@ -5,6 +5,9 @@
 // One Comm is one communicator among the ranks of a process set. Each instance is used by one thread at
 // a time (the engine thread owns the negotiation Comm of a set, each channel thread its own dup).
 // Blocking calls return when this rank's part is done; every failure throws TransportError.
+//
+// Every implementation counts the bytes it moves into wire_counters() (see wire.h): the data-plane calls
+// as data, the rest (negotiation, control messages, allgather_i64 / alltoall_i64 exchanges) as control.
 #pragma once
 
 #include <memory>
@@ -12,6 +15,7 @@
 #include <vector>
 
 #include "common.h"
+#include "wire.h"
 
 namespace perseus {
 
@@ -31,6 +35,14 @@ class Comm {
   virtual std::unique_ptr<Comm> dup() = 0;
   // A new communicator over the ranks that pass the same color, ranked by (key, rank). Collective.
   virtual std::unique_ptr<Comm> split(int color, int key) = 0;
+
+  // Where this communicator counts its traffic. Every Comm starts with counters of its own; dup() and
+  // split() give the new communicator the same object, so a process set's Comm and everything made from it
+  // count together. Not thread-safe to replace while another thread uses the Comm.
+  const std::shared_ptr<WireCounters>& wire_counters() const { return wire_; }
+  void set_wire_counters(std::shared_ptr<WireCounters> counters) {
+    if (counters) wire_ = std::move(counters);
+  }
 
   // -- data plane (blocking; counts are in elements of `dtype`) --------------------------------------
   // send == nullptr: in place on recv. Reduces every dtype, float16/bfloat16 included (in float32, rounded
@@ -67,6 +79,12 @@ class Comm {
   virtual bool poll_message(int* source, std::string* bytes) = 0;     // false when nothing has arrived
   // Wait up to timeout_s for sent messages to leave this rank.
   virtual void flush_messages(double timeout_s) = 0;
+
+ protected:
+  WireCounters& wire() const { return *wire_; }
+
+ private:
+  std::shared_ptr<WireCounters> wire_ = std::make_shared<WireCounters>();
 };
 
 // Build a Comm over an MPI communicator given as its handle value (mpi4py's Comm.handle). The Comm owns a

@@ -6,6 +6,10 @@
 // copy of its contribution, the last one to arrive combines them, and each rank copies its result out and
 // "finishes" the slot; the slot is erased when every rank has finished, so the table holds only the
 // collectives some rank is still inside.
+//
+// Nothing here crosses a wire, but each call counts (wire.h) what the MPI transport counts for it: the
+// bytes sendrecv and control messages move, and the textbook algorithm's volume for a collective, so that
+// engine tests see the same figures as a real job.
 #include "transport_loopback.h"
 
 #include <algorithm>
@@ -291,7 +295,9 @@ class LoopbackComm final : public Comm {
     c.kind = Kind::DUP;
     c.call = "dup()";
     run(std::move(c), [](const Slot&) {});
-    return std::make_unique<LoopbackComm>(world_, rank_, size_, path_ + "." + std::to_string(dups_++));
+    auto out = std::make_unique<LoopbackComm>(world_, rank_, size_, path_ + "." + std::to_string(dups_++));
+    out->set_wire_counters(wire_counters());
+    return out;
   }
 
   std::unique_ptr<Comm> split(int color, int key) override {
@@ -314,8 +320,10 @@ class LoopbackComm final : public Comm {
       for (int i = 0; i < new_size; ++i)
         if (members[i].second == me) new_rank = i;
     });
-    return std::make_unique<LoopbackComm>(world_, new_rank, new_size,
-                                          path_ + ".s" + std::to_string(dups_++) + "c" + std::to_string(color));
+    auto out = std::make_unique<LoopbackComm>(world_, new_rank, new_size,
+                                              path_ + ".s" + std::to_string(dups_++) + "c" + std::to_string(color));
+    out->set_wire_counters(wire_counters());
+    return out;
   }
 
   void allreduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op) override {
@@ -324,6 +332,8 @@ class LoopbackComm final : public Comm {
     c.call = "allreduce(count=" + std::to_string(count) + ", " + c.call + ")";
     if (c.error.empty()) c.data = bytes_of(send ? send : recv, count * itemsize(dtype), &c.error);
     run(std::move(c), [recv](const Slot& s) { copy_bytes(recv, s.result.data(), s.result.size()); });
+    const WireVolume v = allreduce_volume(static_cast<uint64_t>(count) * itemsize(dtype), size_);
+    wire().data(v.sent, v.received);
   }
 
   void allgatherv(const void* send, void* recv, const std::vector<size_t>& counts, DType dtype) override {
@@ -334,6 +344,8 @@ class LoopbackComm final : public Comm {
     else if (!check_counts(counts, &c.error)) {}
     else c.data = bytes_of(send, counts[rank_] * itemsize(dtype), &c.error);
     run(std::move(c), [recv](const Slot& s) { gather(s, static_cast<char*>(recv)); });
+    const WireVolume v = allgatherv_volume(counts, rank_, itemsize(dtype));
+    wire().data(v.sent, v.received);
   }
 
   void broadcast(void* buf, size_t count, DType dtype, int root) override {
@@ -348,6 +360,8 @@ class LoopbackComm final : public Comm {
     run(std::move(c), [buf, root, me](const Slot& s) {
       if (me != root) copy_bytes(buf, s.data[root].data(), s.data[root].size());
     });
+    const WireVolume v = broadcast_volume(static_cast<uint64_t>(count) * itemsize(dtype), size_, rank_, root);
+    wire().data(v.sent, v.received);
   }
 
   void alltoallv(const void* send, const std::vector<size_t>& send_counts, void* recv,
@@ -374,6 +388,8 @@ class LoopbackComm final : public Comm {
         out += n_bytes;
       }
     });
+    const WireVolume v = alltoallv_volume(send_counts, recv_counts, rank_, itemsize(dtype));
+    wire().data(v.sent, v.received);
   }
 
   void reduce_scatter(const void* send, void* recv, const std::vector<size_t>& counts, DType dtype,
@@ -389,6 +405,8 @@ class LoopbackComm final : public Comm {
       const size_t isz = itemsize(dtype);
       copy_bytes(recv, s.result.data() + sum_of(counts, me) * isz, counts[me] * isz);
     });
+    const WireVolume v = reduce_scatter_volume(counts, rank_, itemsize(dtype));
+    wire().data(v.sent, v.received);
   }
 
   void sendrecv(const void* send, size_t send_bytes, int dest, void* recv, size_t recv_bytes,
@@ -412,6 +430,8 @@ class LoopbackComm final : public Comm {
       throw TransportError("sendrecv: rank " + std::to_string(rank_) + " expected " + std::to_string(recv_bytes) +
                            " bytes from rank " + std::to_string(source) + ", got " + std::to_string(got.size()));
     copy_bytes(recv, got.data(), got.size());
+    lk.unlock();
+    wire().data(dest != rank_ ? send_bytes : 0, source != rank_ ? recv_bytes : 0);
   }
 
   void allgather_i64(const int64_t* mine, size_t n, int64_t* all) override {
@@ -420,6 +440,7 @@ class LoopbackComm final : public Comm {
     c.call = "allgather_i64(n=" + std::to_string(n) + ")";
     c.data = bytes_of(mine, n * 8, &c.error);
     run(std::move(c), [all](const Slot& s) { gather(s, reinterpret_cast<char*>(all)); });
+    count_allgather_i64(n);
   }
 
   void alltoall_i64(const int64_t* send, int64_t* recv) override {
@@ -431,6 +452,8 @@ class LoopbackComm final : public Comm {
     run(std::move(c), [recv, me](const Slot& s) {
       for (size_t src = 0; src < s.data.size(); ++src) std::memcpy(&recv[src], s.data[src].data() + 8 * me, 8);
     });
+    const uint64_t others = 8 * static_cast<uint64_t>(size_ - 1);
+    wire().control(others, others);
   }
 
   void barrier() override {
@@ -446,7 +469,10 @@ class LoopbackComm final : public Comm {
     c.call = "iallreduce_band(n=" + std::to_string(n) + ")";
     c.count = n;
     c.data = bytes_of(words, n * 8, &c.error);
-    return start(std::move(c), [words](const Slot& s) { copy_bytes(words, s.result.data(), s.result.size()); });
+    auto op = start(std::move(c), [words](const Slot& s) { copy_bytes(words, s.result.data(), s.result.size()); });
+    const WireVolume v = allreduce_volume(8 * static_cast<uint64_t>(n), size_);
+    wire().control(v.sent, v.received);
+    return op;
   }
 
   std::unique_ptr<PendingOp> iallgather_i64(const int64_t* mine, size_t n, int64_t* all) override {
@@ -454,7 +480,9 @@ class LoopbackComm final : public Comm {
     c.kind = Kind::IALLGATHER_I64;
     c.call = "iallgather_i64(n=" + std::to_string(n) + ")";
     c.data = bytes_of(mine, n * 8, &c.error);
-    return start(std::move(c), [all](const Slot& s) { gather(s, reinterpret_cast<char*>(all)); });
+    auto op = start(std::move(c), [all](const Slot& s) { gather(s, reinterpret_cast<char*>(all)); });
+    count_allgather_i64(n);
+    return op;
   }
 
   std::unique_ptr<PendingOp> iallgatherv_bytes(const void* send, size_t n, void* recv,
@@ -469,7 +497,12 @@ class LoopbackComm final : public Comm {
       else
         c.data = bytes_of(send, n, &c.error);
     }
-    return start(std::move(c), [recv](const Slot& s) { gather(s, static_cast<char*>(recv)); });
+    auto op = start(std::move(c), [recv](const Slot& s) { gather(s, static_cast<char*>(recv)); });
+    if (counts.size() == static_cast<size_t>(size_)) {
+      const WireVolume v = allgatherv_volume(counts, rank_, 1);
+      wire().control(v.sent, v.received);
+    }
+    return op;
   }
 
   void send_message(int dest, const std::string& bytes) override {
@@ -478,6 +511,7 @@ class LoopbackComm final : public Comm {
     std::lock_guard<std::mutex> g(st_->mu);
     if (world_->failed.load()) world_->throw_failed();
     st_->inbox[dest].emplace_back(rank_, bytes);
+    if (dest != rank_) wire().control(bytes.size(), 0);
   }
 
   bool poll_message(int* source, std::string* bytes) override {
@@ -488,6 +522,7 @@ class LoopbackComm final : public Comm {
     *source = q.front().first;
     *bytes = std::move(q.front().second);
     q.pop_front();
+    if (*source != rank_) wire().control(0, bytes->size());
     return true;
   }
 
@@ -520,6 +555,11 @@ class LoopbackComm final : public Comm {
     if (counts.size() == static_cast<size_t>(size())) return true;
     *error = std::to_string(counts.size()) + " counts for " + std::to_string(size()) + " ranks";
     return false;
+  }
+
+  void count_allgather_i64(size_t n) {
+    const uint64_t others = 8 * static_cast<uint64_t>(n) * static_cast<uint64_t>(size_ - 1);
+    wire().control(others, others);
   }
 
   static void gather(const Slot& s, char* out) {

@@ -3,6 +3,10 @@
 // Each MpiComm owns two duplicates of the communicator it was built from: one for collectives and ring
 // traffic, one for control messages, so that a control message can never match a data receive. Every MPI
 // call checks its return code (the duplicates use MPI_ERRORS_RETURN) and throws TransportError.
+//
+// Bytes on the wire (wire.h): sendrecv and control messages count what they move. The collectives are MPI's
+// own (MPI_Allreduce, MPI_Allgatherv, ...), which do not say what this rank sent to whom, so each counts the
+// volume of the textbook algorithm for it (wire.h's *_volume functions), not a measurement.
 #include <mpi.h>
 
 #include <algorithm>
@@ -298,7 +302,11 @@ class MpiComm final : public Comm {
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
-  std::unique_ptr<Comm> dup() override { return std::make_unique<MpiComm>(data_); }
+  std::unique_ptr<Comm> dup() override {
+    auto out = std::make_unique<MpiComm>(data_);
+    out->set_wire_counters(wire_counters());
+    return out;
+  }
   std::unique_ptr<Comm> split(int color, int key) override {
     MPI_Comm part = MPI_COMM_NULL;
     check(MPI_Comm_split(data_, color, key, &part), "MPI_Comm_split");
@@ -311,6 +319,7 @@ class MpiComm final : public Comm {
       throw;
     }
     MPI_Comm_free(&part);
+    out->set_wire_counters(wire_counters());
     return out;
   }
 
@@ -327,6 +336,9 @@ class MpiComm final : public Comm {
             "MPI_Allreduce");
       done += n;
     }
+    // The algorithm's volume (a ring's 2 (P-1)/P of the buffer): MPI does not say what it sent.
+    const WireVolume v = allreduce_volume(static_cast<uint64_t>(count) * item, size_);
+    wire().data(v.sent, v.received);
   }
 
   void allgatherv(const void* send, void* recv, const std::vector<size_t>& counts, DType dtype) override {
@@ -336,6 +348,9 @@ class MpiComm final : public Comm {
     to_counts(counts, "MPI_Allgatherv", "the count", &c, &d);
     const void* s = send == nullptr ? MPI_IN_PLACE : send;  // in place: this rank's part is already in recv
     check(MPI_Allgatherv(s, c[rank_], type, recv, c.data(), d.data(), type, data_), "MPI_Allgatherv");
+    // The algorithm's volume: this rank's block to each other rank, the others' blocks in.
+    const WireVolume v = allgatherv_volume(counts, rank_, itemsize(dtype));
+    wire().data(v.sent, v.received);
   }
 
   void broadcast(void* buf, size_t count, DType dtype, int root) override {
@@ -347,6 +362,9 @@ class MpiComm final : public Comm {
             "MPI_Bcast");
       done += n;
     }
+    // The algorithm's volume: the root sends the buffer to each other rank, which receives it once.
+    const WireVolume v = broadcast_volume(static_cast<uint64_t>(count) * item, size_, rank_, root);
+    wire().data(v.sent, v.received);
   }
 
   void alltoallv(const void* send, const std::vector<size_t>& send_counts, void* recv,
@@ -359,6 +377,9 @@ class MpiComm final : public Comm {
     to_counts(recv_counts, "MPI_Alltoallv", "the receive count", &rc, &rd);
     check(MPI_Alltoallv(send, sc.data(), sd.data(), type, recv, rc.data(), rd.data(), type, data_),
           "MPI_Alltoallv");
+    // What must travel: the parts for (from) the other ranks.
+    const WireVolume v = alltoallv_volume(send_counts, recv_counts, rank_, itemsize(dtype));
+    wire().data(v.sent, v.received);
   }
 
   void reduce_scatter(const void* send, void* recv, const std::vector<size_t>& counts, DType dtype,
@@ -370,6 +391,9 @@ class MpiComm final : public Comm {
     to_counts(counts, "MPI_Reduce_scatter", "the count", &c, &d);
     const void* s = send == nullptr ? MPI_IN_PLACE : send;  // in place: the whole input is in recv
     check(MPI_Reduce_scatter(s, recv, c.data(), type, mop, data_), "MPI_Reduce_scatter");
+    // The algorithm's volume: each other rank's part out, this rank's part in from each other rank.
+    const WireVolume v = reduce_scatter_volume(counts, rank_, itemsize(dtype));
+    wire().data(v.sent, v.received);
   }
 
   void sendrecv(const void* send, size_t send_bytes, int dest, void* recv, size_t recv_bytes,
@@ -378,6 +402,7 @@ class MpiComm final : public Comm {
       check(MPI_Sendrecv(send, static_cast<int>(send_bytes), MPI_BYTE, dest, kDataTag, recv,
                          static_cast<int>(recv_bytes), MPI_BYTE, source, kDataTag, data_, MPI_STATUS_IGNORE),
             "MPI_Sendrecv");
+      count_sendrecv(send_bytes, dest, recv_bytes, source);
       return;
     }
     // Above 2 GiB: the same bytes in pieces of at most INT_MAX. Messages between two ranks on one tag
@@ -406,15 +431,19 @@ class MpiComm final : public Comm {
       throw;
     }
     check(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE), "MPI_Waitall");
+    count_sendrecv(send_bytes, dest, recv_bytes, source);
   }
 
   void allgather_i64(const int64_t* mine, size_t n, int64_t* all) override {
     const int c = to_count(n, "MPI_Allgather", "the count");
     check(MPI_Allgather(mine, c, MPI_INT64_T, all, c, MPI_INT64_T, data_), "MPI_Allgather");
+    count_allgather_i64(n);
   }
 
   void alltoall_i64(const int64_t* send, int64_t* recv) override {
     check(MPI_Alltoall(send, 1, MPI_INT64_T, recv, 1, MPI_INT64_T, data_), "MPI_Alltoall");
+    const uint64_t others = 8 * static_cast<uint64_t>(size_ - 1);
+    wire().control(others, others);
   }
 
   void barrier() override { check(MPI_Barrier(data_), "MPI_Barrier"); }
@@ -424,6 +453,8 @@ class MpiComm final : public Comm {
     auto op = std::make_unique<MpiPendingOp>();
     check(MPI_Iallreduce(MPI_IN_PLACE, words, c, MPI_UINT64_T, MPI_BAND, data_, &op->state().request),
           "MPI_Iallreduce");
+    const WireVolume v = allreduce_volume(8 * static_cast<uint64_t>(n), size_);  // the algorithm's volume
+    wire().control(v.sent, v.received);
     return op;
   }
 
@@ -432,6 +463,7 @@ class MpiComm final : public Comm {
     auto op = std::make_unique<MpiPendingOp>();
     check(MPI_Iallgather(mine, c, MPI_INT64_T, all, c, MPI_INT64_T, data_, &op->state().request),
           "MPI_Iallgather");
+    count_allgather_i64(n);
     return op;
   }
 
@@ -445,6 +477,8 @@ class MpiComm final : public Comm {
     check(MPI_Iallgatherv(send, c, MPI_BYTE, recv, st.counts.data(), st.displs.data(), MPI_BYTE, data_,
                           &st.request),
           "MPI_Iallgatherv");
+    const WireVolume v = allgatherv_volume(counts, rank_, 1);  // the algorithm's volume
+    wire().control(v.sent, v.received);
     return op;
   }
 
@@ -460,6 +494,7 @@ class MpiComm final : public Comm {
       outbox_.pop_back();
       check(rc, "MPI_Isend");
     }
+    if (dest != rank_) wire().control(static_cast<uint64_t>(n), 0);
   }
 
   bool poll_message(int* source, std::string* bytes) override {
@@ -474,6 +509,7 @@ class MpiComm final : public Comm {
     bytes->resize(static_cast<size_t>(n));
     check(MPI_Mrecv(&(*bytes)[0], n, MPI_BYTE, &message, MPI_STATUS_IGNORE), "MPI_Mrecv");
     *source = status.MPI_SOURCE;
+    if (*source != rank_) wire().control(0, static_cast<uint64_t>(n));
     return true;
   }
 
@@ -494,6 +530,17 @@ class MpiComm final : public Comm {
     std::string bytes;
     MPI_Request request = MPI_REQUEST_NULL;
   };
+
+  // A point-to-point exchange moves what it says (a transfer to or from this rank itself stays in memory).
+  void count_sendrecv(size_t send_bytes, int dest, size_t recv_bytes, int source) {
+    wire().data(dest != rank_ ? send_bytes : 0, source != rank_ ? recv_bytes : 0);
+  }
+
+  // n words to each other rank, n from each (the algorithm's volume).
+  void count_allgather_i64(size_t n) {
+    const uint64_t others = 8 * static_cast<uint64_t>(n) * static_cast<uint64_t>(size_ - 1);
+    wire().control(others, others);
+  }
 
   void check_ranks(const std::vector<size_t>& counts, const char* call) const {
     if (counts.size() != static_cast<size_t>(size_)) {

@@ -24,6 +24,7 @@ TORCH_SECTIONS = [
     ("Training", ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
                   "broadcast_object", "allgather_object", "SyncBatchNorm", "Compression"]),
     ("Process sets", ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set"]),
+    ("Bytes on the wire", ["wire_bytes"]),
 ]
 
 
@@ -37,6 +38,7 @@ TF_SECTIONS = [
                   "broadcast_variables", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
                   "allgather_object", "SyncBatchNormalization", "Compression"]),
     ("Process sets", ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set"]),
+    ("Bytes on the wire", ["wire_bytes"]),
 ]
 
 KERAS_SECTIONS = [

@@ -529,6 +529,47 @@ void test_messages(int n) {
   });
 }
 
+// Bytes on the wire (wire.h): sendrecv and control messages count what they move, collectives the textbook
+// volume; dups and splits count into their parent's counters.
+void test_wire_counters(int n) {
+  run_world(n, [&](Comm& c) {
+    const int me = c.rank(), right = (me + 1) % n, left = (me + n - 1) % n;
+    WireBytes w0 = c.wire_counters()->read();
+    CHECK(w0.sent == 0 && w0.received == 0);
+    std::unique_ptr<Comm> d = c.dup();
+    std::unique_ptr<Comm> s = c.split(me % 2, me);
+    CHECK(d->wire_counters() == c.wire_counters() && s->wire_counters() == c.wire_counters());
+    // sendrecv: 100 + rank bytes out, what the left neighbour sent in (nothing crosses with one rank).
+    std::vector<char> out(100 + me, 'x'), in(100 + left);
+    d->sendrecv(out.data(), out.size(), right, in.data(), in.size(), left);
+    WireBytes w1 = c.wire_counters()->read();
+    CHECK_MSG(w1.sent == (n > 1 ? out.size() : 0u) && w1.received == (n > 1 ? in.size() : 0u),
+              std::to_string(w1.sent) + " / " + std::to_string(w1.received));
+    // allreduce of 12 float32 over the split: 2 (k-1)/k of 48 bytes each way (k ranks with this parity).
+    const int k = (n - me % 2 + 1) / 2;
+    std::vector<float> v(12, 1.0f);
+    s->allreduce(nullptr, v.data(), v.size(), DType::FLOAT32, ReduceOp::SUM);
+    WireBytes w2 = c.wire_counters()->read();
+    const uint64_t ar = static_cast<uint64_t>(2 * (k - 1) * 48 / k);
+    CHECK_MSG(w2.sent - w1.sent == ar && w2.received - w1.received == ar, std::to_string(w2.sent - w1.sent));
+    CHECK(w2.control_sent == w1.control_sent && w2.control_received == w1.control_received);
+    // Negotiation and control messages are control, never data.
+    uint64_t words[3] = {~0ull, ~0ull, ~0ull};
+    auto op = c.iallreduce_band(words, 3);
+    while (!op->test()) std::this_thread::yield();
+    c.send_message(right, std::string(10, 'm'));
+    c.barrier();
+    int source;
+    std::string msg;
+    CHECK(c.poll_message(&source, &msg) && msg.size() == 10);
+    WireBytes w3 = c.wire_counters()->read();
+    CHECK(w3.sent == w2.sent && w3.received == w2.received);
+    const uint64_t band = static_cast<uint64_t>(2 * (n - 1) * 24 / n), m = n > 1 ? 10 : 0;
+    CHECK_MSG(w3.control_sent - w2.control_sent == band + m && w3.control_received - w2.control_received == band + m,
+              std::to_string(w3.control_sent - w2.control_sent));
+  });
+}
+
 long rss_kb() {
   std::ifstream f("/proc/self/statm");
   long pages = 0, resident = 0;
@@ -710,6 +751,7 @@ int main() {
       {"nonblocking", test_nonblocking},
       {"concurrent_dups", test_concurrent_dups},
       {"messages", test_messages},
+      {"wire_counters", test_wire_counters},
       {"dup_lifecycle", test_dup_lifecycle},
       {"mismatch", test_mismatch},
       {"fail", test_fail},

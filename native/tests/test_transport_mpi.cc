@@ -554,6 +554,49 @@ void test_control_messages(Comm& c) {
   c.barrier();
 }
 
+// -- bytes on the wire ----------------------------------------------------------------------------------
+
+// sendrecv and control messages count what they move; MPI's collectives the textbook volume (wire.h).
+void test_wire_counters(Comm& c) {
+  const int size = c.size(), rank = c.rank();
+  const int right = (rank + 1) % size, left = (rank + size - 1) % size;
+  std::unique_ptr<Comm> d = c.dup();
+  EXPECT(d->wire_counters() == c.wire_counters(), "a dup counts into its parent's counters");
+  const WireBytes w0 = c.wire_counters()->read();
+  Bytes out(1000 + rank), in(1000 + left);
+  d->sendrecv(out.data(), out.size(), right, in.data(), in.size(), left);
+  const WireBytes w1 = c.wire_counters()->read();
+  EXPECT(w1.sent - w0.sent == out.size() && w1.received - w0.received == in.size(),
+         "sendrecv counted " << w1.sent - w0.sent << " / " << w1.received - w0.received);
+  std::vector<float> v(6 * 100, 1.0f);
+  c.allreduce(nullptr, v.data(), v.size(), DType::FLOAT32, ReduceOp::SUM);
+  const WireBytes w2 = c.wire_counters()->read();
+  const uint64_t ar = 2ull * (size - 1) * 2400 / size;
+  EXPECT(w2.sent - w1.sent == ar && w2.received - w1.received == ar, "allreduce counted " << w2.sent - w1.sent);
+  std::vector<size_t> counts(size);
+  for (int r = 0; r < size; ++r) counts[r] = static_cast<size_t>(r + 1);
+  std::vector<int32_t> mine(rank + 1, rank), all((size + 1) * size / 2);
+  c.allgatherv(mine.data(), all.data(), counts, DType::INT32);
+  const WireBytes w3 = c.wire_counters()->read();
+  const uint64_t others = 4ull * ((size + 1) * size / 2 - (rank + 1));
+  EXPECT(w3.sent - w2.sent == 4ull * (rank + 1) * (size - 1) && w3.received - w2.received == others,
+         "allgatherv counted " << w3.sent - w2.sent << " / " << w3.received - w2.received);
+  EXPECT(w3.control_sent == w0.control_sent && w3.control_received == w0.control_received,
+         "data-plane calls counted control bytes");
+  d->send_message(right, std::string(17, 'c'));
+  int source = -1;
+  std::string m;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (!d->poll_message(&source, &m) && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  d->flush_messages(10.0);
+  const WireBytes w4 = c.wire_counters()->read();
+  EXPECT(m.size() == 17 && w4.control_sent - w3.control_sent == 17 && w4.control_received - w3.control_received == 17,
+         "control message counted " << w4.control_sent - w3.control_sent);
+  EXPECT(w4.sent == w3.sent && w4.received == w3.received, "a control message counted as data");
+  c.barrier();
+}
+
 // -- errors --------------------------------------------------------------------------------------------
 
 void test_errors(Comm& c) {
@@ -654,6 +697,7 @@ void run_all(Comm& c, const char* label) {
   test_small_collectives(c);
   test_nonblocking(c);
   test_control_messages(c);
+  test_wire_counters(c);
   test_errors(c);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (c.rank() == 0) std::printf("  %s (%d ranks): done in %.1f s\n", label, c.size(), s);

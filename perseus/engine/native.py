@@ -124,6 +124,17 @@ class Engine:
     def remove_process_set(self, ps_id: int) -> None:
         self._native.remove_process_set(ps_id)
 
+    def wire_bytes(self, ps_id: int = 0) -> dict[str, int]:
+        """Bytes this rank has sent and received for process set ``ps_id`` since it was created:
+        ``sent_bytes`` and ``received_bytes`` (collective payload), ``control_sent_bytes`` and
+        ``control_received_bytes`` (negotiation and everything else). Reads relaxed atomic counters; never
+        waits for the engine.
+
+        Raises:
+            ValueError: no process set ``ps_id`` on this rank.
+        """
+        return self._native.wire_bytes(ps_id)
+
     def join(self, ps_id: int = 0) -> int:
         return self._native.join(ps_id)
 

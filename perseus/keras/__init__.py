@@ -7,6 +7,7 @@ Horovod's ``horovod.keras.allreduce``) and ``load_model`` loads with the ``keras
 
 import keras as _keras
 
+from perseus.common.api import wire_bytes
 from perseus.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from perseus.common.reduce_ops import Adasum, Average, Sum
 from perseus._keras import frontend as _frontend
@@ -28,7 +29,7 @@ __all__ = [
     "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "Average", "Sum", "Adasum",
     "Compression", "DistributedOptimizer", "PartialDistributedOptimizer", "broadcast_global_variables",
-    "allreduce", "allgather", "broadcast", "reducescatter", "load_model", "callbacks", "elastic",
+    "allreduce", "allgather", "broadcast", "reducescatter", "load_model", "callbacks", "elastic", "wire_bytes",
 ]
 
 

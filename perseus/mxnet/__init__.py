@@ -11,6 +11,7 @@ Not implemented (raise ``NotImplementedError``): NDArrays on a GPU context (the 
 parameters replicated on several contexts of one process in ``DistributedTrainer``.
 """
 
+from perseus.common.api import wire_bytes
 from perseus.common.exceptions import HorovodInternalError, MismatchError, PerseusInternalError
 from perseus.mxnet import compression, functions, mpi_ops, optimizer
 from perseus.mxnet._bridge import PerseusMXNetInternalError, PerseusMXNetMismatchError, PerseusMXNetValueError
@@ -37,6 +38,7 @@ __all__ = [
     "DistributedOptimizer", "DistributedTrainer", "broadcast_parameters", "handle_average_backwards_compatibility",
     "HorovodInternalError", "PerseusInternalError", "MismatchError", "PerseusMXNetInternalError",
     "PerseusMXNetMismatchError", "PerseusMXNetValueError", "mpi_ops", "compression", "functions", "optimizer",
+    "wire_bytes",
 ]
 
 

@@ -12,6 +12,7 @@ objects and ``BroadcastGlobalVariablesHook`` (TF1 sessions) are not supported. `
 import tensorflow as tf
 
 from perseus._keras.keras2_api import accept_compile_run_tf_function, allow_optimizer_variables_call
+from perseus.common.api import wire_bytes
 from perseus.common.exceptions import HorovodInternalError, PerseusInternalError
 from perseus.common.reduce_ops import reject_adasum
 from perseus.tensorflow import compression, elastic, functions, gradient_tape, mpi_ops, util
@@ -46,7 +47,7 @@ __all__ = [
     "allgather_object", "broadcast_global_variables", "DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer",
     "HorovodInternalError", "PerseusInternalError", "PerseusFailedPreconditionError", "PerseusUnknownError",
     "gpu_available", "split_list", "handle_average_backwards_compatibility", "check_num_rank_power_of_2",
-    "mpi_ops", "util", "elastic", "SyncBatchNormalization",
+    "mpi_ops", "util", "elastic", "SyncBatchNormalization", "wire_bytes",
 ]
 
 

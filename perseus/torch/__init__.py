@@ -3,6 +3,7 @@
 Change ``import horovod.torch as hvd`` to ``import perseus.torch as hvd``; nothing else in the script changes.
 """
 
+from perseus.common.api import wire_bytes
 from perseus.common.exceptions import HorovodInternalError, PerseusInternalError
 from perseus.torch import compression, elastic, functions, mpi_ops, optimizer
 from perseus.torch.compression import Compression
@@ -35,6 +36,7 @@ __all__ = [
     "add_process_set", "remove_process_set", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp",
     "HorovodInternalError", "PerseusInternalError", "mpi_ops", "DistributedOptimizer", "broadcast_parameters",
     "broadcast_optimizer_state", "broadcast_object", "allgather_object", "elastic", "SyncBatchNorm",
+    "wire_bytes",
 ]
 
 

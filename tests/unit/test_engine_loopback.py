@@ -1490,3 +1490,133 @@ def test_steps_are_timed_from_first_submission_to_last_completion(make_sim):
         assert len({d for _, _, d in steps}) == 1, steps  # the same names, dtypes and shapes every step
         assert steps[2][0] >= 0.1 > max(steps[0][0], steps[1][0], steps[3][0]), steps
         assert first3 == 3 and steps3 == steps[3:]
+
+
+# ============================================================================= bytes on the wire
+
+WIRE_KEYS = ("sent_bytes", "received_bytes", "control_sent_bytes", "control_received_bytes")
+
+
+def _wire_delta(before: dict, after: dict) -> dict:
+    assert set(before) == set(after) == set(WIRE_KEYS)
+    for k in WIRE_KEYS:
+        assert after[k] >= before[k], f"{k} went down: {before[k]} -> {after[k]}"
+    return {k: after[k] - before[k] for k in WIRE_KEYS}
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "mpi"])
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_wire_bytes_of_each_collective(make_sim, algorithm, n):
+    # The ring counts what its point-to-point steps move; the transport's own all-reduce counts the ring's
+    # volume: both are 2 (n-1)/n of the buffer each way. The other collectives count the textbook volume.
+    sim = make_sim(n, allreduce_algorithm=algorithm)
+    count = 12000  # float32 elements: divisible by 1..4, so every ring segment is the same size
+    nbytes = count * 4
+    rows = [r + 1 for r in range(n)]  # allgather: rank r sends r+1 rows of 5 float32
+    splits = [[r + q + 1 for q in range(n)] for r in range(n)]  # alltoall: rank r sends r+q+1 rows to q
+    rs_counts = [c * 4 for c in even_counts(2 * n + 1, n)]  # reducescatter: elements of (2n+1, 4) per rank
+
+    def rank(r, e):
+        deltas = {}
+
+        def measure(what, op_type, items, keep, finish=None):
+            before = e.wire_bytes(0)
+            wait(e, submit(e, op_type, items, keep, finish))
+            deltas[what] = _wire_delta(before, e.wire_bytes(0))
+
+        x = np.ones(count, np.float32)
+        measure("allreduce", ALLREDUCE, [item("w.ar", DType.FLOAT32, x, x)], x)
+        g = np.ones((rows[r], 5), np.float32)
+        measure("allgather", ALLGATHER, [item("w.ag", DType.FLOAT32, g, None)], g, RESULTS)
+        b = np.ones(1000, np.float32)
+        measure("broadcast", BROADCAST, [item("w.bc", DType.FLOAT32, b, b, root=n - 1)], b)
+        a = np.ones((sum(splits[r]), 3), np.float32)
+        measure("alltoall", ALLTOALL, [item("w.a2a", DType.FLOAT32, a, None, splits=splits[r])], a, RESULTS)
+        s = np.ones((2 * n + 1, 4), np.float32)
+        out = np.zeros((even_counts(2 * n + 1, n)[r], 4), np.float32)
+        measure("reducescatter", REDUCESCATTER, [item("w.rs", DType.FLOAT32, s, out)], (s, out))
+        measure("barrier", BARRIER, [item("w.barrier", DType.UINT8, None, None, shape=())], None)
+        return deltas
+
+    for r, d in enumerate(sim.run(rank)):
+        ar = 2 * (n - 1) * nbytes // n
+        assert (d["allreduce"]["sent_bytes"], d["allreduce"]["received_bytes"]) == (ar, ar), (r, d["allreduce"])
+        assert d["allgather"]["sent_bytes"] == rows[r] * 20 * (n - 1), (r, d["allgather"])
+        assert d["allgather"]["received_bytes"] == sum(rows[q] * 20 for q in range(n) if q != r)
+        root = n - 1
+        assert d["broadcast"]["sent_bytes"] == (4000 * (n - 1) if r == root else 0), (r, d["broadcast"])
+        assert d["broadcast"]["received_bytes"] == (0 if r == root or n == 1 else 4000), (r, d["broadcast"])
+        assert d["alltoall"]["sent_bytes"] == sum(splits[r][q] * 12 for q in range(n) if q != r)
+        assert d["alltoall"]["received_bytes"] == sum(splits[q][r] * 12 for q in range(n) if q != r)
+        assert d["reducescatter"]["sent_bytes"] == sum(rs_counts[q] * 4 for q in range(n) if q != r)
+        assert d["reducescatter"]["received_bytes"] == rs_counts[r] * 4 * (n - 1)
+        assert d["barrier"]["sent_bytes"] == d["barrier"]["received_bytes"] == 0
+        if n > 1:  # every new name was negotiated: control traffic, never counted as payload
+            for what in ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier"):
+                assert d[what]["control_sent_bytes"] > 0 and d[what]["control_received_bytes"] > 0, (what, d)
+        else:
+            assert all(v == 0 for v in d["allreduce"].values()), d
+
+
+@pytest.mark.parametrize("algorithm,hosts", [("ring", [0, 1]), ("ring", [0, 1, 2]), ("hierarchical", [0, 0, 1, 1])],
+                         ids=["ring-2", "ring-3", "hierarchical-2x2"])
+def test_wire_bytes_over_links_count_what_moves(make_sim, algorithm, hosts):
+    # Across hosts the ring travels over the channels' TCP connections: the bodies are payload, the 8-byte
+    # length of each transfer and the handshakes are control. The hierarchical all-reduce of 2 hosts x 2
+    # ranks moves half the buffer in each of its three phases.
+    n = len(hosts)
+    sim = make_sim(n, hosts=hosts, allreduce_algorithm=algorithm, network_interface="lo")
+    count = 12000
+    nbytes = count * 4
+
+    def rank(r, e):
+        x = np.ones(count, np.float32)
+        before = e.wire_bytes(0)
+        wait(e, submit(e, ALLREDUCE, [item("links.ar", DType.FLOAT32, x, x, op=SUM)], x))
+        after = e.wire_bytes(0)
+        assert np.all(x == n)
+        return _wire_delta(before, after)
+
+    want = 3 * nbytes // 2 if algorithm == "hierarchical" else 2 * (n - 1) * nbytes // n
+    deltas = sim.run(rank)
+    for r, d in enumerate(deltas):
+        assert d["sent_bytes"] == want and d["received_bytes"] == want, (r, d)
+        # At least the length headers of the ring's 2 (n-1) transfers (or the cross ring's 2) travelled.
+        transfers = 2 if algorithm == "hierarchical" else 2 * (n - 1)
+        assert d["control_sent_bytes"] >= 8 * transfers and d["control_received_bytes"] >= 8 * transfers, (r, d)
+
+
+def test_wire_bytes_are_per_process_set_and_only_grow(make_sim):
+    n = 3
+    sim = make_sim(n, allreduce_algorithm="ring")
+    sim.run(lambda r, e: e.add_loopback_process_set(1, sim.world, r, sim.world_ranks))
+
+    def rank(r, e):
+        readings = [(e.wire_bytes(0), e.wire_bytes(1))]
+        assert readings[0][1]["sent_bytes"] == readings[0][1]["received_bytes"] == 0  # a new set: no payload yet
+        for step in range(4):
+            ps = step % 2
+            x = np.ones(3000 * (step + 1), np.float32)
+            wait(e, e.submit(ps, ALLREDUCE, [item(f"ps.{step}", DType.FLOAT32, x, x)], None, x))
+            readings.append((e.wire_bytes(0), e.wire_bytes(1)))
+        with pytest.raises(ValueError, match="no process set with id 7"):
+            e.wire_bytes(7)
+        return readings
+
+    for r, readings in enumerate(sim.run(rank)):
+        for step in range(4):
+            (b0, b1), (a0, a1) = readings[step], readings[step + 1]
+            d0, d1 = _wire_delta(b0, a0), _wire_delta(b1, a1)
+            moved = 2 * (n - 1) * 3000 * (step + 1) * 4 // n
+            busy, idle = (d0, d1) if step % 2 == 0 else (d1, d0)
+            assert busy["sent_bytes"] == busy["received_bytes"] == moved, (r, step, busy)
+            assert idle["sent_bytes"] == idle["received_bytes"] == 0, (r, step, idle)
+
+
+def test_wire_bytes_before_init_is_a_value_error():
+    from perseus.common import api
+    from perseus.common.basics import PerseusBasics
+
+    with pytest.raises(ValueError, match="not been initialized"):
+        PerseusBasics().wire_bytes()
+    assert api.wire_bytes.__self__ is api._basics and "wire_bytes" in api.__all__

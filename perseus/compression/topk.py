@@ -11,11 +11,11 @@ under the same name, and raise, instead of adding indices from a different tenso
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import numpy as np
 
+from perseus.common.knobs import read_knob
 from perseus.compression import selectors
 from perseus.compression.base import KeyState, Reducer, signature
 
@@ -61,7 +61,7 @@ class TopK(Reducer):
         if not 0.0 < density <= 1.0:
             raise ValueError(f"perseus: Compression.topk(density): density must be in (0, 1], got {density}")
         self.density = density
-        self.selector = selector or os.environ.get("PERSEUS_TOPK_SELECTOR", "auto")
+        self.selector = selector or read_knob("topk_selector")[0]
         if self.selector != "auto" and self.selector not in selectors.SELECTORS:
             raise ValueError(f"perseus: unknown top-k selector {self.selector!r}; choose one of "
                              f"{', '.join(['auto', *selectors.SELECTORS])}")

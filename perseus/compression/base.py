@@ -92,16 +92,24 @@ class Pending:
     ``finish`` runs once, on the first :meth:`wait`, on the caller's thread.
     """
 
-    __slots__ = ("_finish", "_result")
+    __slots__ = ("_finish", "_result", "_error")
 
     def __init__(self, finish: Callable[[], list]):
         self._finish = finish
         self._result = None
+        self._error = None
 
     def wait(self) -> list:
+        """The dense results; raises what the reduction raised, on this and every later call."""
         if self._finish is not None:
             finish, self._finish = self._finish, None
-            self._result = finish()
+            try:
+                self._result = finish()
+            except BaseException as exc:
+                self._error = exc
+                raise
+        if self._error is not None:
+            raise self._error
         return self._result
 
 

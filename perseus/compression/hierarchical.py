@@ -36,7 +36,7 @@ from perseus.common.partition import even_counts
 from perseus.common.process_sets import ProcessSet, global_process_set
 from perseus.common.reduce_ops import ReduceOp
 from perseus.compression import selectors
-from perseus.compression.base import KeyState, Reducer
+from perseus.compression.base import KeyState, Reducer, signature
 from perseus.compression.topk import sparse_sum
 
 __all__ = ["HiTopK"]
@@ -150,6 +150,7 @@ class HiTopK(Reducer):
             return collect_dense
 
         counts = even_counts(n, per_host)
+        sig = st.extra.setdefault("sig", signature("hitopk", n, per_host))
         j = local.rank()
         lo = int(sum(counts[:j]))
         cnt = int(counts[j])
@@ -169,16 +170,31 @@ class HiTopK(Reducer):
 
         def collect():
             if h1 is not None:
-                c.synchronize(h1)
+                try:
+                    c.synchronize(h1)
+                except Exception:
+                    # This host disagreed (its reduce-scatter failed): still take part in the exchange between
+                    # hosts, with a payload whose signature cannot match, so the other hosts' ranks fail too,
+                    # naming the key, instead of waiting for a peer that has given up.
+                    poison = np.zeros(1, np.float32)
+                    poison.view(np.uint32)[0] = (sig + 1) & 0xFFFFFFFF
+                    try:
+                        c.synchronize(c.allgather_async(poison, lambda shape: np.empty(shape, np.float32),
+                                                        name=name + ".x", process_set=cross))
+                    except Exception:
+                        pass
+                    self._drop(st)
+                    raise
             else:
                 shard[:] = acc
             k = max(1, min(cnt, math.ceil(self.density * cnt))) if cnt else 0
             mag = st.extra["mag"]
             np.abs(shard, out=mag)
             idx = selectors.select(mag, k, st.extra["selector"]) if k else np.empty(0, np.int64)
-            payload = np.empty(2 * k, np.float32)
+            payload = np.empty(2 * k + 1, np.float32)
             np.take(shard, idx, out=payload[:k])
-            payload[k:].view(np.int32)[:] = idx
+            payload[k:2 * k].view(np.int32)[:] = idx
+            payload[2 * k:].view(np.uint32)[0] = sig
             if self.error_feedback:  # keep the unsent part of the owned slice, nothing elsewhere
                 acc.fill(0.0)
                 own = acc[lo:lo + cnt]
@@ -188,7 +204,12 @@ class HiTopK(Reducer):
             h2 = c.allgather_async(payload, lambda shape: np.empty(shape, np.float32), name=name + ".x",
                                    process_set=cross)
             res = c.synchronize(h2)
-            summed = sparse_sum(res.output, res.received_splits, st.extra["shard_sum"])
+            off = 0
+            for length in res.received_splits:
+                off += int(length)
+                if length < 1 or res.output[off - 1:off].view(np.uint32)[0] != sig:
+                    raise self._mismatch(st, "the size")
+            summed = sparse_sum(res.output, res.received_splits, st.extra["shard_sum"], trailer=1)
             dense = st.extra["dense"]
             if per_host == 1:
                 dense[:] = summed

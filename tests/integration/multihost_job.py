@@ -169,6 +169,13 @@ def hitopk(hosts, per_host):
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     every = hvd.allgather(flat.unsqueeze(0), name="hitopk.params")
     check(all(torch.equal(every[0], every[i]) for i in range(hvd.size())), "parameters differ between ranks")
+    try:  # a gradient whose size differs on one rank fails on every rank, naming it
+        hvd.allreduce(torch.ones(100 if hvd.rank() == 0 else 101), name="hitopk.bad",
+                      compression=hvd.Compression.hitopk(0.1))
+    except hvd.HorovodInternalError as exc:
+        check("hitopk.bad" in str(exc), f"the error does not name the tensor: {exc}")
+    else:
+        check(False, "a size mismatch was not reported")
     print(f"OK hitopk rank {hvd.rank()} on {socket.gethostname()}", flush=True)
 
 

@@ -45,7 +45,7 @@ import numpy as np
 from perseus.common.process_sets import ProcessSet, global_process_set
 from perseus.common.reduce_ops import ReduceOp
 from perseus.compression.base import KeyState, Pending, Reducer
-from perseus.compression.cupcake import (StepProfiler, _set_info, broadcast_from_first, fit_affine,
+from perseus.compression.profiling import (StepProfiler, _set_info, broadcast_from_first, fit_affine,
                                          probe_collective)
 from perseus.compression.dense import Dense
 from perseus.compression.topk import TopK

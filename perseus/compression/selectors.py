@@ -86,7 +86,7 @@ SELECTORS: dict[str, Callable[[np.ndarray, int], np.ndarray]] = {
     "exact": _exact, "mstopk": _mstopk, "dgc": _dgc,
 }
 try:  # noqa: SIM105 - optional
-    import torch  # noqa: F401
+    import torch  # noqa: F401 - only to know whether it is there
 
     SELECTORS["torch"] = _torch
 except ImportError:  # pragma: no cover - torch-less installs

@@ -349,18 +349,26 @@ class Reducer:
 
     @staticmethod
     def _scatter(dense: np.ndarray, arrays, outputs, scale: float) -> list:
-        """Split the flat dense result into one output per input, scaled, in the inputs' shapes and dtypes."""
-        if scale != 1.0:
-            dense *= np.float32(scale)
+        """Split the flat dense result into one output per input, scaled, in the inputs' shapes and dtypes
+        (one pass over the data for float32 outputs)."""
+        factor = np.float32(scale)
         results, off = [], 0
         for i, a in enumerate(arrays):
             part = dense[off:off + a.size].reshape(a.shape)
             off += a.size
             target = outputs[i] if outputs is not None else np.empty(a.shape, a.dtype)
-            if target.dtype == np.uint16:  # bfloat16 carried as raw words
-                target[...] = _to_bf16_words(part)
+            if target.dtype == np.float32:
+                if scale != 1.0:
+                    np.multiply(part, factor, out=target)
+                else:
+                    np.copyto(target, part)
             else:
-                np.copyto(target, part, casting="unsafe")
+                if scale != 1.0:
+                    part = part * factor
+                if target.dtype == np.uint16:  # bfloat16 carried as raw words
+                    target[...] = _to_bf16_words(part)
+                else:
+                    np.copyto(target, part, casting="unsafe")
             results.append(target)
         return results
 

@@ -54,8 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     best = min(rows, key=lambda r: float(r["seconds_per_step"]))
     ax.set_xlabel("sample")
     ax.set_ylabel("ms per step (slowest rank, median)")
+    policy = f", policy {best['compression_policy']}" if best.get("compression_policy") else ""
     ax.set_title(f"best: unit {int(best['tensor_fusion_threshold']) / (1 << 20):g} MB, {best['channels']} channels, "
-                 f"{best['algorithm']}, cycle {best['cycle_time_ms']} ms", fontsize=10)
+                 f"{best['algorithm']}, cycle {best['cycle_time_ms']} ms{policy}", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(args.output, dpi=110)

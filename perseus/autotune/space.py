@@ -1,8 +1,13 @@
 """What the run-time tuner searches: the engine parameters a TUNE request sets, each with its candidate values.
 
 A :class:`Config` is one point: fusion (all-reduce unit) size, in-place threshold, active channels, cycle time
-and all-reduce algorithm. :class:`Space` lists the candidate values per parameter; a parameter the user set
-explicitly has one candidate (its value), so the tuner never overrides an explicit choice.
+and all-reduce algorithm, and the policy of the job's Espresso compressor. :class:`Space` lists the candidate
+values per parameter; a parameter the user set explicitly has one candidate (its value), so the tuner never
+overrides an explicit choice.
+
+The compressor policy (:data:`POLICY`) is a dimension only when an Espresso compressor takes part
+(:mod:`perseus.autotune.policy`); otherwise it has the one candidate 0 and is searched by no technique, so a
+job without one is tuned exactly as before.
 """
 
 from __future__ import annotations
@@ -12,11 +17,17 @@ import itertools
 import random
 from typing import Iterator, Sequence
 
-__all__ = ["ALGORITHMS", "Config", "Space", "PARAMS"]
+__all__ = ["ALGORITHMS", "COMPRESSION_POLICIES", "Config", "Space", "PARAMS", "POLICY", "ALL_PARAMS"]
 
 # Codes as in the engine (native/common.h Algorithm) and PERSEUS_ALLREDUCE_ALGORITHM.
 ALGORITHMS = ("auto", "mpi", "ring", "hierarchical")
+#: Espresso's policies (perseus.compression.espresso.POLICIES, same order): Config.compression_policy indexes it
+COMPRESSION_POLICIES = ("espresso", "dense", "all-compressed")
+#: the engine parameters, in the order of a TUNE request
 PARAMS = ("fusion_threshold_bytes", "inplace_threshold_bytes", "channels", "cycle_time_us", "algorithm")
+#: the compressor's policy: not an engine parameter; applied by the compressor at a step boundary
+POLICY = "compression_policy"
+ALL_PARAMS = PARAMS + (POLICY,)
 
 _KB, _MB = 1 << 10, 1 << 20
 FUSION_CHOICES = (256 * _KB, 1 * _MB, 2 * _MB, 4 * _MB, 8 * _MB, 16 * _MB, 32 * _MB, 64 * _MB)
@@ -34,15 +45,28 @@ class Config:
     channels: int
     cycle_time_us: int
     algorithm: int  # index into ALGORITHMS
+    #: index into COMPRESSION_POLICIES; 0 ('espresso', Espresso's default) when no compressor takes part, and
+    #: for a setting remembered before the field existed
+    compression_policy: int = 0
 
     def values(self) -> tuple[int, int, int, int, int]:
+        """The engine parameters (what a TUNE request carries)."""
         return (self.fusion_threshold_bytes, self.inplace_threshold_bytes, self.channels, self.cycle_time_us,
                 self.algorithm)
 
-    def describe(self) -> str:
+    def all_values(self) -> tuple[int, int, int, int, int, int]:
+        """The engine parameters, then the compressor policy."""
+        return self.values() + (self.compression_policy,)
+
+    @property
+    def policy_name(self) -> str:
+        return COMPRESSION_POLICIES[self.compression_policy]
+
+    def describe(self, policy: bool = False) -> str:
+        """One line for people; ``policy``: also name the compressor policy (when one takes part)."""
         return (f"unit {self.fusion_threshold_bytes / _MB:g} MB, in-place from {self.inplace_threshold_bytes / _KB:g} KB, "
                 f"{self.channels} channel{'s' if self.channels != 1 else ''}, cycle {self.cycle_time_us / 1000:g} ms, "
-                f"{ALGORITHMS[self.algorithm]}")
+                f"{ALGORITHMS[self.algorithm]}" + (f", policy {self.policy_name}" if policy else ""))
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -57,10 +81,13 @@ class Space:
     channels: tuple[int, ...]
     cycle_time_us: tuple[int, ...]
     algorithm: tuple[int, ...]
+    compression_policy: tuple[int, ...] = (0,)
 
     @classmethod
-    def build(cls, *, max_channels: int, multi_host: bool, fixed: dict | None = None) -> "Space":
-        """The default space; ``fixed`` maps parameter names (PARAMS) to the one value they must keep."""
+    def build(cls, *, max_channels: int, multi_host: bool, fixed: dict | None = None,
+              policies: bool = False) -> "Space":
+        """The default space; ``fixed`` maps parameter names (ALL_PARAMS) to the one value they must keep;
+        ``policies``: search the compressor policy over every one of COMPRESSION_POLICIES."""
         fixed = fixed or {}
         algorithms = (0, 1, 2, 3) if multi_host else (0, 1, 2)
         choices = {
@@ -69,37 +96,57 @@ class Space:
             "channels": tuple(c for c in CHANNEL_CHOICES if c <= max_channels) or (1,),
             "cycle_time_us": CYCLE_CHOICES_US,
             "algorithm": algorithms,
+            POLICY: tuple(range(len(COMPRESSION_POLICIES))) if policies else (0,),
         }
         for name, value in fixed.items():
             if name not in choices:
-                raise ValueError(f"unknown tuned parameter {name!r}; expected one of {', '.join(PARAMS)}")
+                raise ValueError(f"unknown tuned parameter {name!r}; expected one of {', '.join(ALL_PARAMS)}")
             choices[name] = (value,)
         return cls(**choices)
+
+    def with_policies(self, policies) -> "Space":
+        """This space with the compressor policy's candidates replaced (indexes into COMPRESSION_POLICIES)."""
+        return dataclasses.replace(self, compression_policy=tuple(int(p) for p in policies))
 
     def choices(self, name: str) -> tuple[int, ...]:
         return getattr(self, name)
 
+    def searched(self) -> tuple[str, ...]:
+        """The parameters a technique proposes values for: the engine's, and the compressor policy when it has
+        more than one candidate (else it keeps its one value, and a job without a compressor is searched as
+        it always was)."""
+        return ALL_PARAMS if len(self.compression_policy) > 1 else PARAMS
+
+    def make(self, **values) -> Config:
+        """A Config from values of :meth:`searched`; a parameter not given takes its first candidate."""
+        for name in ALL_PARAMS:
+            if name not in values:
+                values[name] = self.choices(name)[0]
+        return Config(**values)
+
     def size(self) -> int:
         n = 1
-        for name in PARAMS:
+        for name in ALL_PARAMS:
             n *= len(self.choices(name))
         return n
 
     def contains(self, config: Config) -> bool:
-        return all(getattr(config, name) in self.choices(name) for name in PARAMS)
+        return all(getattr(config, name) in self.choices(name) for name in ALL_PARAMS)
 
     def grid(self, seed: int = 0) -> list[Config]:
         """Every point, in a shuffled (seeded) order: a grid search that stops early has still spread out."""
-        points = [Config(*vals) for vals in itertools.product(*(self.choices(n) for n in PARAMS))]
+        names = self.searched()
+        points = [self.make(**dict(zip(names, vals))) for vals in itertools.product(*(self.choices(n) for n in names))]
         random.Random(seed).shuffle(points)
         return points
 
     def random(self, rng: random.Random) -> Config:
-        return Config(*(rng.choice(self.choices(n)) for n in PARAMS))
+        names = self.searched()
+        return self.make(**{n: rng.choice(self.choices(n)) for n in names})
 
     def neighbours(self, config: Config) -> Iterator[Config]:
         """Configs that differ in one parameter by one step of its candidate list."""
-        for name in PARAMS:
+        for name in self.searched():
             options = self.choices(name)
             value = getattr(config, name)
             i = options.index(value) if value in options else 0
@@ -110,7 +157,7 @@ class Space:
     def nearest(self, config: Config) -> Config:
         """The point of this space closest to config (per parameter, the nearest candidate)."""
         values = {}
-        for name in PARAMS:
+        for name in ALL_PARAMS:
             options: Sequence[int] = self.choices(name)
             v = getattr(config, name)
             values[name] = v if v in options else min(options, key=lambda o: (abs(o - v), o))

@@ -12,7 +12,7 @@ import dataclasses
 import random
 from typing import Optional
 
-from perseus.autotune.space import PARAMS, Config, Space
+from perseus.autotune.space import Config, Space
 
 __all__ = ["Technique", "GridSearch", "Bayesian", "Hyperband", "PopulationBased", "make_techniques"]
 
@@ -40,19 +40,21 @@ class Technique:
 
 
 class _OptunaTechnique(Technique):
-    """Shared plumbing: one Optuna study over the space's categorical parameters."""
+    """Shared plumbing: one Optuna study over the space's categorical parameters (the compressor policy among
+    them when it is searched)."""
 
     def __init__(self, space: Space, sampler, pruner=None):
         optuna = _optuna()
         self._optuna = optuna
         self.space = space
+        self.names = space.searched()
         self.study = optuna.create_study(direction="minimize", sampler=sampler, pruner=pruner)
-        self.dists = {n: optuna.distributions.CategoricalDistribution(list(space.choices(n))) for n in PARAMS}
+        self.dists = {n: optuna.distributions.CategoricalDistribution(list(space.choices(n))) for n in self.names}
         self.trial = None
 
     def _suggest(self) -> Config:
         self.trial = self.study.ask(self.dists)
-        return Config(**{n: self.trial.params[n] for n in PARAMS})
+        return self.space.make(**{n: self.trial.params[n] for n in self.names})
 
     def ask(self) -> Config:
         return self._suggest()
@@ -63,7 +65,7 @@ class _OptunaTechnique(Technique):
             self.trial = None
         elif self.space.contains(config):
             self.study.add_trial(self._optuna.trial.create_trial(
-                params=config.as_dict(), distributions=self.dists, value=cost))
+                params={n: getattr(config, n) for n in self.names}, distributions=self.dists, value=cost))
 
 
 class GridSearch(Technique):
@@ -138,7 +140,9 @@ class PopulationBased(Technique):
     """Population-based training over configurations: a population of members; each turn one member is
     either replaced by a copy of the best member (when it is in the worst quarter) or kept, then perturbed:
     usually one parameter moves one step, sometimes (``resample``) one parameter takes any of its values,
-    so that the population can leave a region that one-step moves would take many samples to cross."""
+    so that the population can leave a region that one-step moves would take many samples to cross. The
+    compressor policy, when searched, is one parameter like the others (its step: the next policy in
+    COMPRESSION_POLICIES)."""
 
     name = "pbt"
 
@@ -163,7 +167,8 @@ class PopulationBased(Technique):
         if i in ranked[-max(1, len(ranked) // 4):]:
             base = self.population[ranked[0]][0]  # exploit: copy the best
         if self.rng.random() < self.resample:  # explore far: one parameter, any value
-            name = self.rng.choice([n for n in PARAMS if len(self.space.choices(n)) > 1] or list(PARAMS))
+            names = self.space.searched()
+            name = self.rng.choice([n for n in names if len(self.space.choices(n)) > 1] or list(names))
             config = dataclasses.replace(base, **{name: self.rng.choice(self.space.choices(name))})
         else:  # explore near: one parameter, one step
             config = self.rng.choice(list(self.space.neighbours(base)) or [base])

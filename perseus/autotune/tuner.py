@@ -14,10 +14,16 @@ The steps spent searching are ordinary training steps. When the budget of steps 
 settings are measured once more and the better one is applied for the rest of the run and remembered
 (:mod:`perseus.autotune.cache`), so that a later run of the same job on the same topology starts from it
 without searching. All collectives of the tuner are named ``perseus.autotune.*``; they belong to no step.
+
+When an Espresso compressor has registered (:mod:`perseus.autotune.policy`) and has made its decision by the
+time the search starts, its policy is one more dimension of the search: every setting then also carries a
+policy, which the compressor applies at a step boundary agreed on by every rank (not through the TUNE
+request), and each sample skips one more step so that none of its measured steps ran under the old policy.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import threading
@@ -28,8 +34,9 @@ import numpy as np
 
 from perseus.autotune import cache as cachelib
 from perseus.autotune.log import TuneLog
+from perseus.autotune.policy import PolicyLink
 from perseus.autotune.search import Search
-from perseus.autotune.space import ALGORITHMS, Config, Space
+from perseus.autotune.space import ALGORITHMS, COMPRESSION_POLICIES, POLICY, Config, Space
 
 __all__ = ["Tuner", "tuned_fixed_params"]
 
@@ -67,6 +74,8 @@ def tuned_fixed_params(settings) -> dict:
         "cycle_time_us": (int(round(settings.cycle_time_ms * 1000)), settings.is_explicit("cycle_time_ms")),
         "algorithm": (ALGORITHMS.index(algorithm),
                       settings.is_explicit("allreduce_algorithm") or settings.hierarchical_allreduce),
+        # -1: the policy the compressor has when the search starts (set_policy() is the explicit setting)
+        POLICY: (-1, False),
     }
     choice = settings.autotune_fixed.strip().lower()
     if choice == "explicit":
@@ -97,9 +106,16 @@ class Tuner:
                             if settings.is_explicit("autotune_bayes_opt_max_samples") else None)
         self.topology = topology
         fixed = tuned_fixed_params(settings)
+        # The compressor policy is kept when named in PERSEUS_AUTOTUNE_FIXED or, with 'explicit', when the
+        # compressor's set_policy() was called before the search (decided at the start of the search).
+        self._policy_fixed = fixed.pop(POLICY, None) is not None
+        self._policy_explicit_kept = settings.autotune_fixed.strip().lower() == "explicit"
         current = engine.params(0)
         self.space = Space.build(max_channels=int(current[5]), multi_host=multi_host, fixed=fixed)
         self.initial = Config(*current[:5])
+        #: the compressor whose policy the tuner may set, and the proposals this rank has posted to it
+        self.policy = PolicyLink()
+        self._policy_tuned = False  # the settings exchanged carry a compressor policy (known on every rank)
         self.search: Optional[Search] = None
         self.log = TuneLog(settings.autotune_log) if rank == 0 and settings.autotune_log else None
         self.cache_path = cachelib.path(settings)
@@ -150,7 +166,10 @@ class Tuner:
         self._wait(self.engine.submit(0, _ALLREDUCE, [item], None, buf))
         return float(buf[0])
 
-    def _apply(self, config: Config) -> None:
+    def _apply(self, config: Config, final: bool = False) -> None:
+        # Posted first, on every rank: a compressor switches its policy at the first step boundary at which
+        # any rank has posted it (perseus.autotune.policy); -1 leaves its policy alone.
+        self.policy.post(config.compression_policy if self._policy_tuned else -1, final)
         self._wait(self.engine.tune(0, self._name("tune"), *config.values()))
 
     def _completed(self) -> int:
@@ -176,29 +195,43 @@ class Tuner:
         except Exception as exc:  # noqa: BLE001 - the job goes on with the setting in force
             if not self._stop.is_set():
                 log.warning("perseus autotune stopped: %s; the job goes on with the setting in force", exc)
+        finally:
+            self.policy.end()  # a compressor still following stops (at the same step on every rank)
 
     def _sample(self, config: Config) -> float:
         """Apply config, skip the step in progress, measure steps_per_sample steps; the slowest rank's median."""
         self._apply(config)
-        self._step = self._completed() + 1  # the step in progress when the switch happened is mixed
+        # The step in progress when the switch happened is mixed. A compressor policy switches at a step
+        # boundary after the proposal was posted: at the latest at the start of the step after next.
+        self._step = self._completed() + (2 if self._policy_tuned and not self.policy.done else 1)
         steps = self._wait_steps(self.steps_per_sample)
         local = float(np.median([s[0] for s in steps]))
         self._last_steps = steps
         return self._max(local)
 
     def _exchange(self, kind: int, technique: int = 0, config: Optional[Config] = None) -> tuple[int, int, Config]:
-        msg = np.zeros(7, np.int64)
+        """Rank 0's word to every rank: kind, technique, the five engine values and the compressor policy
+        (-1 when the policy is not tuned: then every rank's Config has policy 0 and leaves the compressor alone)."""
+        msg = np.zeros(8, np.int64)
         if self.rank == 0:
+            config = config or self.initial
             msg[0], msg[1] = kind, technique
-            msg[2:] = (config or self.initial).values()
+            msg[2:7] = config.values()
+            msg[7] = config.compression_policy if self._policy_tuned else -1
         self._broadcast(msg)
-        return int(msg[0]), int(msg[1]), Config(*(int(v) for v in msg[2:]))
+        policy = int(msg[7])
+        self._policy_tuned = policy >= 0
+        return int(msg[0]), int(msg[1]), Config(*(int(v) for v in msg[2:7]), compression_policy=max(0, policy))
 
     def _tune(self) -> None:
         self._wait_steps(self.warmup_steps + 1)  # first steps: negotiation of new names, allocations
         digest, step_bytes = self._last_signature()
+        if self.rank == 0:
+            self._policy_tuned = self._policy_dimension()  # the other ranks learn it from the next exchange
         # Rank 0 looks the job up in the cache and tells every rank whether to search, and from where.
         known = cachelib.lookup(self.cache_path, digest, self.topology, step_bytes) if self.rank == 0 else None
+        if known is not None and not self._policy_tuned:  # a remembered policy matters only when tuned
+            known = cachelib.Known(dataclasses.replace(known.config, compression_policy=0), known.exact)
         exact = known is not None and known.exact and self.space.contains(known.config)
         kind, _, start = self._exchange(_FINAL if exact else _SAMPLE, 0,
                                         known.config if known is not None else self.initial)
@@ -207,8 +240,8 @@ class Tuner:
             self._finish(config, reason=f"remembered from an earlier run ({self.cache_path})")
         else:
             if self.rank == 0 and known is not None:
-                print(f"perseus autotune: starting from the setting of a similar job: {start.describe()}",
-                      file=sys.stderr, flush=True)
+                print(f"perseus autotune: starting from the setting of a similar job: "
+                      f"{start.describe(self._policy_tuned)}", file=sys.stderr, flush=True)
             config = self._search(start, digest, step_bytes)
         while self.retune_drift > 0:
             self._watch()
@@ -290,6 +323,41 @@ class Tuner:
             log.warning("perseus autotune: the search failed (%s); keeping the best so far", exc)
             return "", None
 
+    def _policy_dimension(self) -> bool:
+        """Rank 0, at the start of the first search: whether the compressor policy is searched (and if so, add
+        it to the space and start from the compressor's policy). Only when a compressor has registered, its
+        policy is not kept (PERSEUS_AUTOTUNE_FIXED), and it has made its decision (before that every policy
+        sends every gradient dense: nothing to measure)."""
+        compressor = self.policy.registered()
+        if compressor is None:
+            return False
+        if self._policy_fixed or (self._policy_explicit_kept and getattr(compressor, "policy_explicit", False)):
+            print(f"perseus autotune: the compression policy stays {compressor.policy!r}", file=sys.stderr,
+                  flush=True)
+            return False
+        if not self._await_decision(compressor):
+            print("perseus autotune: the compressor made no decision in time; its policy is not tuned",
+                  file=sys.stderr, flush=True)
+            return False
+        self.space = self.space.with_policies(range(len(COMPRESSION_POLICIES)))
+        self.initial = dataclasses.replace(self.initial,
+                                           compression_policy=COMPRESSION_POLICIES.index(compressor.policy))
+        return True
+
+    def _await_decision(self, compressor) -> bool:
+        """Wait until the compressor has decided; False when it has passed the step of its decision without
+        deciding, or the job has run many steps without it deciding (a compressor no longer used)."""
+        follower = self.policy.follower
+        decision_step = int(getattr(compressor, "warmup_steps", 0)) + int(getattr(compressor, "profile_steps", 1))
+        began = self._completed()
+        while not compressor.decided:
+            late = follower is not None and follower.steps > decision_step + 1
+            if (late or self._completed() - began > max(20, 4 * decision_step)) and not compressor.decided:
+                return False
+            if self._stop.wait(_POLL_S):
+                raise _Stopped()
+        return True
+
     def _last_signature(self) -> tuple[int, int]:
         _, steps = self.engine.steps(0, max(0, self._step - 1))
         if not steps:
@@ -297,10 +365,12 @@ class Tuner:
         return int(steps[-1][2]), int(steps[-1][1])
 
     def _finish(self, config: Config, reason: str) -> None:
-        self._apply(config)
+        self._apply(config, final=True)
         self.result = config
+        if self._policy_tuned:  # a later search (re-tuning) keeps the policy: the compressor follows no more
+            self.space = self.space.with_policies((config.compression_policy,))
         if self.rank == 0:
-            line = f"perseus autotune: done ({reason}): {config.describe()}"
+            line = f"perseus autotune: done ({reason}): {config.describe(self._policy_tuned)}"
             print(line, file=sys.stderr, flush=True)
             if self.log is not None:
                 self.log.close()
@@ -308,9 +378,9 @@ class Tuner:
     def _report(self, technique: str, config: Config, cost: float, improved: bool, label: str = "") -> None:
         best, best_cost = self.search.best()
         what = label or f"sample {self.samples}"
-        print(f"perseus autotune: {what} [{technique}] {config.describe()}: "
+        print(f"perseus autotune: {what} [{technique}] {config.describe(self._policy_tuned)}: "
               f"{cost * 1e3:.1f} ms/step{' (new best)' if improved else ''}; best {best_cost * 1e3:.1f} ms",
               file=sys.stderr, flush=True)
         if self.log is not None:
             self.log.row(sample=self.samples, step=self._step, technique=technique, config=config, cost=cost,
-                         best_cost=best_cost, steps=self._last_steps)
+                         best_cost=best_cost, steps=self._last_steps, policy=self._policy_tuned)

@@ -42,6 +42,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from perseus.autotune.policy import attach as _attach_autotune
 from perseus.common.process_sets import ProcessSet, global_process_set
 from perseus.common.reduce_ops import ReduceOp
 from perseus.compression.base import KeyState, Pending, Reducer
@@ -235,6 +236,13 @@ class Espresso(Reducer):
     the default), ``'dense'`` (every gradient dense float32), ``'all-compressed'`` (every gradient through
     the compressed option that sends the fewest bytes for the largest gradient).
 
+    Under the run-time autotuner (HOROVOD_AUTOTUNE), the first Espresso created after ``init()`` (or, if
+    created before, the first to reduce) registers with the tuner, which may search its policy once it has
+    decided; while the tuner may still change it, every step begins with one small all-reduce that makes
+    every rank switch at the same step (:mod:`perseus.autotune.policy`, docs/autotune.md). Other Espresso
+    instances of the job are left alone. Calling :meth:`set_policy` before the search starts keeps that
+    policy (with the default PERSEUS_AUTOTUNE_FIXED=explicit).
+
     Args:
         candidates: the options besides dense float32 (always option 0): a list of ``'fp16'``, ``'topk'`` (at
             ``density``) or communicating compressors (``Compression.topk(0.001)``, ...). Default: fp16 and
@@ -286,6 +294,11 @@ class Espresso(Reducer):
         self._pending_policy: Optional[str] = None
         self._rlock = threading.RLock()
         self._init_run_state()
+        #: set_policy() was called (the autotuner then keeps the policy, as it keeps explicit settings)
+        self.policy_explicit = False
+        # The autotuner's follower when this instance takes part (perseus.autotune.policy); asked again at the
+        # first reduction when no tuner ran at construction (created before init()).
+        self._autotune, self._autotune_asked = _attach_autotune(self)
 
     def _init_run_state(self):
         self.profiler = StepProfiler()
@@ -319,6 +332,9 @@ class Espresso(Reducer):
             for r in self.candidates:
                 r.reset()
             self._init_run_state()
+            # After a shutdown (elastic reset) the next job's tuner is asked again; the same tuner gives the
+            # same follower back.
+            self._autotune, self._autotune_asked = None, False
 
     def residual(self, key: str) -> Optional[np.ndarray]:
         """The residual of ``key`` in the compressor its current option uses (None for dense)."""
@@ -355,6 +371,7 @@ class Espresso(Reducer):
         if name not in POLICIES:
             raise ValueError(f"perseus: Espresso.set_policy: one of {', '.join(POLICIES)}, not {name!r}")
         with self._rlock:
+            self.policy_explicit = True
             if self._choice is None:
                 self.policy = name
             else:
@@ -478,6 +495,13 @@ class Espresso(Reducer):
                 if new_step and self.profiler.step == self.warmup_steps + self.profile_steps:
                     self.profiler.steps.pop()
                     self._decide_now(process_set)
+            if not self._autotune_asked:
+                self._autotune, _ = _attach_autotune(self)
+                self._autotune_asked = True
+            if self._autotune is not None:  # at a step boundary: the policy every rank uses for this step
+                code = self._autotune.at_call(key, process_set)
+                if code is not None:
+                    self.policy, self._pending_policy = POLICIES[code], None
             if self._choice is None:
                 dense = self.candidates[0]
                 t0 = time.perf_counter()

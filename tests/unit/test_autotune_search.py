@@ -140,3 +140,183 @@ def test_cache_exact_and_similar_jobs(tmp_path):
     assert cache.lookup(f, 0xABC, (2, 1, 2), 100 * MB) is None  # a damaged file is ignored, then rewritten
     cache.store(f, 0xABC, (2, 1, 2), 100 * MB, a, 1.0)
     assert cache.lookup(f, 0xABC, (2, 1, 2), 100 * MB).exact
+
+
+# -- the compressor policy dimension ---------------------------------------------------------------------------
+def policy_cost(c: Config) -> float:
+    """cost_fn, and the 'dense' policy (1) is best by far."""
+    return cost_fn(c) + (0.0 if c.compression_policy == 1 else 0.5)
+
+
+def test_policy_dimension_only_when_asked():
+    from perseus.autotune.space import ALL_PARAMS, COMPRESSION_POLICIES, PARAMS, POLICY
+    from perseus.compression.espresso import POLICIES
+
+    assert COMPRESSION_POLICIES == POLICIES  # Config.compression_policy indexes Espresso's policies
+    plain, with_policy = space(), Space.build(max_channels=8, multi_host=True, policies=True)
+    assert plain.searched() == PARAMS and plain.choices(POLICY) == (0,)
+    assert with_policy.searched() == ALL_PARAMS and with_policy.choices(POLICY) == (0, 1, 2)
+    assert with_policy.size() == 3 * plain.size()
+    assert {c.compression_policy for c in plain.grid()} == {0}
+    assert {c.compression_policy for c in with_policy.grid()} == {0, 1, 2}
+    assert len(set(with_policy.grid())) == with_policy.size()
+    c = Config(4 * MB, 256 << 10, 2, 0, 2)  # five fields: the policy defaults to 'espresso'
+    assert c.compression_policy == 0 and c.policy_name == "espresso"
+    assert plain.contains(c) and with_policy.contains(c)
+    d = Config(4 * MB, 256 << 10, 2, 0, 2, 1)
+    assert not plain.contains(d) and with_policy.contains(d) and plain.nearest(d) == c
+    assert d.values() == c.values() == (4 * MB, 256 << 10, 2, 0, 2)  # what a TUNE request carries
+    assert d.all_values() == c.values() + (1,)
+    assert "policy" not in d.describe() and d.describe(policy=True).endswith(", policy dense")
+    assert {n.compression_policy for n in with_policy.neighbours(d)} == {0, 1, 2}
+    assert {n.compression_policy for n in plain.neighbours(c)} == {0}
+    fixed = Space.build(max_channels=8, multi_host=True, policies=True, fixed={POLICY: 2})
+    assert fixed.searched() == PARAMS and {p.compression_policy for p in fixed.grid()[:20]} == {2}
+    assert with_policy.with_policies((1,)).choices(POLICY) == (1,)
+
+
+@pytest.mark.parametrize("technique", [GridSearch, Bayesian, Hyperband, PopulationBased])
+def test_each_technique_searches_the_policy(technique):
+    s = Space.build(max_channels=8, multi_host=True, policies=True)
+    t = technique(s, seed=5)
+    seen = set()
+    for _ in range(40):
+        c = t.ask()
+        assert s.contains(c)
+        seen.add(c.compression_policy)
+        t.tell(c, policy_cost(c), own=True)
+    assert len(seen) >= 2, seen
+    # Samples proposed by another technique are learnt too (Optuna: as trials over the same dimensions).
+    other = Config(8 * MB, 256 << 10, 4, 0, 2, 1)
+    t.tell(other, policy_cost(other), own=False)
+
+
+def test_search_finds_the_best_policy():
+    rng = random.Random(0)
+    s = Space.build(max_channels=8, multi_host=True, policies=True)
+    search = Search(s, seed=1, start=Config(256 << 10, 4 * MB, 1, 1000, 1, 0))
+    for _ in range(40):
+        name, config = search.next()
+        search.observe(name, config, policy_cost(config) * (1 + rng.gauss(0, 0.02)))
+    assert search.best()[0].compression_policy == 1
+
+
+def test_cache_keeps_the_policy_and_loads_entries_without_it(tmp_path):
+    import json
+
+    from perseus.autotune import cache
+
+    f = str(tmp_path / "autotune.json")
+    dense = Config(4 * MB, 256 << 10, 8, 0, 2, 1)
+    cache.store(f, 0xABC, (2, 1, 2), 100 * MB, dense, 1.0)
+    assert cache.lookup(f, 0xABC, (2, 1, 2), 100 * MB) == cache.Known(dense, True)
+    # An entry written before the policy existed (five fields) loads with the default policy, 'espresso'.
+    with open(f) as fh:
+        data = json.load(fh)
+    entry = next(iter(data.values()))
+    del entry["config"]["compression_policy"]
+    with open(f, "w") as fh:
+        json.dump(data, fh)
+    old = cache.lookup(f, 0xABC, (2, 1, 2), 100 * MB)
+    assert old.exact and old.config == Config(4 * MB, 256 << 10, 8, 0, 2) and old.config.policy_name == "espresso"
+
+
+def test_log_has_a_policy_column(tmp_path):
+    from perseus.autotune.log import COLUMNS, TuneLog
+    from perseus.autotune.report import read_log
+
+    path = tmp_path / "tune.csv"
+    log = TuneLog(str(path))
+    log.row(sample=1, step=3, technique="grid", config=Config(4 * MB, 256 << 10, 2, 0, 2, 2), cost=0.01,
+            best_cost=0.01, steps=[(0.01, 1000, 0)], policy=True)
+    log.row(sample=2, step=6, technique="grid", config=Config(4 * MB, 256 << 10, 2, 0, 2), cost=0.01,
+            best_cost=0.01, steps=[(0.01, 1000, 0)])
+    log.close()
+    rows = read_log(str(path))
+    assert COLUMNS[-1] == "compression_policy"
+    assert [r["compression_policy"] for r in rows] == ["all-compressed", ""]
+
+
+def test_fixed_params_may_name_the_policy():
+    from perseus.autotune.tuner import tuned_fixed_params
+    from perseus.common.knobs import load_settings
+
+    fixed = tuned_fixed_params(load_settings({"PERSEUS_AUTOTUNE_FIXED": "channels,compression_policy"}))
+    assert sorted(fixed) == ["channels", "compression_policy"] and fixed["compression_policy"] == -1
+    assert "compression_policy" not in tuned_fixed_params(load_settings({"PERSEUS_AUTOTUNE_FIXED": "explicit"}))
+    assert tuned_fixed_params(load_settings({"PERSEUS_AUTOTUNE_FIXED": "none"})) == {}
+    with pytest.raises(ValueError, match="compression_policy"):  # the message lists it among the names
+        tuned_fixed_params(load_settings({"PERSEUS_AUTOTUNE_FIXED": "nope"}))
+
+
+# -- the per-step agreement on the policy, without a job (the all-reduce replaced) ---------------------------
+class _Compressor:
+    pass
+
+
+class _Ranks:
+    """Stands in for the per-step all-reduce: returns the maximum this test says the other ranks have."""
+
+    def __init__(self, monkeypatch):
+        self.others = (0, False)
+        self.calls = []
+        import perseus.autotune.policy as policy
+
+        def fake_max(step, process_set, posted, ended):
+            self.calls.append(step)
+            return max(posted, self.others[0]), bool(ended or self.others[1])
+        monkeypatch.setattr(policy, "_max", fake_max)
+
+
+def test_follower_applies_a_proposal_at_a_step_boundary_only(monkeypatch):
+    import threading
+
+    from perseus.autotune.policy import PolicyLink
+
+    ranks = _Ranks(monkeypatch)
+    link = PolicyLink()
+    owner, other = _Compressor(), _Compressor()
+    f = link.register(owner)
+    assert link.register(owner) is f and link.register(other) is None and link.registered() is owner
+    assert f.at_call("a", None) is None and ranks.calls == [0]  # step 0 begins: one all-reduce, nothing new
+    assert f.at_call("b", None) is None and ranks.calls == [0]  # not a boundary: nothing runs
+    link.post(1)
+    assert f.at_call("c", None) is None  # still step 0: the policy waits for the boundary
+    assert f.at_call("a", None) == 1 and ranks.calls == [0, 1] and f.applied == 1 and f.waits == 0
+    # Another rank's tuner has heard of setting 2 already: this rank waits for its own tuner.
+    ranks.others = (2, False)
+    threading.Timer(0.2, link.post, args=(2,)).start()
+    assert f.at_call("a", None) == 2 and f.applied == 2 and f.waits == 1
+    link.post(-1)  # -1: the tuner leaves the policy alone
+    assert f.at_call("a", None) is None and f.applied == 3
+    link.post(0, done=True)
+    link.post(2)  # nothing is posted after the final proposal
+    assert link.posted == 4
+    assert f.at_call("a", None) == 0 and f.finished
+    n = len(ranks.calls)
+    assert f.at_call("a", None) is None and f.at_call("a", None) is None and len(ranks.calls) == n
+
+
+def test_follower_stops_when_a_tuner_ended_and_fails_clearly_when_one_never_hears(monkeypatch):
+    from perseus.autotune import policy
+    from perseus.autotune.policy import PolicyLink
+    from perseus.common.exceptions import PerseusInternalError
+
+    ranks = _Ranks(monkeypatch)
+    link = PolicyLink()
+    f = link.register(_Compressor())
+    ranks.others = (0, True)  # another rank's tuner thread ended without a final setting
+    assert f.at_call("a", None) is None and f.finished
+    link = PolicyLink()
+    f = link.register(_Compressor())
+    link.post(1, done=True)
+    link.end()  # ended after its final proposal: the compressor applies the final one as usual
+    ranks.others = (0, False)
+    assert link.state() == (1, False) and f.at_call("a", None) == 1 and f.finished
+    # Another rank applies setting 1, and this rank's tuner never hears of it: a clear error, not a hang.
+    link = PolicyLink()
+    f = link.register(_Compressor())
+    ranks.others = (1, False)
+    monkeypatch.setattr(policy, "WAIT_S", 0.1)
+    with pytest.raises(PerseusInternalError, match="has received only 0 after 0.1 s"):
+        f.at_call("a", None)

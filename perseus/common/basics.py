@@ -347,7 +347,10 @@ class PerseusBasics:
             process_set._invalidate()
         return True
 
-    def _register(self, ps: ProcessSet) -> ProcessSet:
+    def _register(self, ps: ProcessSet, hidden: bool = False) -> ProcessSet:
+        """Register ``ps`` (collective over the job). ``hidden``: a set perseus makes for itself (the
+        hierarchical compressors' local and cross sets): it may share its ranks with a user's set and is left
+        out of the listings."""
         from perseus.transport.mpi import load_mpi
 
         MPI = load_mpi()
@@ -366,7 +369,7 @@ class PerseusBasics:
                 raise ValueError(f"perseus: process set ranks {ps.ranks} must be a non-empty subset of "
                                  f"0..{size - 1}")
             for other in self._sets.values():
-                if other.ranks == ps.ranks:
+                if other.ranks == ps.ranks and not hidden and not getattr(other, "_hidden", False):
                     raise ValueError(f"A process set with the same ranks {ps.ranks} has already been registered "
                                      f"(process_set_id={other.process_set_id})")
             ps_id = self._next_id
@@ -377,6 +380,7 @@ class PerseusBasics:
                 self.engine.add_process_set(ps_id, comm, list(ps.ranks))
                 self._comms[ps_id] = comm
             ps.process_set_id = ps_id
+            ps._hidden = hidden
             self._sets[ps_id] = ps
             return ps
 
@@ -387,7 +391,8 @@ class PerseusBasics:
     def _get_process_set_ids_and_ranks(self) -> dict[int, list[int]]:
         """Every registered process set id and its ranks (Horovod's test helper)."""
         self.engine
-        return {ps_id: list(ps.ranks) for ps_id, ps in sorted(self._sets.items())}
+        return {ps_id: list(ps.ranks) for ps_id, ps in sorted(self._sets.items())
+                if not getattr(ps, "_hidden", False)}
 
     def process_set_info(self, process_set: ProcessSet) -> tuple[int, int, int]:
         """``(id, size, rank_in_set)`` of a registered set this rank belongs to.

@@ -74,14 +74,13 @@ def _sets():
         cross_of = {}
         for j in range(per_host):
             cross_of[j] = sorted(r for r, (_, lr) in enumerate(pairs) if lr == j)
-        known = {tuple(ps.ranks): ps for ps in st._sets.values()}
         made = {}
         # every rank registers every set in the same order (registration is collective over the job)
         for ranks in [local_of[h] for h in range(hosts)] + [cross_of[j] for j in range(per_host)]:
             key = tuple(ranks)
             if key in made:
                 continue
-            made[key] = known.get(key) or st._register(ProcessSet(list(ranks)))
+            made[key] = st._register(ProcessSet(list(ranks)), hidden=True)
         mine_c, mine_l = pairs[me]
         result = (made[tuple(local_of[mine_c])], made[tuple(cross_of[mine_l])], hosts, per_host)
         if not _topology:

@@ -170,7 +170,9 @@ def test_espresso_given_link_slow_compresses_fast_does_not(hvd):
     fast = Espresso(density=0.1, bandwidth_mbit=1e9, latency_us=0.0)
     model = mlp()
     train(hvd, model, fast)
-    assert set(fast.choices().values()) == {"dense"}
+    # nothing worth its encode time on a free link: no top-k (a 16-bit cast may tie with dense: both copy)
+    assert "topk(0.1)" not in set(fast.choices().values())
+    assert all(r["predicted_saving_s"] < 1e-3 for r in fast.report())
     assert_same_on_all_ranks(hvd, flat(model), "espresso.fast.params")
 
 

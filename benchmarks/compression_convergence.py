@@ -1,0 +1,551 @@
+"""Convergence of the communicating gradient compressors against dense all-reduce.
+
+Run under MPI, once per rank count (every rank runs this file; rank 0 prints and writes):
+
+    mpirun -np 2 python benchmarks/compression_convergence.py --json compression_convergence.jsonl
+    mpirun -np 3 python benchmarks/compression_convergence.py --json compression_convergence.jsonl
+
+Tasks (--tasks, default digits,lm):
+
+* ``digits``: the CNN of examples/pytorch_digits.py on scikit-learn's digits (1,797 images, 8x8): a fixed
+  split into 1,297 training and 500 test images (one test image is 0.2 pp); metric: final test accuracy.
+  Recipe: global batch 48, 40 epochs (1,080 steps), lr 0.3; 5 seeds.
+* ``lm``: a next-token language model on generated text: a first-order Markov chain over a 500-token
+  vocabulary whose next-token probabilities follow a Zipf law (exponent 1.1) over a per-token random
+  permutation of the vocabulary, so every token has its own likely successors (entropy rate 4.36 nats;
+  unigram entropy 6.19); 1,000,000 training tokens and 40,000 held-out tokens, generated with fixed seeds.
+  Model: embedding (32) + 1-layer GRU (128) + linear output, next-token cross-entropy over windows of 32
+  tokens. Metric: held-out loss (nats/token). Recipe: global batch 48 windows, 1,500 steps, lr 20 with the
+  aggregated gradient's norm clipped to 1; 2 seeds.
+* ``linear``: least squares on 1,000 features where 20 loud features (scale 10) carry no signal but give
+  the largest gradient entries at every step, while the 980 quiet features (scale 1) carry all of it;
+  metric: held-out squared error relative to the variance of the target (1.0: nothing learnt). Top-k
+  without error feedback sends (almost) only loud entries and never learns; with error feedback the quiet
+  entries accumulate until they are sent. tests/integration/test_compression_convergence.py runs it.
+
+Variants (--variants, comma-separated ``name[:arg...][:noef]``): ``dense`` (Compression.none),
+``topk:0.01`` (Compression.topk(0.01), error feedback on), ``topk:0.01:noef`` (error_feedback=False),
+``powersgd:4`` (Compression.powersgd(4)); any compressor in Compression works the same way (``randomk:0.01``,
+``qsgd:16``). A variant the installed perseus lacks is reported as unavailable and skipped.
+
+The recipe is the same for every variant of a task and at every rank count: the same seeds and initial
+weights, the same global batch (split evenly over the ranks; each rank draws its part from its own shard of
+the training set, reshuffled every epoch with a per-seed, per-rank generator), the same number of steps and
+the same learning-rate schedule (cosine decay to zero over the run). The optimizer is plain SGD applied to
+the aggregated gradient. No momentum by default: momentum applied after aggregation amplifies the delayed,
+bursty updates of error feedback at low density (on digits, momentum 0.9 with lr 0.05 gave top-k(0.01)+EF
+-0.6 pp against dense, plain SGD -0.1 pp); --momentum sets it. The table gives, per variant, the mean over
+seeds, the mean difference to dense over the same seeds with its standard error (accuracy in percentage
+points, loss in percent of dense's loss), "sent" (the payload the compressor submitted relative to float32
+dense gradients) and the training loop's wall time summed over seeds (evaluation excluded).
+
+Acceptance targets printed with the table: top-k(0.01) with error feedback and PowerSGD(4) within 0.5 pp of
+dense on digits and within 2% of dense's held-out loss on the LM; top-k(0.01) without error feedback
+measurably worse than with it.
+
+Every (task, variant) appends one JSON line to --json (rank 0): the summary, the recipe, every seed's
+result (with the evaluation curve when --eval-every is given) and the source revision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+DEFAULT_VARIANTS = "dense,topk:0.01,topk:0.01:noef,powersgd:4"
+
+
+# -- variants --------------------------------------------------------------------------------------------
+
+def variant_label(spec: str) -> str:
+    name, *rest = spec.split(":")
+    if name == "dense":
+        return "dense"
+    noef = "noef" in rest
+    args = [r for r in rest if r != "noef"]
+    label = f"{name}({', '.join(args)})"
+    return label + (" no EF" if noef else "")
+
+
+def make_compression(hvd, spec: str):
+    """The compression object of ``spec``, or None when this perseus does not have that compressor."""
+    name, *rest = spec.split(":")
+    if name == "dense":
+        return hvd.Compression.none
+    factory = getattr(hvd.Compression, name, None)
+    if factory is None:
+        return None
+    args = []
+    kwargs = {}
+    for r in rest:
+        if r == "noef":
+            kwargs["error_feedback"] = False
+        else:
+            args.append(float(r) if any(c in r for c in ".e") else int(r))
+    return factory(*args, **kwargs)
+
+
+# -- tasks -----------------------------------------------------------------------------------------------
+
+class DigitsNet(nn.Module):
+    """The CNN of examples/pytorch_digits.py."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.fc1 = nn.Linear(32 * 2 * 2, 64)
+        self.fc2 = nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+class Task:
+    """A training problem: data, model, loss and the final metric.
+
+    ``shard(rank, size)`` is a rank's part of the training data; ``batch(shard, step, per_rank, gen, cache)``
+    this rank's part of global batch ``step`` (``gen`` and ``cache`` belong to one run);
+    ``evaluate(model, rank, size)`` this rank's partial sums over the test data, summed over the ranks and
+    turned into metrics by ``finish``.
+    """
+
+    name = ""
+    metric = ""            # "accuracy" (higher is better) or "loss" (lower is better)
+    steps = 0
+    global_batch = 0
+    lr = 0.0
+    clip = 0.0
+
+    def model(self) -> nn.Module:
+        raise NotImplementedError
+
+
+class Digits(Task):
+    name = "digits"
+    metric = "accuracy"
+
+    def __init__(self, args):
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        x = torch.tensor(digits.images / 16.0, dtype=torch.float32).unsqueeze(1)
+        y = torch.tensor(digits.target, dtype=torch.long)
+        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+        n_test = args.digits_test
+        self.x_train, self.y_train = x[perm[n_test:]], y[perm[n_test:]]
+        self.x_test, self.y_test = x[perm[:n_test]], y[perm[:n_test]]
+        self.global_batch = args.digits_batch
+        self.steps = args.digits_epochs * (len(self.x_train) // self.global_batch)
+        self.lr = args.digits_lr
+        self.clip = 0.0
+        self.recipe = {"train": len(self.x_train), "test": n_test, "epochs": args.digits_epochs,
+                       "global_batch": self.global_batch, "steps": self.steps, "lr": self.lr}
+
+    def model(self):
+        return DigitsNet()
+
+    def shard(self, rank, size):
+        return torch.arange(rank, len(self.x_train), size)
+
+    def batch(self, shard, step, per_rank, gen, cache):
+        return _epoch_batch(shard, step, per_rank, gen, cache, lambda idx: (self.x_train[idx], self.y_train[idx]))
+
+    def loss(self, model, batch):
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+
+    def evaluate(self, model, rank, size):
+        idx = torch.arange(rank, len(self.x_test), size)
+        with torch.no_grad():
+            out = model(self.x_test[idx])
+        correct = (out.argmax(1) == self.y_test[idx]).sum().item()
+        loss = F.cross_entropy(out, self.y_test[idx], reduction="sum").item()
+        return [correct, loss, len(idx)]
+
+    @staticmethod
+    def finish(sums):
+        correct, loss, count = sums
+        return {"accuracy": correct / count, "test_loss": loss / count}
+
+
+def _epoch_batch(shard, step, per_rank, gen, cache, fetch):
+    """Batch ``step`` of a rank: its shard reshuffled every epoch (the same permutation stream for every
+    variant of a seed), drop-last batches. ``cache`` belongs to one run."""
+    per_epoch = len(shard) // per_rank
+    epoch, pos = divmod(step, per_epoch)
+    if cache.get("epoch") != epoch:
+        cache["epoch"], cache["order"] = epoch, shard[torch.randperm(len(shard), generator=gen)]
+    order = cache["order"]
+    return fetch(order[pos * per_rank:(pos + 1) * per_rank])
+
+
+class ZipfMarkov:
+    """A first-order Markov chain over ``vocab`` tokens: from token ``i`` the next token is ``perm[i][r]``
+    with probability proportional to ``1 / (r + 1) ** exponent`` (a Zipf law over a per-token random
+    permutation). Every row has the same entropy, so the chain's entropy rate is that of the Zipf law."""
+
+    def __init__(self, vocab=500, exponent=1.1, seed=1234):
+        rng = np.random.default_rng(seed)
+        p = 1.0 / np.arange(1, vocab + 1) ** exponent
+        self.p = p / p.sum()
+        self.perm = np.stack([rng.permutation(vocab) for _ in range(vocab)]).astype(np.int64)
+        self.vocab = vocab
+
+    def entropy_rate(self) -> float:
+        return float(-(self.p * np.log(self.p)).sum())
+
+    def generate(self, n, seed) -> np.ndarray:
+        rng = np.random.default_rng(seed)
+        ranks = np.searchsorted(np.cumsum(self.p), rng.random(n), side="right").clip(0, self.vocab - 1)
+        out = np.empty(n, np.int64)
+        tok = int(rng.integers(self.vocab))
+        perm = self.perm
+        for i in range(n):
+            tok = perm[tok, ranks[i]]
+            out[i] = tok
+        return out
+
+
+class GRULM(nn.Module):
+    def __init__(self, vocab, emb, hidden):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, emb)
+        self.rnn = nn.GRU(emb, hidden, batch_first=True)
+        self.out = nn.Linear(hidden, vocab)
+
+    def forward(self, x):
+        h, _ = self.rnn(self.embed(x))
+        return self.out(h)
+
+
+class ZipfLM(Task):
+    name = "lm"
+    metric = "loss"
+
+    def __init__(self, args):
+        self.chain = ZipfMarkov(args.lm_vocab, args.lm_zipf, seed=1234)
+        self.train = torch.from_numpy(self.chain.generate(args.lm_train_tokens, seed=1))
+        self.test = torch.from_numpy(self.chain.generate(args.lm_test_tokens, seed=2))
+        self.seq = args.lm_seq
+        self.global_batch = args.lm_batch
+        self.steps = args.lm_steps
+        self.lr = args.lm_lr
+        self.clip = args.lm_clip
+        self.args = args
+        self.recipe = {"vocab": args.lm_vocab, "zipf": args.lm_zipf, "train_tokens": args.lm_train_tokens,
+                       "test_tokens": args.lm_test_tokens, "seq": self.seq, "global_batch": self.global_batch,
+                       "steps": self.steps, "lr": self.lr, "clip": self.clip, "emb": args.lm_emb,
+                       "hidden": args.lm_hidden, "entropy_rate": self.chain.entropy_rate()}
+
+    def model(self):
+        return GRULM(self.args.lm_vocab, self.args.lm_emb, self.args.lm_hidden)
+
+    def shard(self, rank, size):
+        n = len(self.train) // size
+        return self.train[rank * n:(rank + 1) * n]
+
+    def batch(self, shard, step, per_rank, gen, cache):
+        starts = torch.randint(0, len(shard) - self.seq - 1, (per_rank,), generator=gen)
+        windows = torch.stack([shard[s:s + self.seq + 1] for s in starts.tolist()])
+        return windows[:, :-1], windows[:, 1:]
+
+    def loss(self, model, batch):
+        x, y = batch
+        return F.cross_entropy(model(x).reshape(-1, self.chain.vocab), y.reshape(-1))
+
+    def evaluate(self, model, rank, size):
+        seq = 64
+        windows = self.test[:len(self.test) // (seq + 1) * (seq + 1)].view(-1, seq + 1)[rank::size]
+        with torch.no_grad():
+            out = model(windows[:, :-1])
+            loss = F.cross_entropy(out.reshape(-1, self.chain.vocab), windows[:, 1:].reshape(-1),
+                                   reduction="sum").item()
+        return [loss, windows[:, 1:].numel()]
+
+    @staticmethod
+    def finish(sums):
+        loss, count = sums
+        return {"loss": loss / count}
+
+
+class SparseLinear(Task):
+    """Least squares where the signal lives in small-gradient coordinates (see the module docstring)."""
+
+    name = "linear"
+    metric = "loss"
+
+    def __init__(self, args):
+        rng = np.random.default_rng(7)
+        self.d, self.loud = 1000, 20
+        n_train, n_test = 24000, 4000
+        scale = np.ones(self.d, np.float32)
+        scale[:self.loud] = 10.0
+        w = rng.standard_normal(self.d).astype(np.float32)
+        w[:self.loud] = 0.0
+        x = rng.standard_normal((n_train + n_test, self.d)).astype(np.float32) * scale
+        y = x @ w + 0.1 * rng.standard_normal(n_train + n_test).astype(np.float32)
+        self.x_train, self.y_train = torch.from_numpy(x[:n_train]), torch.from_numpy(y[:n_train])
+        self.x_test, self.y_test = torch.from_numpy(x[n_train:]), torch.from_numpy(y[n_train:])
+        self.var = float(self.y_test.var())
+        self.global_batch = args.linear_batch
+        self.steps = args.linear_steps
+        self.lr = args.linear_lr
+        self.clip = 0.0
+        self.recipe = {"features": self.d, "loud": self.loud, "train": n_train, "test": n_test,
+                       "global_batch": self.global_batch, "steps": self.steps, "lr": self.lr}
+
+    def model(self):
+        m = nn.Linear(self.d, 1, bias=False)
+        nn.init.zeros_(m.weight)
+        return m
+
+    def shard(self, rank, size):
+        return torch.arange(rank, len(self.x_train), size)
+
+    def batch(self, shard, step, per_rank, gen, cache):
+        return _epoch_batch(shard, step, per_rank, gen, cache, lambda idx: (self.x_train[idx], self.y_train[idx]))
+
+    def loss(self, model, batch):
+        x, y = batch
+        return 0.5 * F.mse_loss(model(x).squeeze(1), y)
+
+    def evaluate(self, model, rank, size):
+        idx = torch.arange(rank, len(self.x_test), size)
+        with torch.no_grad():
+            err = model(self.x_test[idx]).squeeze(1) - self.y_test[idx]
+        return [float((err ** 2).sum()), len(idx)]
+
+    def finish(self, sums):
+        sq, count = sums
+        return {"loss": sq / count / self.var}
+
+
+TASKS = {"digits": Digits, "lm": ZipfLM, "linear": SparseLinear}
+
+
+# -- training --------------------------------------------------------------------------------------------
+
+def train_once(hvd, task: Task, compression, seed: int, args) -> dict:
+    rank, size = hvd.rank(), hvd.size()
+    if task.global_batch % size:
+        raise SystemExit(f"{task.name}: the global batch {task.global_batch} does not split over {size} ranks")
+    per_rank = task.global_batch // size
+    torch.manual_seed(seed)
+    model = task.model()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = torch.optim.SGD(model.parameters(), lr=task.lr, momentum=args.momentum)
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1.0 + math.cos(math.pi * s / task.steps)))
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    shard, cache = task.shard(rank, size), {}
+    hvd.allreduce(torch.zeros(1), name="cc.start")  # start the clocks together
+    t0 = time.perf_counter()
+    losses, curve = [], []
+    for step in range(task.steps):
+        batch = task.batch(shard, step, per_rank, gen, cache)
+        opt.zero_grad()
+        loss = task.loss(model, batch)
+        loss.backward()
+        if task.clip:
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), task.clip)
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < task.steps:
+            paused = time.perf_counter()
+            curve.append((step + 1, evaluate(hvd, task, model)[task.metric]))
+            t0 += time.perf_counter() - paused
+    wall = time.perf_counter() - t0
+    result = evaluate(hvd, task, model)
+    curve.append((task.steps, result[task.metric]))
+    result["curve"] = curve
+    tail = max(1, len(losses) // 10)
+    result["train_loss"] = hvd.allreduce(torch.tensor(sum(losses[-tail:]) / tail), name="cc.train_loss").item()
+    result["wall_s"] = hvd.allreduce(torch.tensor(wall), op=hvd.Max, name="cc.wall").item()
+    payload, dense = getattr(compression, "payload_bytes", None), getattr(compression, "dense_bytes", None)
+    result["sent"] = payload / dense if payload is not None and dense else 1.0
+    params = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gathered = hvd.allgather(params.unsqueeze(0), name="cc.params")
+    result["ranks_agree"] = all(torch.equal(gathered[0], gathered[r]) for r in range(size))
+    return result
+
+
+def evaluate(hvd, task: Task, model: nn.Module) -> dict:
+    model.eval()
+    sums = hvd.allreduce(torch.tensor(task.evaluate(model, hvd.rank(), hvd.size()), dtype=torch.float64),
+                         op=hvd.Sum, name="cc.eval")
+    model.train()
+    return task.finish(sums.tolist())
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def summarize(task: Task, spec: str, runs: list, dense_runs: list | None) -> dict:
+    metric = task.metric
+    values = [r[metric] for r in runs]
+    row = {"task": task.name, "variant": spec, "label": variant_label(spec), "metric": metric,
+           "mean": float(np.mean(values)), "per_seed": values,
+           "train_loss": float(np.mean([r["train_loss"] for r in runs])),
+           "wall_s": float(sum(r["wall_s"] for r in runs)), "sent": float(np.mean([r["sent"] for r in runs])),
+           "ranks_agree": all(r["ranks_agree"] for r in runs)}
+    if metric == "accuracy":
+        row["test_loss"] = float(np.mean([r["test_loss"] for r in runs]))
+    if dense_runs is not None:
+        diffs = []
+        for r, d in zip(runs, dense_runs):
+            if metric == "accuracy":
+                diffs.append(100.0 * (r[metric] - d[metric]))          # pp
+            else:
+                diffs.append(100.0 * (r[metric] / d[metric] - 1.0))   # % of dense loss
+        row["diff"] = float(np.mean(diffs))
+        row["diff_per_seed"] = diffs
+        # standard error of the mean paired difference (seed-to-seed spread), when there are 2+ seeds
+        row["diff_se"] = float(np.std(diffs, ddof=1) / math.sqrt(len(diffs))) if len(diffs) > 1 else None
+    return row
+
+
+def verdict(task: Task, spec: str, row: dict, rows: dict) -> str:
+    """The acceptance target this row answers to, and whether it is met."""
+    name = spec.split(":")[0]
+    if "diff" not in row or spec == "dense":
+        return ""
+    if name in ("topk", "powersgd") and "noef" not in spec:
+        if task.name == "digits":
+            return "PASS (>= -0.5 pp)" if row["diff"] >= -0.5 else "FAIL (target >= -0.5 pp)"
+        if task.name == "lm":
+            return "PASS (<= +2%)" if row["diff"] <= 2.0 else "FAIL (target <= +2%)"
+    if "noef" in spec:
+        ef = rows.get(spec.replace(":noef", ""))
+        if ef is not None:
+            worse = row["mean"] < ef["mean"] if task.metric == "accuracy" else row["mean"] > ef["mean"]
+            gap = (100.0 * (ef["mean"] - row["mean"]) if task.metric == "accuracy"
+                   else 100.0 * (row["mean"] / ef["mean"] - 1.0))
+            unit = "pp" if task.metric == "accuracy" else "%"
+            return f"{'worse' if worse else 'NOT worse'} than EF by {gap:+.2f} {unit}"
+    return ""
+
+
+def print_table(task: Task, size: int, rows: list, extra: str) -> None:
+    unit = "test acc" if task.metric == "accuracy" else "held-out loss"
+    dunit = "pp" if task.metric == "accuracy" else "%"
+    print(f"\n{task.name}, {size} ranks  ({extra})", flush=True)
+    print(f"{'variant':<20}{'ranks':>6}{unit:>15}{'vs dense':>20}{'sent':>9}{'wall s':>9}  per seed / target")
+    by_spec = {r["variant"]: r for r in rows}
+    for r in rows:
+        val = f"{100 * r['mean']:.2f}%" if task.metric == "accuracy" else f"{r['mean']:.4f}"
+        diff = ""
+        if "diff" in r and r["variant"] != "dense":
+            se = f" ± {r['diff_se']:.2f}" if r.get("diff_se") is not None else ""
+            diff = f"{r['diff']:+.2f}{se} {dunit}"
+        per_seed = " ".join(f"{100 * v:.1f}" if task.metric == "accuracy" else f"{v:.4f}" for v in r["per_seed"])
+        note = verdict(task, r["variant"], r, by_spec)
+        print(f"{r['label']:<20}{size:>6}{val:>15}{diff:>20}{r['sent']:>9.4f}{r['wall_s']:>9.1f}  [{per_seed}] {note}",
+              flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tasks", default="digits,lm", help="comma-separated: " + ", ".join(TASKS))
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS)
+    ap.add_argument("--seeds", type=int, default=0, help="seeds 1..N per (task, variant), for every task "
+                    "(default: --digits-seeds, --lm-seeds, --linear-seeds)")
+    ap.add_argument("--momentum", type=float, default=0.0, help="SGD momentum, applied after aggregation")
+    ap.add_argument("--digits-seeds", type=int, default=5)
+    ap.add_argument("--digits-epochs", type=int, default=40)
+    ap.add_argument("--digits-batch", type=int, default=48, help="global batch")
+    ap.add_argument("--digits-lr", type=float, default=0.3)
+    ap.add_argument("--digits-test", type=int, default=500)
+    ap.add_argument("--lm-seeds", type=int, default=2)
+    ap.add_argument("--lm-vocab", type=int, default=500)
+    ap.add_argument("--lm-zipf", type=float, default=1.1)
+    ap.add_argument("--lm-train-tokens", type=int, default=1_000_000)
+    ap.add_argument("--lm-test-tokens", type=int, default=40_000)
+    ap.add_argument("--lm-seq", type=int, default=32)
+    ap.add_argument("--lm-batch", type=int, default=48, help="global batch (sequences)")
+    ap.add_argument("--lm-steps", type=int, default=1500)
+    ap.add_argument("--lm-lr", type=float, default=20.0)
+    ap.add_argument("--lm-clip", type=float, default=1.0)
+    ap.add_argument("--lm-emb", type=int, default=32)
+    ap.add_argument("--lm-hidden", type=int, default=128)
+    ap.add_argument("--linear-seeds", type=int, default=1)
+    ap.add_argument("--linear-steps", type=int, default=600)
+    ap.add_argument("--linear-batch", type=int, default=96)
+    ap.add_argument("--linear-lr", type=float, default=0.005)
+    ap.add_argument("--eval-every", type=int, default=0, help="also evaluate every N steps (kept in the JSON)")
+    ap.add_argument("--json", default="", help="append one JSON line per (task, variant) here (rank 0)")
+    args = ap.parse_args()
+
+    import perseus.torch as hvd
+
+    hvd.init()
+    torch.set_num_threads(1)
+    rank, size = hvd.rank(), hvd.size()
+    specs = [s for s in args.variants.split(",") if s]
+    commit = git_commit() if rank == 0 else ""
+    for tname in [t for t in args.tasks.split(",") if t]:
+        task = TASKS[tname](args)
+        seeds = args.seeds or getattr(args, f"{tname}_seeds")
+        rows, dense_runs = [], None
+        for spec in specs:
+            if make_compression(hvd, spec) is None:
+                if rank == 0:
+                    print(f"{tname}: {variant_label(spec)}: not available in this perseus "
+                          f"(no Compression.{spec.split(':')[0]}); skipped", flush=True)
+                continue
+            runs = []
+            for seed in range(1, seeds + 1):
+                result = train_once(hvd, task, make_compression(hvd, spec), seed, args)
+                runs.append(result)
+                if rank == 0:
+                    shown = {k: (round(v, 5) if isinstance(v, float) else v) for k, v in result.items()
+                             if k != "curve"}
+                    if len(result["curve"]) > 1:
+                        shown["curve"] = " ".join(f"{s}:{v:.4f}" for s, v in result["curve"])
+                    print(f"{tname} {variant_label(spec)} seed {seed}: {shown}", flush=True)
+            if spec == "dense":
+                dense_runs = runs
+            row = summarize(task, spec, runs, dense_runs)
+            rows.append(row)
+            if rank == 0 and args.json:
+                record = dict(row, ranks=size, seeds=seeds, momentum=args.momentum, recipe=task.recipe,
+                              compressor="none" if spec == "dense" else repr(make_compression(hvd, spec)),
+                              runs=runs, commit=commit, host=platform.node(),
+                              date=datetime.datetime.now().isoformat(timespec="seconds"))
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+        if rank == 0:
+            extra = f"{task.steps} steps, global batch {task.global_batch}, lr {task.lr}, momentum {args.momentum}"
+            if tname == "lm":
+                extra += f"; entropy rate (best possible loss) {task.chain.entropy_rate():.4f}"
+            print_table(task, size, rows, extra)
+    hvd.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

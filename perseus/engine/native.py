@@ -173,4 +173,4 @@ class Engine:
             old.detach()
         self._native.set_timeline(timeline is not None)
         if timeline is not None:
-            timeline.attach(self._native.drain_timeline)
+            timeline.attach(self._native.drain_timeline, counters=lambda: self._native.wire_bytes(0))

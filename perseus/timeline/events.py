@@ -12,6 +12,7 @@ __all__ = [
     "MPI_ALLREDUCE",
     "MEMCPY_OUT_FUSION_BUFFER",
     "TIMELINE_TRUNCATED",
+    "WIRE_BYTES",
     "negotiate_name",
 ]
 
@@ -35,6 +36,11 @@ MEMCPY_OUT_FUSION_BUFFER = "MEMCPY_OUT_FUSION_BUFFER"
 
 #: Instant event written once when the file reaches its size limit; nothing is recorded after it.
 TIMELINE_TRUNCATED = "TIMELINE_TRUNCATED"
+
+
+#: Counter track on the pid-0 row: bytes of the global process set sent and received on the wire since
+#: recording began (``sent_bytes``, ``received_bytes``, ``control_sent_bytes``, ``control_received_bytes``).
+WIRE_BYTES = "WIRE_BYTES"
 
 
 def negotiate_name(op_type_name: str) -> str:

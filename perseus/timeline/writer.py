@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 
-from perseus.timeline.events import CYCLE_START, PROCESS_NAME, TIMELINE_TRUNCATED, negotiate_name
+from perseus.timeline.events import CYCLE_START, PROCESS_NAME, TIMELINE_TRUNCATED, WIRE_BYTES, negotiate_name
 
 __all__ = ["Timeline"]
 
@@ -159,6 +159,11 @@ class Timeline:
                 row.activity = True
                 self._queue.put(("B", row.pid, activity, ts))
 
+    def _counter(self, name: str, values: dict) -> None:
+        with self._lock:
+            if self._recording:
+                self._queue.put(("C", 0, name, self._now(), values))
+
     def _op_end(self, name: str, ts) -> None:
         with self._lock:
             row = self._rows.get(name)
@@ -189,16 +194,27 @@ class Timeline:
             elif kind == 4:
                 self._cycle(ts)
 
-    def attach(self, drain, period_s: float = 0.02) -> None:
-        """Poll ``drain()`` (a list of engine events) every ``period_s`` on a thread until :meth:`detach`."""
+    def attach(self, drain, period_s: float = 0.02, counters=None) -> None:
+        """Poll ``drain()`` (a list of engine events) every ``period_s`` on a thread until :meth:`detach`.
+
+        ``counters()``, when given, returns the engine's byte counters (a dict of cumulative byte counts);
+        whenever they have changed since the last poll they are written as a ``WIRE_BYTES`` counter track
+        (Chrome trace "C" events on the ``perseus`` row: the bytes sent and received since recording began)."""
         self.detach()
         stop = threading.Event()
+        base = counters() if counters is not None else None
+        last = [None]
 
         def pump():
             while True:
                 stopping = stop.wait(period_s)
                 try:
                     self.ingest(drain())
+                    if counters is not None:
+                        now = counters()
+                        if now != last[0]:
+                            last[0] = now
+                            self._counter(WIRE_BYTES, {k: now[k] - base.get(k, 0) for k in now})
                 except Exception:  # noqa: BLE001 - the timeline must never break the job
                     log.debug("timeline: ingesting engine events failed", exc_info=True)
                 if stopping:
@@ -265,6 +281,9 @@ class Timeline:
             pid, name = item[1], item[2]
             return [_encode({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}}),
                     _encode({"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}})]
+        if item[0] == "C":
+            _, pid, name, ts, values = item
+            return [_encode({"name": name, "ph": "C", "pid": pid, "ts": round(ts, 3), "args": values})]
         ph, pid, name, ts = item
         event = {"ph": ph, "pid": pid, "tid": 0, "ts": round(ts, 3)} if name is None else \
             {"name": name, "ph": ph, "pid": pid, "tid": 0, "ts": round(ts, 3)}

@@ -3,6 +3,7 @@
 import json
 import os
 import tempfile
+import time
 
 import pytest
 import torch
@@ -55,3 +56,21 @@ def test_timeline(hvd):
             assert needed in names, names
         assert "allreduce.test_allreduce" in text and "start_time_since_epoch_in_micros" in text
         os.unlink(path)
+
+
+def test_timeline_counts_wire_bytes(hvd):
+    path = os.path.join(tempfile.gettempdir(), f"perseus_timeline_bytes_{os.getpid()}.json")
+    path = hvd.broadcast_object(path)
+    hvd.start_timeline(path)
+    hvd.allreduce(torch.ones(1 << 16), name="test_wire_bytes")
+    time.sleep(0.1)  # the engine's events are polled every 20 ms
+    hvd.stop_timeline()
+    if hvd.rank() == 0:
+        with open(path) as f:
+            counters = [e for e in json.load(f) if e.get("ph") == "C" and e.get("name") == "WIRE_BYTES"]
+        os.unlink(path)
+        assert counters, "no WIRE_BYTES counter in the timeline"
+        last = counters[-1]["args"]
+        # a ring or MPI all-reduce of 256 KB sends at least (n-1)/n of it (2 (n-1)/n for the ring)
+        assert last["sent_bytes"] >= (1 << 18) * (hvd.size() - 1) // hvd.size(), last
+        assert all(b["args"]["sent_bytes"] >= a["args"]["sent_bytes"] for a, b in zip(counters, counters[1:]))

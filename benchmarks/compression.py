@@ -12,7 +12,9 @@ library, and (perseus) the bytes this rank put on the wire per step:
     python benchmarks/compression.py --methods dense,fp16,topk,horovod-dense,horovod-fp16 --rounds 2 \\
         --json benchmarks/results/compression.jsonl
 
-Methods: dense / fp16 / bf16 / topk / topk-noef / randomk / sign / qsgd / powersgd / espresso / cupcake
+--ranks-per-host N runs N ranks on every host (hitopk: dense inside a host, top-k between hosts).
+
+Methods: dense / fp16 / bf16 / topk / topk-noef / hitopk / randomk / sign / qsgd / powersgd / espresso / cupcake
 (perseus.torch with that ``compression=``; top-k, random-k, Espresso and Cupcake at --density), and
 horovod-dense / horovod-fp16 (Horovod 0.28.1 from --horovod-venv).
 """
@@ -143,12 +145,13 @@ def job(args) -> int:
 def command(args, method: str, rnd: int, out: str) -> tuple[list[str], dict]:
     horovod = method.startswith("horovod")
     venv_bin = os.path.join(args.horovod_venv, "bin") if horovod else os.path.dirname(sys.executable)
-    hosts = ",".join(f"{h}:1" for h in args.hosts.split(","))
+    hosts = ",".join(f"{h}:{args.ranks_per_host}" for h in args.hosts.split(","))
     env = dict(os.environ)
     if args.iface:
         env["PERSEUS_NETWORK_INTERFACE"] = args.iface
-    argv = [os.path.join(venv_bin, "mpirun"), "--allow-run-as-root", "-np", str(len(args.hosts.split(","))),
-            "--host", hosts, "--bind-to", "none", "--prefix", os.path.dirname(venv_bin)]
+    np_ = args.ranks_per_host * len(args.hosts.split(","))
+    argv = [os.path.join(venv_bin, "mpirun"), "--allow-run-as-root", "-np", str(np_), "--host", hosts,
+            "--bind-to", "none", "--prefix", os.path.dirname(venv_bin)]
     for name in sorted(env):
         if name.startswith(("PERSEUS_", "HOROVOD_", "OMPI_MCA_")) or name in ("PATH", "PYTHONPATH"):
             argv += ["-x", name]
@@ -201,7 +204,7 @@ def driver(args) -> int:
     rows = [json.loads(line) for line in open(out)]
     os.unlink(out)
     table = summarize(rows, methods)
-    print(f"\n{args.hosts}, 1 rank per host, compute {args.compute_ms} ms per step, density {args.density}")
+    print(f"\n{args.hosts}, {args.ranks_per_host} rank(s) per host, compute {args.compute_ms} ms per step, density {args.density}")
     print(f"{'method':<14} {'median s':>9} {'x dense':>8} {'x hvd fp16':>11} {'sent MB/step':>13} {'x dense bytes':>14}")
     for r in table:
         def f(v, fmt):
@@ -211,7 +214,8 @@ def driver(args) -> int:
               f"{f(r.get('sent_vs_dense'), '>14.4f')}")
     if args.json:
         with open(args.json, "a") as fh:
-            meta = {"bench": "compression", "hosts": args.hosts, "compute_ms": args.compute_ms,
+            meta = {"bench": "compression", "hosts": args.hosts, "ranks_per_host": args.ranks_per_host,
+                    "compute_ms": args.compute_ms,
                     "density": args.density, "rounds": args.rounds}
             for r in rows:
                 fh.write(json.dumps({**meta, "raw": r}) + "\n")
@@ -232,6 +236,7 @@ def main() -> int:
     j.add_argument("--round", type=int, default=0)
     j.add_argument("--out", required=True)
     ap.add_argument("--hosts", default="perseus-h0,perseus-h1")
+    ap.add_argument("--ranks-per-host", type=int, default=1)
     ap.add_argument("--methods", default="dense,fp16,topk,espresso,cupcake,powersgd,horovod-dense,horovod-fp16")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per job")

@@ -93,7 +93,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # -- set-up ----------------------------------------------------------------------------------------
     def _register_hooks(self):
-        trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        # A parameter marked perseus_model_parallel (a DistributedEmbedding's shard) differs on every rank and
+        # its gradient is complete already: it is never reduced.
+        trainable = [p for g in self.param_groups for p in g["params"]
+                     if p.requires_grad and not getattr(p, "perseus_model_parallel", False)]
         if self._groups is not None:
             from perseus.torch.functions import broadcast_object
 

@@ -10,6 +10,7 @@ from perseus.torch.compression import Compression
 from perseus.torch.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                                      broadcast_parameters)
 from perseus.torch.optimizer import DistributedOptimizer
+from perseus.torch.embedding import DistributedEmbedding
 from perseus.torch.sync_batch_norm import SyncBatchNorm
 from perseus.torch.mpi_ops import (
     Adasum, Average, Max, Min, Product, ProcessSet, ReduceOp, Sum, add_process_set, allgather, allgather_async,
@@ -36,7 +37,7 @@ __all__ = [
     "add_process_set", "remove_process_set", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp",
     "HorovodInternalError", "PerseusInternalError", "mpi_ops", "DistributedOptimizer", "broadcast_parameters",
     "broadcast_optimizer_state", "broadcast_object", "allgather_object", "elastic", "SyncBatchNorm",
-    "wire_bytes",
+    "wire_bytes", "DistributedEmbedding",
 ]
 
 

@@ -29,11 +29,14 @@ def broadcast_parameters(params, root_rank):
         params: ``model.state_dict()``, ``model.named_parameters()``, or a list of tensors.
         root_rank: the rank whose values everyone gets.
 
+    Tensors marked ``perseus_model_parallel`` (a DistributedEmbedding's shard, in ``named_parameters()`` and in
+    ``state_dict()``) differ on every rank by design and are left alone.
+
     Collective: every rank calls it with the same parameter names and shapes.
     """
     handles = []
     for name, p in _named_tensors(params):
-        if p is None:
+        if p is None or getattr(p, "perseus_model_parallel", False):  # a per-rank shard stays as it is
             continue
         if not isinstance(p, torch.Tensor):
             raise ValueError(f"broadcast_parameters: {name!r} is a {type(p).__name__}, not a tensor; use "
@@ -52,7 +55,7 @@ def _initialize_state(optimizer, model) -> None:
     sparse = set()
     if model is not None:
         for m in model.modules():
-            if isinstance(m, torch.nn.Embedding) and m.sparse:
+            if isinstance(m, torch.nn.Embedding) and m.sparse or getattr(m, "perseus_sparse_shard", False):
                 sparse.update(id(p) for p in m.parameters())
     saved = []
     for group in optimizer.param_groups:
@@ -75,7 +78,8 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None):
     """Overwrite the optimizer's state and hyper-parameters on every rank with the root's, in place.
 
     State that optimizers create lazily (momentum, Adam moments) is created first with a zero-gradient step
-    whose parameter changes are undone. ``model`` identifies sparse embeddings.
+    whose parameter changes are undone. ``model`` identifies sparse embeddings. The state of parameters
+    marked ``perseus_model_parallel`` (per-rank shards) is left alone.
 
     Collective: every rank calls it with an optimizer of the same structure.
 
@@ -92,7 +96,9 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None):
         for key, value in group.items():
             if key != "params":
                 scalars[("group", gi, key)] = value
-        for pid in group["params"]:
+        for pid, param in zip(group["params"], optimizer.param_groups[gi]["params"]):
+            if getattr(param, "perseus_model_parallel", False):  # a per-rank shard's state stays as it is
+                continue
             for key, value in state["state"].get(pid, {}).items():
                 if torch.is_tensor(value):
                     tensors.append((f"opt_state.{pid}.{key}", value))

@@ -1,0 +1,644 @@
+"""EmbRace: an embedding table sharded by columns across the ranks (``perseus.torch.DistributedEmbedding``).
+
+Data-parallel training keeps a whole copy of every embedding table on every rank and averages the table's
+gradient across the ranks, although each step touches only the rows of the batch's tokens. A
+:class:`DistributedEmbedding` instead keeps on each rank of its process set a *column shard* of the table
+(``embedding_dim`` split as evenly as possible, the first ``embedding_dim % size`` ranks holding one column
+more), and per forward/backward:
+
+1. **allgather** of the batch's token ids (the number of tokens may differ between ranks, and may be zero);
+2. every rank looks up *its columns* for the unique ids of *every* rank (sorted, deduplicated per rank);
+3. **alltoall**: rank ``j`` receives the columns of its own unique ids from every rank, puts them side by
+   side and expands them to its tokens: the output equals ``nn.Embedding`` with the full table;
+4. backward: rank ``j`` sums its output gradient over duplicate ids (coalescing: one row per unique id),
+   splits the coalesced rows by columns and sends each rank its columns (**alltoall**); each rank adds the
+   rows it receives from all ranks into its shard's gradient (dense, or a sparse COO tensor with
+   ``sparse=True``), scaled by ``1/size`` so that it equals the averaged gradient data-parallel training
+   would compute for those columns.
+
+Only values travel: the ids, and therefore every split size and the row each value belongs to, are known on
+every rank from the gathered ids. Per step and rank this moves ``2 (size-1)/size * U * D`` values (``U``
+unique ids of a rank, ``D`` the embedding dimension) plus the ids, where an allgather of the sparse gradient
+moves ``(size-1) * rows * D``.
+
+The shard is each rank's own: the parameter carries ``perseus_model_parallel = True`` and
+``DistributedOptimizer``, ``broadcast_parameters`` and ``broadcast_optimizer_state`` leave it alone. Each
+rank's optimizer updates its shard with the averaged gradient of those columns, which is what data-parallel
+training does to the same columns, for any optimizer that updates each element from its own gradient
+(SGD, Adam, SparseAdam, Adagrad...). Optimizers that look at the whole parameter (gradient clipping by the
+global norm, LAMB/LARS trust ratios) see only the shard.
+
+**Vertical scheduling** (:meth:`DistributedEmbedding.prefetch`): when the ids of the *next* forward are
+known, the coalesced gradient rows split into those the next forward reads (sent at once, highest priority)
+and the others (sent with the lowest priority, in the background, and merged into the gradient of the next
+backward, so that the optimizer applies them one step later). Rows that are deferred are exactly the rows
+the next forward does not read, so no forward ever sees a stale row (every forward checks this, see
+:meth:`prefetch`). This is exact for optimizers that leave a row with a zero gradient unchanged and whose
+per-row update does not depend on the step count (SGD without momentum or weight decay, Adagrad without
+``lr_decay``); SparseAdam applies deferred rows with the next step's bias correction.
+
+**Priorities** travel with each request into the engine's negotiation, which orders the requests that
+became ready in the same round by priority (higher first, ties by the negotiated index) identically on
+every rank; nothing is reordered locally. See :class:`DistributedEmbedding` for the values.
+
+Saving: ``state_dict()`` holds this rank's shard (and its column range in the state dict's metadata);
+:func:`full_state_dict` gathers full tables; ``load_state_dict`` accepts a full table (any number of ranks)
+or this rank's own shard.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from perseus.common import collectives as _c
+from perseus.common.partition import even_counts
+from perseus.common.process_sets import ProcessSet, global_process_set
+from perseus.common.reduce_ops import Average, ReduceOp, Sum
+from perseus.torch.mpi_ops import _alloc_like, _dtype, _np, synchronize
+
+__all__ = ["DistributedEmbedding", "full_state_dict", "is_model_parallel", "MODEL_PARALLEL_ATTR"]
+
+#: Attribute set (True) on parameters, and on their state-dict tensors, that hold a different shard on each
+#: rank: perseus' DistributedOptimizer does not reduce their gradients and the broadcast helpers skip them.
+MODEL_PARALLEL_ATTR = "perseus_model_parallel"
+
+_METADATA_KEY = "perseus_shard"
+
+
+def is_model_parallel(tensor) -> bool:
+    """True when ``tensor`` is a per-rank shard (a parameter or state-dict tensor of a DistributedEmbedding)."""
+    return bool(getattr(tensor, MODEL_PARALLEL_ATTR, False))
+
+
+_names_lock = threading.Lock()
+_names: dict = {}
+
+
+def _default_name(ps_id: int) -> str:
+    with _names_lock:
+        n = _names.get(ps_id, 0)
+        _names[ps_id] = n + 1
+    return f"embrace.{ps_id}.{n}"
+
+
+def _reset_names() -> None:
+    with _names_lock:
+        _names.clear()
+
+
+_c.state().register_job_state(_reset_names)
+
+
+class _Plan:
+    """What one forward learned from the gathered ids, identically on every rank (but ``inverse``)."""
+
+    __slots__ = ("all_ids", "uniq", "ucounts", "uoffsets", "inverse", "shape")
+
+    def __init__(self, all_ids, uniq, ucounts, inverse, shape):
+        self.all_ids, self.uniq, self.ucounts, self.inverse, self.shape = all_ids, uniq, ucounts, inverse, shape
+        offsets = [0]
+        for u in ucounts:
+            offsets.append(offsets[-1] + u)
+        self.uoffsets = offsets
+
+
+class _Deferred:
+    __slots__ = ("handle", "rows")
+
+    def __init__(self, handle, rows):
+        self.handle, self.rows = handle, rows
+
+
+class _Lookup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, module, plan):
+        ctx.module, ctx.plan = module, plan
+        return module._lookup(weight, plan)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return ctx.module._gradient(grad_output, ctx.plan), None, None
+
+
+class DistributedEmbedding(nn.Module):
+    """An ``nn.Embedding`` whose table is split by columns across the ranks of ``process_set`` (EmbRace).
+
+    Use it where ``nn.Embedding`` would be; every rank of the process set must call it (forward and
+    backward) the same number of times, in the same order, as for any collective. Each rank passes its own
+    ids (any shape, any number of tokens, zero included) and gets ``nn.Embedding``'s output for them.
+
+    Args:
+        num_embeddings, embedding_dim, padding_idx, scale_grad_by_freq, sparse, _weight, _freeze, device,
+            dtype: as ``nn.Embedding``. ``_weight`` is the *full* ``[num_embeddings, embedding_dim]`` table
+            (the same on every rank); this rank keeps its columns. Without it the full table is drawn from
+            N(0, 1) in row blocks with the default generator (the same table on every rank that seeded the
+            same way, whatever the number of ranks) and the padding row is zeroed. ``max_norm`` is not
+            supported (it would renormalise rows across shards).
+        process_set: the ranks that share the table (``embedding_dim`` must be at least its size).
+        op: ``Average`` (default: the shard's gradient is averaged over the ranks, as DistributedOptimizer
+            averages dense gradients) or ``Sum`` (use with ``DistributedOptimizer(op=Sum)``).
+        name: the name of this table's collectives; every rank must use the same. By default tables are
+            numbered in construction order per process set, so build the model the same way on every rank.
+
+    Attributes:
+        weight: this rank's shard ``[num_embeddings, columns[1] - columns[0]]``, marked
+            ``perseus_model_parallel``.
+        columns: ``(start, stop)``, the columns of the full table this rank holds.
+        priority_gradient, priority_forward, priority_deferred: the priorities of the gradient rows the next
+            forward reads (all rows without :meth:`prefetch`), of the forward's allgather and alltoall, and
+            of deferred gradient rows. Defaults ``2_000_000``, ``1_000_000`` and ``-1_000_000``, minus the
+            table's position in forward order (0 for the first table a forward used), so the first table's
+            traffic goes first; DistributedOptimizer's dense gradients use 0. They must be the same on every
+            rank (the negotiation checks).
+        last_step_rows: ``(rows sent at once, rows deferred)`` by the latest backward (per rank, coalesced).
+    """
+
+    priority_gradient = 2_000_000
+    priority_forward = 1_000_000
+    priority_deferred = -1_000_000
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
+                 max_norm: Optional[float] = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
+                 sparse: bool = False, _weight: Optional[torch.Tensor] = None, _freeze: bool = False,
+                 device=None, dtype=None, process_set: ProcessSet = global_process_set, op=Average,
+                 name: Optional[str] = None):
+        super().__init__()
+        if max_norm is not None:
+            raise NotImplementedError("perseus.DistributedEmbedding: max_norm is not supported (renormalising a "
+                                      "row needs all of its columns, which live on different ranks)")
+        if device is not None and torch.device(device).type != "cpu":
+            raise NotImplementedError("perseus.DistributedEmbedding: tensors on the GPU need the GPU transport, "
+                                      "which is not implemented yet; use the CPU")
+        op = ReduceOp(op)
+        if op not in (Average, Sum):
+            raise ValueError(f"perseus.DistributedEmbedding: op must be Average or Sum, not {op.name}")
+        num_embeddings, embedding_dim = int(num_embeddings), int(embedding_dim)
+        if num_embeddings <= 0 or embedding_dim <= 0:
+            raise ValueError("perseus.DistributedEmbedding: num_embeddings and embedding_dim must be positive")
+        if padding_idx is not None:
+            padding_idx = int(padding_idx)
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError("Padding_idx must be within num_embeddings")
+            if padding_idx < 0:
+                padding_idx += num_embeddings
+        ps_id, size, rank = _c.state().process_set_info(process_set)
+        if embedding_dim < size:
+            raise ValueError(f"perseus.DistributedEmbedding: embedding_dim {embedding_dim} is smaller than the "
+                             f"{size} ranks of the process set; every rank needs at least one column")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx, self.max_norm, self.norm_type = padding_idx, None, norm_type
+        self.scale_grad_by_freq, self.sparse = bool(scale_grad_by_freq), bool(sparse)
+        self.process_set, self.op = process_set, op
+        self.name = name if name is not None else _default_name(ps_id)
+        self._ps_id, self._size, self._rank = ps_id, size, rank
+        self._job_ranks = list(_c.state().process_set_ranks(ps_id))
+        self._widths = even_counts(embedding_dim, size)
+        starts = [sum(self._widths[:k]) for k in range(size)]
+        self._bounds = [(s, s + w) for s, w in zip(starts, self._widths)]
+        self.columns = self._bounds[rank]
+        self._scale = 1.0 / size if op == Average else 1.0
+        self._order: Optional[int] = None
+        self._next: Optional[torch.Tensor] = None
+        self._next_set = False
+        self._deferred: Optional[_Deferred] = None
+        self._unapplied = None  # (rows, weight version) merged into a gradient that no step has applied yet
+        self.last_step_rows = (0, 0)
+        c0, c1 = self.columns
+        if _weight is not None:
+            if tuple(_weight.shape) != (num_embeddings, embedding_dim):
+                raise ValueError(f"perseus.DistributedEmbedding: _weight has shape {tuple(_weight.shape)}; "
+                                 f"expected the full table [{num_embeddings}, {embedding_dim}]")
+            shard = _weight.detach()[:, c0:c1].to(dtype=dtype).clone().contiguous()
+        else:
+            shard = self._init_shard(dtype)
+        self.weight = nn.Parameter(shard, requires_grad=not _freeze)
+        setattr(self.weight, MODEL_PARALLEL_ATTR, True)
+        self.register_state_dict_post_hook(_mark_state_dict)
+
+    @property
+    def perseus_sparse_shard(self) -> bool:
+        """True when the shard's gradient is sparse (broadcast_optimizer_state initialises its state so)."""
+        return self.sparse
+
+    # -- construction --------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, embeddings, freeze=True, padding_idx=None, max_norm=None, norm_type=2.0,
+                        scale_grad_by_freq=False, sparse=False, **kwargs):
+        """Build from a full ``[num_embeddings, embedding_dim]`` table (as ``nn.Embedding.from_pretrained``)."""
+        if embeddings.dim() != 2:
+            raise ValueError("Embeddings parameter is expected to be 2-dimensional")
+        rows, cols = embeddings.shape
+        return cls(rows, cols, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse, _weight=embeddings,
+                   _freeze=freeze, **kwargs)
+
+    def _init_shard(self, dtype):
+        L, D = self.num_embeddings, self.embedding_dim
+        c0, c1 = self.columns
+        dtype = dtype or torch.get_default_dtype()
+        shard = torch.empty(L, c1 - c0, dtype=dtype)
+        block = max(1, (1 << 20) // D)
+        with torch.no_grad():
+            for r0 in range(0, L, block):
+                r1 = min(L, r0 + block)
+                shard[r0:r1] = torch.empty(r1 - r0, D, dtype=dtype).normal_()[:, c0:c1]
+            if self.padding_idx is not None:
+                shard[self.padding_idx].zero_()
+        return shard
+
+    def reset_parameters(self) -> None:
+        """Draw the table again (N(0, 1), padding row zeroed), as ``nn.Embedding.reset_parameters``."""
+        with torch.no_grad():
+            self.weight.copy_(self._init_shard(self.weight.dtype))
+
+    def extra_repr(self) -> str:
+        s = f"{self.num_embeddings}, {self.embedding_dim}, columns={self.columns}, ranks={self._size}"
+        if self.padding_idx is not None:
+            s += f", padding_idx={self.padding_idx}"
+        if self.scale_grad_by_freq:
+            s += ", scale_grad_by_freq=True"
+        if self.sparse:
+            s += ", sparse=True"
+        return s
+
+    # -- collectives ---------------------------------------------------------------------------------------
+    def _what(self) -> str:
+        return f"perseus.DistributedEmbedding({self.name!r})"
+
+    def _allgather(self, t: torch.Tensor, kind: str, priority: int):
+        holder: list = []
+        h = _c.allgather_async(_np(t), _alloc_like(t, holder), f"{self.name}.{kind}", self.process_set,
+                               int(priority), dtype=_dtype(t),
+                               finish=lambda r: (holder[0], [int(x) for x in r[0].received_splits]))
+        return synchronize(h)
+
+    def _alltoall_async(self, flat: torch.Tensor, splits, kind: str, priority: int):
+        holder: list = []
+        return _c.alltoall_async(_np(flat), splits, _alloc_like(flat, holder), f"{self.name}.{kind}",
+                                 self.process_set, int(priority), dtype=_dtype(flat),
+                                 finish=lambda r: holder[0])
+
+    def _priorities(self):
+        order = self._order or 0
+        return (self.priority_gradient - order, self.priority_forward - order, self.priority_deferred - order)
+
+    def _check_ids(self, all_ids, counts, what):
+        if all_ids.numel() == 0:
+            return
+        bad = (all_ids < 0) | (all_ids >= self.num_embeddings)
+        if bool(bad.any()):
+            owner = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.int64))
+            ranks = sorted({self._job_ranks[i] for i in owner[bad].tolist()})
+            raise IndexError(f"{self._what()}: {what}: token id {int(all_ids[bad][0])} on rank(s) {ranks} is out "
+                             f"of range for num_embeddings={self.num_embeddings} (ids must be in "
+                             f"[0, {self.num_embeddings})); every rank of the process set raises this error")
+
+    def _gather_ids(self, ids: torch.Tensor, kind: str, priority: int):
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(f"{self._what()}: expected a tensor of token ids, got {type(ids).__name__}")
+        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+            raise TypeError(f"{self._what()}: token ids must be an integer tensor (got {ids.dtype})")
+        flat = ids.detach().reshape(-1).to(torch.int64).contiguous()
+        return self._allgather(flat, kind, priority)
+
+    # -- forward -------------------------------------------------------------------------------------------
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self._order is None:
+            self._order = _next_forward_order(self._ps_id)
+        if self._size == 1:
+            self._check_ids(input.reshape(-1).to(torch.int64), [input.numel()], "forward")
+            return F.embedding(input, self.weight, self.padding_idx, None, self.norm_type,
+                               self.scale_grad_by_freq, self.sparse)
+        _, p_forward, _ = self._priorities()
+        all_ids, counts = self._gather_ids(input, "ids", p_forward)
+        self._check_ids(all_ids, counts, "forward")
+        self._check_fresh(all_ids)
+        owner = torch.repeat_interleave(torch.arange(self._size, dtype=torch.int64),
+                                        torch.tensor(counts, dtype=torch.int64))
+        keys, inverse = torch.unique(owner * self.num_embeddings + all_ids, sorted=True, return_inverse=True)
+        uniq = keys % self.num_embeddings
+        ucounts = torch.bincount(keys // self.num_embeddings, minlength=self._size).tolist()
+        me = self._rank
+        start = sum(counts[:me])
+        plan = _Plan(all_ids, uniq, ucounts, None, tuple(input.shape))
+        plan.inverse = inverse[start:start + counts[me]] - plan.uoffsets[me]
+        out = _Lookup.apply(self.weight, self, plan)
+        return out.view(*input.shape, self.embedding_dim)
+
+    def _lookup(self, weight, plan: _Plan) -> torch.Tensor:
+        w = weight.shape[1]
+        values = weight.index_select(0, plan.uniq).reshape(-1)
+        splits = [u * w for u in plan.ucounts]
+        _, p_forward, _ = self._priorities()
+        received = synchronize(self._alltoall_async(values, splits, "lookup", p_forward))
+        mine = plan.ucounts[self._rank]
+        parts = received.split([mine * wk for wk in self._widths])
+        rows = torch.cat([p.view(mine, wk) for p, wk in zip(parts, self._widths)], dim=1)
+        return rows.index_select(0, plan.inverse)
+
+    # -- backward ------------------------------------------------------------------------------------------
+    def _send_rows(self, coalesced, plan: _Plan, mask, kind, priority):
+        """Start the alltoall of the coalesced gradient rows selected by ``mask`` (over every rank's unique
+        ids); return ``(handle, rows this rank will receive values for)``."""
+        me = self._rank
+        sel = coalesced[mask[plan.uoffsets[me]:plan.uoffsets[me + 1]]]
+        m = sel.shape[0]
+        send = torch.cat([sel[:, c0:c1].reshape(-1) for c0, c1 in self._bounds])
+        handle = self._alltoall_async(send, [m * w for w in self._widths], kind, priority)
+        return handle, plan.uniq[mask]
+
+    def _gradient(self, grad_output, plan: _Plan):
+        p_grad, _, p_deferred = self._priorities()
+        me, D = self._rank, self.embedding_dim
+        g = grad_output.reshape(-1, D)
+        mine = plan.ucounts[me]
+        coalesced = g.new_zeros(mine, D).index_add_(0, plan.inverse, g)
+        if self.scale_grad_by_freq and mine:
+            freq = torch.bincount(plan.inverse, minlength=mine).to(g.dtype)
+            coalesced /= freq.unsqueeze(1)
+        keep = torch.ones(plan.uniq.shape[0], dtype=torch.bool) if self.padding_idx is None \
+            else plan.uniq != self.padding_idx
+        next_ids, self._next, self._next_set = self._next, None, False
+        if next_ids is None:
+            now, later = keep, None
+        else:
+            hit = torch.isin(plan.uniq, next_ids)
+            now, later = keep & hit, keep & ~hit
+            if not bool(later.any()):
+                later = None
+        w = self.weight.shape[1]
+        rows_list, values_list = [], []
+        current = self._send_rows(coalesced, plan, now, "grad", p_grad) if bool(now.any()) else None
+        # The rows the previous backward deferred: they join this gradient (waited for before this
+        # backward's deferred rows are sent under the same name).
+        previous, self._deferred = self._deferred, None
+        if previous is not None:
+            rows_list.append(previous.rows)
+            values_list.append(synchronize(previous.handle).view(-1, w))
+        if later is not None:
+            handle, rows = self._send_rows(coalesced, plan, later, "grad_deferred", p_deferred)
+            self._deferred = _Deferred(handle, rows)
+        if current is not None:
+            rows_list.append(current[1])
+            values_list.append(synchronize(current[0]).view(-1, w))
+        sends = lambda mask: int(mask[plan.uoffsets[me]:plan.uoffsets[me + 1]].sum())  # noqa: E731
+        self.last_step_rows = (sends(now), 0 if later is None else sends(later))
+        if previous is not None:
+            self._unapplied = (previous.rows, self.weight._version)
+        return self._shard_gradient(rows_list, values_list, g.dtype)
+
+    def _shard_gradient(self, rows_list, values_list, dtype):
+        L, w = self.num_embeddings, self.weight.shape[1]
+        if rows_list:
+            rows, values = torch.cat(rows_list), torch.cat(values_list)
+        else:
+            rows, values = torch.zeros(0, dtype=torch.int64), torch.zeros(0, w, dtype=dtype)
+        if self._scale != 1.0:
+            values = values * self._scale
+        if self.sparse:
+            return torch.sparse_coo_tensor(rows.unsqueeze(0), values, (L, w), check_invariants=False).coalesce()
+        return values.new_zeros(L, w).index_add_(0, rows, values)
+
+    # -- vertical scheduling -------------------------------------------------------------------------------
+    def prefetch(self, next_input: Optional[torch.Tensor]) -> None:
+        """Declare the ids of this table's next forward (this rank's part), so that the next backward sends
+        first the gradient rows that forward reads and defers the others (vertical scheduling).
+
+        Call it between a forward and its backward, typically with the batch the data loader has already
+        prepared; the next backward uses it once. ``None`` (on any rank) defers nothing: pass it for the
+        last batch, so every row is applied at the last step. Collective: every rank of the process set
+        calls it (an allgather of the ids).
+
+        The rows deferred by a backward are sent in the background with the lowest priority, waited for by
+        the next backward and added to its gradient, so the optimizer applies them one step later. They are
+        the rows no rank's declared next forward reads, so the result equals training without deferral for
+        optimizers that leave rows with a zero gradient unchanged and whose per-row update does not depend on
+        the step count (SGD without momentum or weight decay, Adagrad); for SparseAdam the deferred rows get
+        the next step's bias correction; dense Adam or momentum move rows without a gradient, so do not use
+        prefetch with them. A forward that would read a row whose deferred gradient has not been applied yet
+        (ids other than those declared, or no optimizer step in between) raises RuntimeError on every rank;
+        :meth:`flush` adds a pending deferred gradient to ``weight.grad`` at once.
+        """
+        if self._size == 1:  # nothing travels, so nothing is deferred; the ids are still checked
+            if next_input is not None:
+                self._check_ids(next_input.reshape(-1).to(torch.int64), [next_input.numel()], "prefetch")
+            return
+        if next_input is None:
+            flat = torch.zeros(1, dtype=torch.int64)  # flag 0: no next batch
+        else:
+            if not isinstance(next_input, torch.Tensor):
+                raise TypeError(f"{self._what()}.prefetch: expected a tensor of token ids or None, got "
+                                f"{type(next_input).__name__}")
+            flat = torch.cat([torch.ones(1, dtype=torch.int64), next_input.detach().reshape(-1).to(torch.int64)])
+        p_grad, _, _ = self._priorities()
+        gathered, counts = self._allgather(flat, "next_ids", p_grad)
+        starts = [sum(counts[:k]) for k in range(len(counts))]
+        if any(int(gathered[s]) == 0 for s in starts):
+            self._next, self._next_set = None, True
+            return
+        keep = torch.ones(gathered.shape[0], dtype=torch.bool)
+        keep[starts] = False
+        ids = gathered[keep]
+        self._check_ids(ids, [c - 1 for c in counts], "prefetch")
+        self._next, self._next_set = torch.unique(ids), True
+
+    def _check_fresh(self, all_ids):
+        at_risk = []
+        if self._deferred is not None:
+            at_risk.append(self._deferred.rows)
+        if self._unapplied is not None:
+            rows, version = self._unapplied
+            if self.weight._version != version:
+                self._unapplied = None
+            else:
+                at_risk.append(rows)
+        if not at_risk or all_ids.numel() == 0:
+            return
+        stale = torch.isin(all_ids, torch.cat(at_risk))
+        if bool(stale.any()):
+            raise RuntimeError(
+                f"{self._what()}: this forward reads row {int(all_ids[stale][0])}, whose gradient an earlier "
+                "backward deferred (vertical scheduling) and no optimizer step has applied yet: the ids differ "
+                "from those given to prefetch(), or no optimizer step ran after the backward that merged them. "
+                "Pass the next forward's ids to prefetch() (None for the last batch), step the optimizer after "
+                "every backward, or call flush() and step. Every rank raises this error.")
+
+    def flush(self) -> None:
+        """Wait for the gradient rows the latest backward deferred and add them to ``weight.grad`` now (the
+        next optimizer step applies them). Needed only when training stops after a backward that deferred
+        rows (a backward after ``prefetch(ids)``); not a collective (the rows were sent already)."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            return
+        values = synchronize(deferred.handle).view(-1, self.weight.shape[1])
+        grad = self._shard_gradient([deferred.rows], [values], self.weight.dtype)
+        with torch.no_grad():
+            if self.weight.grad is None:
+                self.weight.grad = grad
+            elif grad.is_sparse and not self.weight.grad.is_sparse:
+                self.weight.grad.add_(grad.to_dense())
+            else:
+                self.weight.grad = self.weight.grad + grad
+        self._unapplied = (deferred.rows, self.weight._version)
+
+    # -- full table ----------------------------------------------------------------------------------------
+    def _root_position(self, root_rank) -> int:
+        root_rank = int(root_rank)
+        if root_rank not in self._job_ranks:
+            raise ValueError(f"{self._what()}: root_rank {root_rank} is not a rank of the process set "
+                             f"(ranks {self._job_ranks})")
+        return self._job_ranks.index(root_rank)
+
+    def full_weight(self, root_rank: Optional[int] = 0) -> Optional[torch.Tensor]:
+        """The full ``[num_embeddings, embedding_dim]`` table, gathered from the shards.
+
+        With ``root_rank`` (a job rank; default 0) only that rank gets it and the others get None; with
+        ``root_rank=None`` every rank gets it. Collective over the process set. Rows whose deferred gradient
+        (see :meth:`prefetch`) is still pending do not have it yet.
+        """
+        L = self.num_embeddings
+        shard = self.weight.detach().contiguous().reshape(-1)
+        if self._size == 1:
+            return shard.view(L, -1).clone()
+        if root_rank is None:
+            flat, _ = self._allgather(shard, "full", 0)
+        else:
+            pos = self._root_position(root_rank)
+            splits = [shard.numel() if k == pos else 0 for k in range(self._size)]
+            flat = synchronize(self._alltoall_async(shard, splits, "gather_full", 0))
+            if self._rank != pos:
+                return None
+        parts = flat.split([L * w for w in self._widths])
+        return torch.cat([p.view(L, w) for p, w in zip(parts, self._widths)], dim=1)
+
+    def load_full_weight(self, weight: Optional[torch.Tensor], root_rank: Optional[int] = None) -> None:
+        """Copy this rank's columns of a full ``[num_embeddings, embedding_dim]`` table into the shard.
+
+        With ``root_rank=None`` every rank passes the table and nothing is communicated. With a job rank, only
+        that rank's ``weight`` is read (others may pass None) and each rank receives its columns from it
+        (collective over the process set).
+        """
+        L, D = self.num_embeddings, self.embedding_dim
+        if root_rank is None or self._size == 1:
+            if weight is None or tuple(weight.shape) != (L, D):
+                raise ValueError(f"{self._what()}: expected the full table [{L}, {D}], got "
+                                 f"{None if weight is None else tuple(weight.shape)}")
+            c0, c1 = self.columns
+            with torch.no_grad():
+                self.weight.copy_(weight.detach()[:, c0:c1])
+            return
+        pos = self._root_position(root_rank)
+        if self._rank == pos:
+            if weight is None or tuple(weight.shape) != (L, D):
+                raise ValueError(f"{self._what()}: expected the full table [{L}, {D}] on the root, got "
+                                 f"{None if weight is None else tuple(weight.shape)}")
+            src = weight.detach().to(self.weight.dtype)
+            send = torch.cat([src[:, c0:c1].reshape(-1) for c0, c1 in self._bounds])
+            splits = [L * w for w in self._widths]
+        else:
+            send = torch.zeros(0, dtype=self.weight.dtype)
+            splits = [0] * self._size
+        received = synchronize(self._alltoall_async(send, splits, "scatter_full", 0))
+        with torch.no_grad():
+            self.weight.copy_(received.view(L, -1))
+
+    def full_state_dict(self, root_rank: Optional[int] = 0):
+        """``state_dict()`` with the full table instead of the shard (see :func:`full_state_dict`)."""
+        return full_state_dict(self, root_rank)
+
+    def load_full_state_dict(self, state_dict, root_rank: Optional[int] = None):
+        """Load a state dict holding the full table. With ``root_rank`` only that rank's ``state_dict`` is
+        read (others may pass None) and each rank receives its columns from it (collective)."""
+        if root_rank is None or self._size == 1:
+            return self.load_state_dict(state_dict)
+        pos = self._root_position(root_rank)
+        self.load_full_weight(state_dict["weight"] if self._rank == pos else None, root_rank)
+
+    # -- state dict ----------------------------------------------------------------------------------------
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        key = prefix + "weight"
+        value = state_dict.get(key)
+        if isinstance(value, torch.Tensor):
+            L, D = self.num_embeddings, self.embedding_dim
+            info = (local_metadata or {}).get(_METADATA_KEY)
+            c0, c1 = self.columns
+            whole = tuple(value.shape) == (L, D) and (info is None or tuple(info["columns"]) == (0, D))
+            if whole:
+                state_dict[key] = value[:, c0:c1]
+            elif not (info is not None and tuple(info["columns"]) == (c0, c1) and int(info["embedding_dim"]) == D
+                      and tuple(value.shape) == (L, c1 - c0)):
+                where = "" if info is None else (f" (the shard of columns {tuple(info['columns'])} of "
+                                                 f"{info['embedding_dim']}, saved by one of {info['num_shards']} "
+                                                 "ranks)")
+                error_msgs.append(
+                    f"{self._what()}: {key!r} has shape {tuple(value.shape)}{where}; expected the full table "
+                    f"[{L}, {D}] or this rank's shard (columns {self.columns}). Save full tables with "
+                    "perseus.torch.embedding.full_state_dict(model) to load them on any number of ranks.")
+                state_dict = dict(state_dict)
+                del state_dict[key]
+                before = len(missing_keys)
+                super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                              unexpected_keys, error_msgs)
+                del missing_keys[before:]
+                return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+
+def _mark_state_dict(module, state_dict, prefix, local_metadata):
+    t = state_dict.get(prefix + "weight")
+    if isinstance(t, torch.Tensor):
+        try:
+            setattr(t, MODEL_PARALLEL_ATTR, True)
+        except (AttributeError, RuntimeError):
+            pass
+    local_metadata[_METADATA_KEY] = {"columns": list(module.columns), "embedding_dim": module.embedding_dim,
+                                     "num_shards": module._size}
+
+
+_order_lock = threading.Lock()
+_orders: dict = {}
+
+
+def _next_forward_order(ps_id: int) -> int:
+    with _order_lock:
+        n = _orders.get(ps_id, 0)
+        _orders[ps_id] = n + 1
+    return n
+
+
+def _reset_orders() -> None:
+    with _order_lock:
+        _orders.clear()
+
+
+_c.state().register_job_state(_reset_orders)
+
+
+def full_state_dict(model: nn.Module, root_rank: Optional[int] = 0):
+    """``model.state_dict()`` with the full table of every :class:`DistributedEmbedding` in place of its shard.
+
+    Collective: every rank calls it (each table gathers its shards). With ``root_rank`` (a job rank, default
+    0) that rank gets the state dict and the others None; with ``root_rank=None`` every rank gets it. Save it
+    on the root (``torch.save``); ``model.load_state_dict`` then loads it on any number of ranks (each keeps
+    its columns), and into ``nn.Embedding`` as well.
+    """
+    state = model.state_dict()
+    me = _c.state().rank()
+    keep = root_rank is None or me == int(root_rank)
+    for name, module in model.named_modules():
+        if not isinstance(module, DistributedEmbedding):
+            continue
+        full = module.full_weight(root_rank)
+        key = f"{name}.weight" if name else "weight"
+        if keep and full is not None:
+            state[key] = full
+            meta = getattr(state, "_metadata", {}).get(name)
+            if meta is not None:
+                meta.pop(_METADATA_KEY, None)
+    return state if keep else None

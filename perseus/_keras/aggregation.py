@@ -14,7 +14,13 @@ import tensorflow as tf
 
 from perseus.tensorflow.util import var_key
 
-__all__ = ["LocalGradientAggregationHelper", "var_key"]
+__all__ = ["LocalGradientAggregationHelper", "var_key", "is_model_parallel"]
+
+
+def is_model_parallel(var) -> bool:
+    """True for a variable holding a different shard on every rank (a DistributedEmbedding's table): its
+    gradient is complete on each rank and is never reduced or rescaled."""
+    return bool(getattr(var, "perseus_model_parallel", False))
 
 
 class LocalGradientAggregationHelper:
@@ -78,7 +84,8 @@ class LocalGradientAggregationHelper:
 
         def reduced():
             vals = [v / self.backward_passes_per_step for v in values] if self._average else list(values)
-            glob = [k for k, i in enumerate(present) if var_key(variables[i]) not in self._local_vars]
+            glob = [k for k, i in enumerate(present) if var_key(variables[i]) not in self._local_vars
+                    and not is_model_parallel(variables[i])]
             out = list(vals)
             for k, r in zip(glob, self._allreduce([vals[k] for k in glob], [variables[present[k]] for k in glob])):
                 out[k] = r

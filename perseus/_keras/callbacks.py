@@ -12,7 +12,7 @@ import numpy as np
 
 from perseus.common.basics import state
 from perseus._keras.values import allreduce_value, broadcast_values
-from perseus._keras.aggregation import var_key
+from perseus._keras.aggregation import is_model_parallel, var_key
 
 __all__ = ["make_callbacks"]
 
@@ -86,10 +86,16 @@ def make_callbacks(keras):
             self._local_vars.add(var_key(var))
 
         def _broadcast(self):
-            variables = [v for v in self.model.variables if var_key(v) not in self._local_vars]
+            # Per-rank shards (DistributedEmbedding) and their optimizer slots (named after the shard's path)
+            # stay as they are.
+            shards = tuple(str(getattr(v, "path", v.name)).replace("/", "_") + "_" for v in self.model.variables
+                           if is_model_parallel(v))
+            variables = [v for v in self.model.variables
+                         if var_key(v) not in self._local_vars and not is_model_parallel(v)]
             optimizer = getattr(self.model, "optimizer", None)
             if optimizer is not None:
-                variables += [v for v in _optimizer_variables(optimizer) if var_key(v) not in self._local_vars]
+                variables += [v for v in _optimizer_variables(optimizer) if var_key(v) not in self._local_vars
+                              and not (shards and str(v.name).startswith(shards))]
             values = broadcast_values(variables, self.root_rank, "BroadcastGlobalVariablesCallback")
             for var, value in zip(variables, values):
                 var.assign(value)

@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from perseus.common.process_sets import global_process_set
 from perseus.common.reduce_ops import Average, ReduceOp, Sum
-from perseus._keras.aggregation import LocalGradientAggregationHelper, var_key
+from perseus._keras.aggregation import LocalGradientAggregationHelper, is_model_parallel, var_key
 from perseus.tensorflow.gradient_tape import _make_allreduce_grads_fn
 
 __all__ = ["create_distributed_optimizer", "distributed_class", "is_keras3_optimizer", "CallableList",
@@ -100,7 +100,8 @@ class _DistributedBase:
         grads, variables = list(grads), list(variables)
         if self._agg_helper:
             return self._agg_helper.compute_gradients(grads, variables)
-        glob = [i for i, v in enumerate(variables) if var_key(v) not in self._local_vars]
+        glob = [i for i, v in enumerate(variables)
+                if var_key(v) not in self._local_vars and not is_model_parallel(v)]
         out = list(grads)
         for i, r in zip(glob, self._allreduce_grads([grads[i] for i in glob], [variables[i] for i in glob])):
             out[i] = r

@@ -10,6 +10,7 @@ from tensorflow import keras as _keras
 from perseus.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from perseus.common.reduce_ops import Average, Sum
 from perseus._keras import frontend as _frontend
+from perseus._keras.embedding import make_embedding_class as _make_embedding_class
 from perseus.tensorflow.compression import Compression
 from perseus.tensorflow.mpi_ops import (  # noqa: F401 - re-exported
     ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init, is_initialized,
@@ -18,6 +19,8 @@ from perseus.tensorflow.mpi_ops import (  # noqa: F401 - re-exported
 )
 from perseus.tensorflow.keras import callbacks, elastic  # noqa: E402
 
+DistributedEmbedding = _make_embedding_class(_keras)
+
 __all__ = [
     "init", "shutdown", "is_initialized", "start_timeline", "stop_timeline", "size", "local_size",
     "cross_size", "rank", "local_rank", "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built",
@@ -25,6 +28,7 @@ __all__ = [
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "Average", "Sum",
     "Compression", "DistributedOptimizer", "PartialDistributedOptimizer", "broadcast_global_variables",
     "allreduce", "allgather", "broadcast", "reducescatter", "load_model", "callbacks", "elastic",
+    "DistributedEmbedding",
 ]
 
 

@@ -23,6 +23,9 @@ TORCH_SECTIONS = [
     ("Synchronisation", ["poll", "synchronize", "join", "barrier"]),
     ("Training", ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
                   "broadcast_object", "allgather_object", "SyncBatchNorm", "Compression"]),
+    ("Sharded embeddings (EmbRace)", ["DistributedEmbedding", "DistributedEmbedding.prefetch",
+                                      "DistributedEmbedding.flush", "DistributedEmbedding.full_weight",
+                                      "DistributedEmbedding.load_full_weight", "embedding.full_state_dict"]),
     ("Process sets", ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set"]),
     ("Bytes on the wire", ["wire_bytes"]),
 ]
@@ -44,6 +47,8 @@ TF_SECTIONS = [
 KERAS_SECTIONS = [
     ("Optimizer and model", ["DistributedOptimizer", "PartialDistributedOptimizer", "load_model",
                              "broadcast_global_variables"]),
+    ("Sharded embeddings (EmbRace)", ["DistributedEmbedding", "DistributedEmbedding.full_weights",
+                                      "DistributedEmbedding.set_full_weights"]),
     ("Values (eager, NumPy results)", ["allreduce", "allgather", "broadcast", "reducescatter"]),
     ("Callbacks (`callbacks.`)", ["callbacks.BroadcastGlobalVariablesCallback", "callbacks.MetricAverageCallback",
                                   "callbacks.LearningRateScheduleCallback", "callbacks.LearningRateWarmupCallback",

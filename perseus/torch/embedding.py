@@ -203,8 +203,9 @@ class DistributedEmbedding(nn.Module):
         self.columns = self._bounds[rank]
         self._scale = 1.0 / size if op == Average else 1.0
         self._order: Optional[int] = None
-        self._next: Optional[torch.Tensor] = None
+        self._next: Optional[torch.Tensor] = None  # next forward's ids (all ranks), for the next backward
         self._next_set = False
+        self._prefetched = None  # (this rank's declared ids, every rank's declared ids), for the next forward
         self._deferred: Optional[_Deferred] = None
         self._unapplied = None  # (rows, weight version) merged into a gradient that no step has applied yet
         self.last_step_rows = (0, 0)
@@ -303,7 +304,21 @@ class DistributedEmbedding(nn.Module):
         if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
             raise TypeError(f"{self._what()}: token ids must be an integer tensor (got {ids.dtype})")
         flat = ids.detach().reshape(-1).to(torch.int64).contiguous()
-        return self._allgather(flat, kind, priority)
+        pre, self._prefetched = self._prefetched, None
+        if pre is None:
+            return self._allgather(flat, kind, priority)
+        # prefetch() gathered the ids already (on every rank, so every rank takes this path): a rank whose ids
+        # are those it declared sends only a flag, the others send their ids after a flag 0.
+        local, segments = pre
+        reuse = local.shape == flat.shape and torch.equal(local, flat)
+        flag = torch.ones(1, dtype=torch.int64) if reuse else torch.zeros(1, dtype=torch.int64)
+        message = flag if reuse else torch.cat([flag, flat])
+        gathered, counts = self._allgather(message, kind, priority)
+        parts, start = [], 0
+        for j, c in enumerate(counts):
+            parts.append(segments[j] if int(gathered[start]) == 1 else gathered[start + 1:start + c])
+            start += c
+        return torch.cat(parts), [p.numel() for p in parts]
 
     # -- forward -------------------------------------------------------------------------------------------
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -422,6 +437,9 @@ class DistributedEmbedding(nn.Module):
         prefetch with them. A forward that would read a row whose deferred gradient has not been applied yet
         (ids other than those declared, or no optimizer step in between) raises RuntimeError on every rank;
         :meth:`flush` adds a pending deferred gradient to ``weight.grad`` at once.
+
+        The ids gathered here are not sent again: in the next forward a rank whose ids are the ones it
+        declared sends a one-element flag instead (ids that differ are sent in full, and are fine).
         """
         if self._size == 1:  # nothing travels, so nothing is deferred; the ids are still checked
             if next_input is not None:
@@ -438,13 +456,14 @@ class DistributedEmbedding(nn.Module):
         gathered, counts = self._allgather(flat, "next_ids", p_grad)
         starts = [sum(counts[:k]) for k in range(len(counts))]
         if any(int(gathered[s]) == 0 for s in starts):
-            self._next, self._next_set = None, True
+            self._next, self._next_set, self._prefetched = None, True, None
             return
         keep = torch.ones(gathered.shape[0], dtype=torch.bool)
         keep[starts] = False
         ids = gathered[keep]
         self._check_ids(ids, [c - 1 for c in counts], "prefetch")
         self._next, self._next_set = torch.unique(ids), True
+        self._prefetched = (flat[1:], list(ids.split([c - 1 for c in counts])))
 
     def _check_fresh(self, all_ids):
         at_risk = []

@@ -160,7 +160,8 @@ def test_training_equals_dense_data_parallel(hvd, variant, D):
         torch.testing.assert_close(model.emb.weight.detach(), shard_of(ref.emb.weight.detach(), model.emb),
                                    rtol=1e-9, atol=1e-11)
         torch.testing.assert_close(model.fc.weight.detach(), ref.fc.weight.detach(), rtol=1e-9, atol=1e-11)
-    assert float(model.emb.full_weight(root_rank=None)[pad].abs().sum()) == float(ref.emb.weight[pad].detach().abs().sum())
+    pad_row = model.emb.full_weight(root_rank=None)[pad]
+    assert float(pad_row.abs().sum()) == float(ref.emb.weight[pad].detach().abs().sum())
 
 
 def test_scale_grad_by_freq_and_sum_op(hvd):
@@ -230,6 +231,17 @@ def test_prefetch_defers_rows_and_matches_dense_training(hvd, sparse):
     # The last step deferred nothing, and applied what the step before deferred.
     torch.testing.assert_close(model.emb.weight.detach(), shard_of(ref.emb.weight.detach(), model.emb),
                                rtol=1e-9, atol=1e-11)
+
+
+def test_forward_after_prefetch_reuses_declared_ids_and_accepts_others(hvd):
+    size, rank = hvd.size(), hvd.rank()
+    full = table(6, seed=4)
+    emb = hvd.DistributedEmbedding(L, 6, _weight=full, dtype=torch.float64, name="reuse")
+    for step in range(3):
+        declared = tokens(step, rank)[0]
+        emb.prefetch(declared)
+        ids = declared if (rank + step) % 2 else torch.tensor([step, 5, 5, rank])
+        torch.testing.assert_close(emb(ids), F.embedding(ids, full), rtol=0, atol=0)
 
 
 def test_forward_reading_a_deferred_row_raises_on_every_rank(hvd):

@@ -261,6 +261,34 @@ KNOBS: tuple[Knob, ...] = (
              "machine once per size class), 'exact' (NumPy introselect), 'torch' (torch.topk), 'mstopk' "
              "(threshold bisection, approximate) or 'dgc' (sampled threshold, then exact). "
              "See docs/compression.md."),
+    Knob("sparse_algorithm", ("PERSEUS_SPARSE_ALGORITHM",), str, "auto",
+         choices=("auto", "zen", "allgather", "dense", "alltoall"),
+         doc="How sparse gradients (torch sparse tensors, tf.IndexedSlices) are reduced when no algorithm is "
+             "passed: zen (hash-partitioned push, sum at the owner, hash-bitmap pull), allgather (Horovod's "
+             "path), dense (densify and all-reduce; the result stays sparse), alltoall (column partition), or "
+             "auto: per tensor, the cheapest by a cost model fed with the measured density, overlap, imbalance "
+             "and link (docs/sparse.md). sparse_as_dense=True still densifies the gradient itself."),
+    Knob("zen_hash_funcs", ("PERSEUS_ZEN_HASH_FUNCS",), int, 3, unit="hashes",
+         doc="Slot hashes k of Zen's hierarchical hash partition (with PERSEUS_ZEN_PARTITIONER=hash)."),
+    Knob("zen_load_factor", ("PERSEUS_ZEN_LOAD_FACTOR",), float, 0.5,
+         doc="Rows per parallel slot of Zen's hierarchical hash partition: each owner gets "
+             "nnz / (ranks * load factor) slots (0.5: twice as many slots as rows)."),
+    Knob("zen_serial_fraction", ("PERSEUS_ZEN_SERIAL_FRACTION",), float, 0.1,
+         doc="Size of the serial region of Zen's hierarchical hash partition, as a fraction of the parallel "
+             "region; when more rows are left over it is grown to fit, so no row is ever dropped."),
+    Knob("zen_partitioner", ("PERSEUS_ZEN_PARTITIONER",), str, "bucket", choices=("bucket", "hash", "check"),
+         doc="How Zen splits rows by owner: bucket (hash, then a counting sort: the fast path on CPU), hash "
+             "(the paper's hierarchical hash partition) or check (both, compared on every call; for tests). "
+             "All give the same rows to every owner."),
+    Knob("zen_seed", ("PERSEUS_ZEN_SEED",), int, 0,
+         doc="Master seed of Zen's hashes; 0 (the default): the first rank of each process set draws one. "
+             "Either way the first rank's seed is broadcast and the resulting partition hash is checked on "
+             "every rank."),
+    Knob("sparse_latency_us", ("PERSEUS_SPARSE_LATENCY_US",), float, 0.0, unit="us",
+         doc="Cost of one collective for the sparse cost model; 0: measured (timed all-reduces at the first "
+             "'auto' choice on a process set)."),
+    Knob("sparse_bandwidth_mbit", ("PERSEUS_SPARSE_BANDWIDTH_MBIT",), float, 0.0, unit="Mbit/s",
+         doc="Link bandwidth per rank for the sparse cost model; 0: measured with the latency."),
 )
 
 _BY_NAME = {k.name: k for k in KNOBS}

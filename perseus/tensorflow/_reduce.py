@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import tensorflow as tf
 
 from perseus.common.process_sets import global_process_set
@@ -16,8 +17,7 @@ from perseus.common.reduce_ops import Adasum, Average, ReduceOp, Sum, resolve_op
 from perseus.compression import Reducer
 from perseus.tensorflow import _core
 from perseus.tensorflow.compression import Compression
-from perseus.tensorflow.mpi_ops import (_grouped_allreduce, _grouped_reducescatter, _ps_info, _reducescatter,
-                                        grouped_allgather)
+from perseus.tensorflow.mpi_ops import _grouped_allreduce, _grouped_reducescatter, _ps_info, _reducescatter
 
 __all__ = ["allreduce", "grouped_allreduce", "reducescatter", "grouped_reducescatter", "reduce_with"]
 
@@ -130,30 +130,99 @@ def _sparse_checks(op, prescale_factor, postscale_factor):
         raise NotImplementedError("Pre/postscale_factor are not supported with tf.IndexedSlices")
 
 
-def _sparse_allreduce(slices, op, process_set, ignore_name_scope):
-    """Allgather values and indices of each tf.IndexedSlices (an allreduce of the dense tensors they stand
-    for); Average divides the gathered values by the set size."""
-    set_size = _ps_info(process_set)[1]
-    values = grouped_allgather([s.values for s in slices], process_set=process_set,
-                               ignore_name_scope=ignore_name_scope)
-    indices = grouped_allgather([s.indices for s in slices], process_set=process_set,
-                                ignore_name_scope=ignore_name_scope)
-    out = []
-    for v, i, s in zip(values, indices, slices):
-        if op == Average:
-            v = v / tf.cast(set_size, v.dtype)
-        out.append(tf.IndexedSlices(v, i, dense_shape=s.dense_shape))
-    return out
+class _SparseResults:
+    """:func:`_core.run`'s view of in-flight sparse reductions (one :class:`perseus.sparse.SparseHandle`
+    per tf.IndexedSlices): :meth:`wait` gives values and indices per slice, :meth:`on_done` calls back once
+    all have finished (on the thread that finished the last; no TensorFlow thread waits)."""
+
+    __slots__ = ("handles", "specs")
+
+    def __init__(self, handles, specs):
+        self.handles, self.specs = handles, specs
+
+    def on_done(self, callback):
+        left = [len(self.handles)]
+        lock = threading.Lock()
+        if not self.handles:
+            callback()
+            return
+
+        def one():
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                callback()
+        for h in self.handles:
+            h.on_done(one)
+
+    def wait(self):
+        from perseus.compression.base import _to_bf16_words
+
+        outs = []
+        for h, (row_shape, index_dtype, bf16) in zip(self.handles, self.specs):
+            res = h.wait()
+            values = res.values.reshape((res.rows.size,) + row_shape)
+            outs += [_to_bf16_words(values) if bf16 else values, res.rows.astype(index_dtype, copy=False)]
+        return outs
+
+
+def _sparse_allreduce(slices, op, process_set, ignore_name_scope, names=None, algorithm=None):
+    """Reduce each tf.IndexedSlices with perseus's sparse all-reduce (:mod:`perseus.sparse`: Zen, allgather,
+    dense or alltoall, or 'auto'; ``algorithm`` None reads PERSEUS_SPARSE_ALGORITHM), eagerly and in a
+    graph (one op for all of them). A slice without a dense_shape can only be all-gathered. The results are
+    tf.IndexedSlices of the same dense shapes; except with allgather their indices are sorted and unique.
+    Not differentiable."""
+    from perseus import sparse as _sparse
+
+    _ps_info(process_set)
+    algorithm = _sparse.resolve_algorithm(algorithm)
+    names = list(names) if names is not None else [None] * len(slices)
+    keys = [_core.op_name("HorovodSparseAllreduce", nm, [s.values], ignore_name_scope) for nm, s in zip(names, slices)]
+    inputs, out_dtypes = [], []
+    for s in slices:
+        shape = s.dense_shape if s.dense_shape is not None else tf.constant([-1], tf.int64)
+        inputs += [s.values, s.indices, shape]
+        out_dtypes += [s.values.dtype, s.indices.dtype]
+
+    def fn(arrays):
+        handles, specs = [], []
+        for j, key in enumerate(keys):
+            values, indices, shape = arrays[3 * j:3 * j + 3]
+            shape = np.asarray(shape).reshape(-1)
+            rows = int(shape[0]) if shape.size and int(shape[0]) >= 0 else None
+            bf16 = slices[j].values.dtype == tf.bfloat16
+            if bf16:
+                values = (values.astype(np.uint32) << 16).view(np.float32)
+            handles.append(_sparse.sparse_allreduce_async(indices.reshape(-1), values, rows, key, op, process_set,
+                                                          algorithm))
+            specs.append((tuple(values.shape[1:]), indices.dtype, bf16))
+        return _SparseResults(handles, specs)
+
+    outs = _core.run(fn, inputs, out_dtypes, f"perseus.allreduce(tf.IndexedSlices: {keys[0] if keys else ''})")
+    result = []
+    for j, s in enumerate(slices):
+        values, indices = outs[2 * j], outs[2 * j + 1]
+        values.set_shape(tf.TensorShape([None]).concatenate(s.values.shape[1:]))
+        indices.set_shape([None])
+        result.append(tf.IndexedSlices(values, indices, dense_shape=s.dense_shape))
+    return result
 
 
 def allreduce(tensor, average=None, device_dense='', device_sparse='', compression=Compression.none, op=None,
               prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=global_process_set,
-              ignore_name_scope=False):
+              ignore_name_scope=False, sparse_algorithm=None):
     """Reduce a tf.Tensor, tf.Variable or tf.IndexedSlices over the ranks of ``process_set``.
 
-    ``op`` defaults to Average (``average`` is Horovod's deprecated spelling). A tf.IndexedSlices is reduced
-    by allgathering its values and indices (Sum or Average only, no scale factors). ``device_dense`` and
-    ``device_sparse`` are accepted for compatibility (perseus moves host memory). Differentiable.
+    ``op`` defaults to Average (``average`` is Horovod's deprecated spelling). ``device_dense`` and
+    ``device_sparse`` are accepted for compatibility (perseus moves host memory). Differentiable for dense
+    tensors.
+
+    A tf.IndexedSlices (Sum or Average only, no scale factors) is reduced by perseus's sparse all-reduce
+    and stays a tf.IndexedSlices of the same dense shape: ``sparse_algorithm`` (a perseus addition) is 'zen',
+    'allgather' (Horovod's path: values and indices gathered from every rank), 'dense', 'alltoall' or 'auto'
+    (the cheapest by a cost model; docs/sparse.md); None reads PERSEUS_SPARSE_ALGORITHM (default 'auto').
+    Except with allgather the indices come back sorted and unique. Not differentiable.
 
     With a communicating compressor (``compression=Compression.topk(0.01)``, see docs/compression.md) the
     result is that compressor's dense estimate of the reduction (Sum or Average; a tf.IndexedSlices is
@@ -170,7 +239,7 @@ def allreduce(tensor, average=None, device_dense='', device_sparse='', compressi
                            process_set)[0][0]
     if isinstance(tensor, tf.IndexedSlices):
         _sparse_checks(op, prescale_factor, postscale_factor)
-        return _sparse_allreduce([tensor], op, process_set, ignore_name_scope)[0]
+        return _sparse_allreduce([tensor], op, process_set, ignore_name_scope, [name], sparse_algorithm)[0]
     compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
     reduced = _grouped_allreduce([compressed], name, op, prescale_factor, postscale_factor, ignore_name_scope,
                                  process_set, _single=True)
@@ -179,9 +248,10 @@ def allreduce(tensor, average=None, device_dense='', device_sparse='', compressi
 
 def grouped_allreduce(tensors, average=None, device_dense='', device_sparse='', compression=Compression.none,
                       op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set,
-                      ignore_name_scope=False, name=None):
-    """Reduce each of ``tensors`` (dense tensors negotiated as one group; tf.IndexedSlices through grouped
-    allgathers). Returns a list in the input order. Differentiable.
+                      ignore_name_scope=False, name=None, sparse_algorithm=None):
+    """Reduce each of ``tensors`` (dense tensors negotiated as one group; tf.IndexedSlices by the sparse
+    all-reduce, see :func:`allreduce` for ``sparse_algorithm``). Returns a list in the input order.
+    Differentiable for dense tensors.
 
     With a communicating compressor (``Compression.topk(0.01)``) the group is densified and compressed as one
     vector keyed by ``name`` (required eagerly; see :func:`allreduce`); not differentiable."""
@@ -198,8 +268,9 @@ def grouped_allreduce(tensors, average=None, device_dense='', device_sparse='', 
     out = [None] * len(tensors)
     if sparse_idx:
         _sparse_checks(op, prescale_factor, postscale_factor)
+        names = None if name is None else [f"{name}.sparse{i}" for i in sparse_idx]
         for i, r in zip(sparse_idx, _sparse_allreduce([tensors[i] for i in sparse_idx], op, process_set,
-                                                      ignore_name_scope)):
+                                                      ignore_name_scope, names, sparse_algorithm)):
             out[i] = r
     if dense_idx:
         pairs = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense_idx]

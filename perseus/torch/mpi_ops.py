@@ -219,22 +219,61 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     return [compression.decompress(o, p[1]) for o, p in zip(outs, pairs)]
 
 
-def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
-    """Start an allreduce of a sparse COO tensor by allgathering its indices and values.
+def sparse_allreduce_async(tensor, name, op, process_set=global_process_set, algorithm=None):
+    """Start an allreduce of a sparse COO tensor; return a callable that waits and returns the reduced
+    sparse tensor (of the input's size, dtype and sparse dimensions), as Horovod does.
 
-    Returns a callable; calling it waits and returns the reduced sparse tensor (as Horovod does).
+    The tensor is row-sparse over its sparse dimensions (an embedding gradient: ids x embedding width).
+    ``algorithm`` (a perseus addition) picks how: 'zen' (hash-partitioned push, sum at the owner, hash-bitmap
+    pull), 'allgather' (Horovod's path: every rank gathers every rank's indices and values; the result is
+    not coalesced and, for Average, the gathered values are divided by the set size), 'dense' (densify and
+    all-reduce), 'alltoall' (column partition), or 'auto' (the cheapest by a cost model fed with measured
+    densities, overlap and link; docs/sparse.md). None reads PERSEUS_SPARSE_ALGORITHM (default 'auto').
+    Except allgather, the result is coalesced: sorted unique indices, each the sum (or average) over the
+    ranks that had it. The callable has the :class:`perseus.sparse.SparseHandle` as ``.handle``.
+
+    Collective: every rank of ``process_set`` calls it with the same name, dense size, dtype, op and
+    algorithm (any number of non-zeros, none included).
+
+    Raises:
+        ValueError: not a sparse tensor, op other than Sum/Average, unknown algorithm.
+        MismatchError (a HorovodInternalError), from the callable on every rank: the ranks disagree about
+            the tensor (dense size, dtype, op or algorithm).
     """
-    t = tensor.coalesce()
-    indices, values = t.indices(), t.values()
-    h_idx = allgather_async(indices.t().contiguous(), name=f"{name}.indices", process_set=process_set)
-    h_val = allgather_async(values.contiguous(), name=f"{name}.values", process_set=process_set)
-    divisor = process_set.size() if ReduceOp(op) == Average else 1
+    from perseus import sparse as _sparse
+
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
+        raise ValueError("perseus.sparse_allreduce_async: expected a sparse COO tensor")
+    if not tensor.is_cpu:
+        raise NotImplementedError(f"perseus: tensors on {tensor.device} need the GPU (NCCL) transport, which is "
+                                  "not implemented yet; move tensors to the CPU")
+    t = tensor.detach().coalesce()
+    size = tuple(t.shape)
+    sdim = t.sparse_dim()
+    sparse_sizes, row_shape = size[:sdim], size[sdim:]
+    idx = t.indices().numpy()
+    num_rows = int(np.prod(sparse_sizes, dtype=np.int64))
+    rows = idx[0] if sdim == 1 else np.ravel_multi_index(tuple(idx), sparse_sizes)
+    values = t.values()
+    wide = values.dtype is torch.bfloat16
+    if wide:
+        values = values.float()
+    vals = values.contiguous().numpy()
+    handle = _sparse.sparse_allreduce_async(rows, vals, num_rows, name, resolve_op(op), process_set, algorithm,
+                                            coalesced=True)
 
     def finish():
-        all_idx, all_val = synchronize(h_idx), synchronize(h_val)
-        if divisor != 1:
-            all_val = all_val / divisor
-        return torch.sparse_coo_tensor(all_idx.t(), all_val, size=tensor.size())
+        res = handle.wait()
+        k = int(res.rows.size)
+        if sdim == 1:
+            indices = torch.from_numpy(res.rows).reshape(1, k)
+        else:
+            indices = torch.from_numpy(np.stack(np.unravel_index(res.rows, sparse_sizes)).astype(np.int64))
+        out = torch.from_numpy(res.values).reshape((k,) + tuple(row_shape))
+        if wide:
+            out = out.to(torch.bfloat16)
+        return torch.sparse_coo_tensor(indices, out, size=size, is_coalesced=bool(res.coalesced))
+    finish.handle = handle
     return finish
 
 

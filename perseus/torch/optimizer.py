@@ -30,7 +30,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step=1, op=Average,
                  gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
-                 process_set=global_process_set, _defaults=None, _state=None):
+                 process_set=global_process_set, sparse_algorithm=None, _defaults=None, _state=None):
         try:
             super(self.__class__, self).__init__(params)
         except TypeError:  # optimizers with required constructor arguments: reuse the wrapped defaults
@@ -78,6 +78,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.op = ReduceOp(op)
         self.gradient_predivide_factor = gradient_predivide_factor
         self.sparse_as_dense = sparse_as_dense
+        if sparse_algorithm is not None:
+            from perseus.sparse import resolve_algorithm
+
+            sparse_algorithm = resolve_algorithm(sparse_algorithm)
+        self.sparse_algorithm = sparse_algorithm
         self.process_set = process_set
         self._handles: dict = {}
         self._hook_handles = []
@@ -158,7 +163,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         grad, sparse = p.grad, p.grad.is_sparse
         if sparse:
             if not self.sparse_as_dense:
-                return sparse_allreduce_async(grad, name=name, op=self.op, process_set=self.process_set), None
+                return sparse_allreduce_async(grad, name=name, op=self.op, process_set=self.process_set,
+                                              algorithm=self.sparse_algorithm), None
             grad = grad.to_dense()
         pre, post = self._scales()
         if isinstance(self._compression, Reducer):
@@ -232,7 +238,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 continue
             p = key
             self._allreduce_delay[p] = self.backward_passes_per_step
-            if callable(handle):  # sparse allgather path returns a closure
+            if callable(handle):  # a sparse reduction returns a closure
                 p.grad = handle()
                 continue
             c, sparse = ctx
@@ -362,7 +368,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0, num_groups=0,
-                         groups=None, sparse_as_dense=False, process_set=global_process_set):
+                         groups=None, sparse_as_dense=False, process_set=global_process_set,
+                         sparse_algorithm=None):
     """Wrap a torch optimizer so that ``step()`` uses gradients averaged over all ranks.
 
     The result is an instance of a subclass of the wrapped optimizer's class, with the same class name,
@@ -385,11 +392,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         num_groups: deprecated; use ``groups``.
         groups: an int (split the parameters into that many groups) or a list of lists of parameters; each
             group is reduced as one grouped allreduce.
-        sparse_as_dense: reduce sparse gradients as dense tensors.
+        sparse_as_dense: reduce sparse gradients as dense tensors (the gradients become dense, as in Horovod).
         process_set: the ranks that train together.
+        sparse_algorithm: (perseus) how sparse gradients are reduced when not ``sparse_as_dense``: 'auto',
+            'zen', 'allgather', 'dense' or 'alltoall' (see :func:`sparse_allreduce_async` and docs/sparse.md);
+            None reads PERSEUS_SPARSE_ALGORITHM (default 'auto'). The gradient stays sparse.
 
     Raises:
-        ValueError: bad names, groups, factors or ``backward_passes_per_step``.
+        ValueError: bad names, groups, factors, ``backward_passes_per_step`` or ``sparse_algorithm``.
     """
     if num_groups != 0:
         warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
@@ -398,5 +408,5 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             groups = num_groups
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, groups, sparse_as_dense, process_set,
+               gradient_predivide_factor, groups, sparse_as_dense, process_set, sparse_algorithm,
                _defaults=optimizer.defaults, _state=dict(optimizer.state))

@@ -1,8 +1,8 @@
 """DistributedGradientTape: a tf.GradientTape whose gradient() averages gradients across ranks.
 
 The reduction of a step's gradients is one grouped allreduce (dense gradients negotiated and fused together;
-tf.IndexedSlices through the sparse algorithms of docs/sparse.md, or densified with ``sparse_as_dense``). ``groups`` splits it into
-several groups as Horovod does. The Keras ``DistributedOptimizer`` (perseus._keras) shares the
+tf.IndexedSlices through the sparse algorithms of docs/sparse.md, or densified with ``sparse_as_dense``).
+``groups`` splits it into several groups as Horovod does. The Keras ``DistributedOptimizer`` (perseus._keras) shares the
 gradient-reduction function here, :func:`_make_allreduce_grads_fn`.
 
 With a communicating compressor (``Compression.topk(0.01)``...) every gradient is compressed on its own (each

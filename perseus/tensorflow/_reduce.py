@@ -17,7 +17,8 @@ from perseus.common.reduce_ops import Adasum, Average, ReduceOp, Sum, resolve_op
 from perseus.compression import Reducer
 from perseus.tensorflow import _core
 from perseus.tensorflow.compression import Compression
-from perseus.tensorflow.mpi_ops import _grouped_allreduce, _grouped_reducescatter, _ps_info, _reducescatter
+from perseus.tensorflow.mpi_ops import (_grouped_allreduce, _grouped_reducescatter, _ps_info, _reducescatter,
+                                        grouped_allgather)
 
 __all__ = ["allreduce", "grouped_allreduce", "reducescatter", "grouped_reducescatter", "reduce_with"]
 
@@ -167,6 +168,21 @@ class _SparseResults:
         return outs
 
 
+def _gathered_slices(slices, op, process_set, ignore_name_scope, set_size):
+    """Allgather the values and indices of each tf.IndexedSlices (differentiable); Average divides the
+    gathered values by the set size."""
+    values = grouped_allgather([s.values for s in slices], process_set=process_set,
+                               ignore_name_scope=ignore_name_scope)
+    indices = grouped_allgather([s.indices for s in slices], process_set=process_set,
+                                ignore_name_scope=ignore_name_scope)
+    out = []
+    for v, i, s in zip(values, indices, slices):
+        if op == Average:
+            v = v / tf.cast(set_size, v.dtype)
+        out.append(tf.IndexedSlices(v, i, dense_shape=s.dense_shape))
+    return out
+
+
 def _sparse_allreduce(slices, op, process_set, ignore_name_scope, names=None, algorithm=None):
     """Reduce each tf.IndexedSlices with perseus's sparse all-reduce (:mod:`perseus.sparse`: Zen, allgather,
     dense or alltoall, or 'auto'; ``algorithm`` None reads PERSEUS_SPARSE_ALGORITHM), eagerly and in a
@@ -175,8 +191,12 @@ def _sparse_allreduce(slices, op, process_set, ignore_name_scope, names=None, al
     Not differentiable."""
     from perseus import sparse as _sparse
 
-    _ps_info(process_set)
+    set_size = _ps_info(process_set)[1]
     algorithm = _sparse.resolve_algorithm(algorithm)
+    if any(not (s.values.dtype.is_floating or s.values.dtype == tf.bfloat16) for s in slices):
+        # Integer values (Horovod's own tests reduce them, Average included): the allgather of values and
+        # indices as Horovod does it, with Average dividing the gathered values as TensorFlow divides.
+        return _gathered_slices(slices, op, process_set, ignore_name_scope, set_size)
     names = list(names) if names is not None else [None] * len(slices)
     keys = [_core.op_name("HorovodSparseAllreduce", nm, [s.values], ignore_name_scope) for nm, s in zip(names, slices)]
     inputs, out_dtypes = [], []

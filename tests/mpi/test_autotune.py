@@ -87,14 +87,21 @@ def test_tuner_searches_again_when_steps_slow_down(hvd, tmp_path):
     try:
         _restart(hvd, env)
         tuner = state()._tuner
-        slow, tuned_at = False, None
+        slow, tuned_at, took, pause = False, None, [], None
         for step in range(1200):
+            t0 = time.perf_counter()
             xs = [torch.ones(s) for s in SIZES]
             handles = [hvd.allreduce_async_(x, name=f"drift.g{i}", op=hvd.Sum) for i, x in enumerate(xs)]
             if slow:
-                time.sleep(0.004)  # the steps get slower (all ranks): the tuner must notice
+                # The steps get slower on all ranks, by at least as long as a step took (a loaded machine
+                # makes steps long): the tuner must notice a drift of more than 50%.
+                if pause is None:
+                    pause = max(0.004, 1.5 * sorted(took)[len(took) // 2])
+                time.sleep(pause)
             for h in handles:
                 hvd.synchronize(h)
+            if not slow:
+                took = (took + [time.perf_counter() - t0])[-100:]
             state_now = hvd.allreduce(torch.tensor([float(tuner.result is not None), float(tuner.searches)]),
                                       name="drift.state", op=hvd.Min)
             tuned, searches = state_now.tolist()

@@ -14,10 +14,28 @@ TF_MINOR="$("$BIN/python" -c 'import tensorflow as tf; print(".".join(tf.__versi
 MPIRUN=("$BIN/mpirun" --oversubscribe --bind-to none)
 if [ "$(id -u)" = "0" ]; then MPIRUN+=(--allow-run-as-root); fi
 # -X faulthandler: a crash (even at interpreter exit) prints every thread's Python stack.
-PYTEST=("$BIN/python" -X faulthandler -m pytest -p no:cacheprovider --color=no)
+# -rfE: each failing test's name in a summary line ("FAILED tests/..."), collected again at the very end.
+PYTEST=("$BIN/python" -X faulthandler -m pytest -p no:cacheprovider --color=no -rfE)
 status=0
+FAILED_STAGES=()
+LOG_DIR="$(mktemp -d)"
+trap 'rm -rf "$LOG_DIR"' EXIT
+stage() {  # stage NAME CMD...: run CMD, its output also kept in a log; a failure is remembered by NAME
+  local name="$1"; shift
+  if ! "$@" 2>&1 | tee "$LOG_DIR/$(echo "$name" | tr -c 'A-Za-z0-9\n' '_').log"; then
+    status=1
+    FAILED_STAGES+=("$name")
+  fi
+}
+summary() {  # the last lines CI shows: which stages failed, and the failing tests' names
+  echo "== summary"
+  if [ "$status" -eq 0 ]; then echo "every stage passed"; return; fi
+  printf 'FAILED stage: %s\n' "${FAILED_STAGES[@]}"
+  grep -a -h -E "^(FAILED|ERROR) |Timeout|[0-9]+ failed|exited on signal|Error: " "$LOG_DIR"/*.log 2>/dev/null \
+    | sort | uniq -c | sort -rn | head -40 || true
+}
 echo "== unit and integration tests (no mpirun)"
-"${PYTEST[@]}" -q tests/unit tests/integration || status=1
+stage "unit and integration tests" "${PYTEST[@]}" -q tests/unit tests/integration
 mpi_suite() {  # mpi_suite NP LOG: the MPI suite on NP ranks, output also in LOG; returns mpirun's status
   "${MPIRUN[@]}" -np "$1" "${PYTEST[@]}" -q tests/mpi 2>&1 | tee "$2"
   return "${PIPESTATUS[0]}"
@@ -34,22 +52,26 @@ for np in 2 3; do
     if [ "$passed" -eq "$np" ] && ! grep -a -q -E "[0-9]+ failed|[0-9]+ errors?\b" "$MPI_LOG" \
         && grep -a -q -E "process rank [0-9]+ .* exited on" "$MPI_LOG"; then
       echo "!! every rank passed, then a process crashed at exit (see docs/troubleshooting.md); running once more"
-      mpi_suite "$np" "$MPI_LOG" || status=1
+      cat "$MPI_LOG" >> "$LOG_DIR/mpi_$np.log"
+      if ! mpi_suite "$np" "$MPI_LOG"; then status=1; FAILED_STAGES+=("MPI tests on $np ranks (repeated)"); fi
     else
       status=1
+      FAILED_STAGES+=("MPI tests on $np ranks")
     fi
   fi
+  cat "$MPI_LOG" >> "$LOG_DIR/mpi_$np.log"
 done
 rm -f "$MPI_LOG"
 echo "== the native core under AddressSanitizer + UndefinedBehaviorSanitizer (the engine's MPI tests)"
-bash tools/sanitize.sh || status=1
+stage "sanitizers" bash tools/sanitize.sh
 echo "== the native core's own tests (kernels, MPI transport, loopback transport)"
-bash native/tests/run_native_tests.sh || status=1
-bash native/tests/run_loopback_tests.sh || status=1
+stage "native tests" bash native/tests/run_native_tests.sh
+stage "loopback tests" bash native/tests/run_loopback_tests.sh
 echo "== the wheel, installed into a new environment outside the source tree"
-bash tools/check_wheel.sh || status=1
+stage "wheel check" bash tools/check_wheel.sh
 echo "== the oldest versions setup.py admits for the base install (Python 3.10, numpy 1.21, ...)"
-bash tools/check_lower_bounds.sh || status=1
+stage "lower bounds" bash tools/check_lower_bounds.sh
 echo "== perseus.mxnet (MXNet 1.9.1 in its own environment, .venv-mxnet)"
-bash tools/run_mxnet_tests.sh || status=1
+stage "mxnet" bash tools/run_mxnet_tests.sh
+summary
 exit $status

@@ -58,6 +58,10 @@ log = logging.getLogger("perseus")
 
 #: the policies :meth:`Espresso.set_policy` accepts
 POLICIES = ("espresso", "dense", "all-compressed")
+#: a gradient is compressed only when that shortens the modelled iteration by more than this fraction of the
+#: dense iteration's modelled time: encode and decode times are measured on a busy machine, and a choice
+#: within their noise would flip between runs (and cost real time on a fast link)
+MIN_GAIN = 0.01
 
 
 # -- cost models -----------------------------------------------------------------------------------------------
@@ -108,7 +112,7 @@ def _last_bubble(start, end) -> int:
     return int(hits[-1]) + 1 if hits.size else 0
 
 
-def decide(elements, backward, encode, comm, decode, forward: float = 0.0) -> np.ndarray:
+def decide(elements, backward, encode, comm, decode, forward: float = 0.0, min_gain: float = 0.0) -> np.ndarray:
     """Algorithm 4.1: the option index per gradient (0 = the baseline, dense).
 
     Args:
@@ -116,6 +120,8 @@ def decide(elements, backward, encode, comm, decode, forward: float = 0.0) -> np
         backward: seconds of backward before each gradient is ready (after the previous one).
         encode, comm, decode: arrays of shape (options, gradients): each option's seconds per gradient.
         forward: seconds of forward pass.
+        min_gain: a gradient leaves dense only for an option that shortens the modelled iteration by more
+            than this many seconds (measured costs are noisy: a gain within the noise is no gain).
     """
     enc = np.asarray(encode, np.float64)
     com = np.asarray(comm, np.float64)
@@ -143,7 +149,7 @@ def decide(elements, backward, encode, comm, decode, forward: float = 0.0) -> np
         for o in range(1, n_opt):
             choice[i] = o
             t = run(choice)
-            if t < best_t - 1e-12 * max(1.0, abs(best_t)):
+            if t < best_t - max(1e-12 * max(1.0, abs(best_t)), min_gain):
                 best_o, best_t = o, t
         choice[i] = best_o
         cur = best_t
@@ -408,14 +414,15 @@ class Espresso(Reducer):
         com = np.array([allreduce_time(pay[j], p, alpha, beta) if f["collective"] == "allreduce"
                         else allgather_time(pay[j], p, alpha, beta) for j, f in enumerate(fits)])
         back = np.asarray(prof["backward"], np.float64)
-        local = decide(elements, back, enc, com, dec) if keys else np.zeros(0, np.int64)
         cols = np.arange(len(keys))
 
         def total(ch):
             return simulate_timeline(back, enc[ch, cols], com[ch, cols], dec[ch, cols]) if len(keys) else 0.0
 
-        t_plan = total(local)
         t_dense = total(np.zeros(len(keys), np.int64))
+        local = (decide(elements, back, enc, com, dec, min_gain=MIN_GAIN * t_dense) if keys
+                 else np.zeros(0, np.int64))
+        t_plan = total(local)
         # the compressed option sending the fewest bytes for the largest gradient (for 'all-compressed')
         big = int(np.argmax(elements)) if len(keys) else 0
         comp = [j for j in range(1, len(usable))]

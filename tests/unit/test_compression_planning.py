@@ -288,6 +288,15 @@ def test_espresso_tiny_tensor_is_not_compressed():
     assert decide(elements, [1e-3], enc, com, dec).tolist() == [0]
 
 
+def test_espresso_gain_within_min_gain_stays_dense():
+    elements = [16 << 20]
+    enc, com, dec = options(elements)
+    gain = total([1e-3], enc, com, dec, [0]) - total([1e-3], enc, com, dec, [2])
+    assert gain > 0
+    assert decide(elements, [1e-3], enc, com, dec, min_gain=0.99 * gain).tolist() == [2]
+    assert decide(elements, [1e-3], enc, com, dec, min_gain=1.01 * gain)[0] != 2
+
+
 def test_espresso_tensor_before_a_bubble_is_not_compressed():
     """T0 (large) is ready early and its collective ends long before T1 is ready: compressing T0 cannot
     shorten the iteration (the link would only wait longer), though the same tensor last would be

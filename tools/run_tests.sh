@@ -31,7 +31,7 @@ summary() {  # the last lines CI shows: which stages failed, and the failing tes
   echo "== summary"
   if [ "$status" -eq 0 ]; then echo "every stage passed"; return; fi
   printf 'FAILED stage: %s\n' "${FAILED_STAGES[@]}"
-  grep -a -h -E "^(FAILED|ERROR) |Timeout|[0-9]+ failed|exited on signal|Error: " "$LOG_DIR"/*.log 2>/dev/null \
+  grep -a -h -E "^(\[rank [0-9]+\] )?(FAILED|ERROR) |Timeout|[1-9][0-9]* failed|exited on signal" "$LOG_DIR"/*.log 2>/dev/null \
     | sort | uniq -c | sort -rn | head -40 || true
 }
 echo "== unit and integration tests (no mpirun)"

@@ -32,7 +32,7 @@ class Engine;
 struct StepSample {
   int64_t begin_ns = 0, end_ns = 0;
   int64_t bytes = 0;
-  uint64_t digest = 0;  // of the step's names, dtypes and shapes, whatever their order
+  uint64_t digest = 0;  // of the step's names, ops, dtypes and shapes (not data-dependent ones), whatever their order
 };
 
 // The parameters a TUNE request changes at run time (at the same negotiated point on every rank).

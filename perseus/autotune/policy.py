@@ -1,4 +1,5 @@
-"""The tuner's hold on a compressor's policy: Espresso's ``'espresso'``, ``'dense'`` or ``'all-compressed'``.
+"""The tuner's hold on what switches at training steps: Espresso's policy (``'espresso'``, ``'dense'`` or
+``'all-compressed'``) and the algorithm of sparse all-reduces (``'auto'``, ``'zen'``, ...).
 
 An engine parameter switches through a TUNE request, which the engine negotiates: every rank switches at the
 same point of the negotiated sequence. A compressor's policy cannot switch that way: it decides which
@@ -25,7 +26,9 @@ learns a new setting at its own moment (and can lag behind its training thread b
   at the same boundary on every rank (the same maxima again). The compressor is then left alone.
 
 One compressor per job takes part: the first to register with the tuner (:func:`attach`); others are never
-touched by the tuner.
+touched by the tuner. The sparse all-reduce path follows a second link of its own (named ``sparse``, its
+per-step all-reduce ``perseus.autotune.sparse.<step>``), by the same protocol: "compressor" below reads
+"participant".
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ class PolicyLink:
     """The tuner's side (one per :class:`~perseus.autotune.tuner.Tuner`): the registered compressor and the
     proposals this rank's tuner has posted. Thread-safe."""
 
-    def __init__(self):
+    def __init__(self, name: str = "policy"):
+        self.name = name      # names the per-step all-reduce: perseus.autotune.<name>.<step>
         self._cond = threading.Condition()
         self._proposals: dict[int, tuple[int, bool]] = {}
         self._compressor = None  # weakref to the one compressor taking part
@@ -131,7 +135,7 @@ class Follower:
         step = self.steps
         self.steps += 1
         posted, ended = self.link.state()
-        top, any_ended = _max(step, process_set, posted, ended)
+        top, any_ended = _max(f"perseus.autotune.{self.link.name}.{step}", process_set, posted, ended)
         policy = None
         if top > self.applied:
             if top > posted:
@@ -146,7 +150,7 @@ class Follower:
         return policy
 
 
-def _max(step: int, process_set, posted: int, ended: bool) -> tuple[int, bool]:
+def _max(name: str, process_set, posted: int, ended: bool) -> tuple[int, bool]:
     """The per-step all-reduce (MAX over ``process_set``) of ``(posted, ended)``."""
     from perseus.common.basics import state
 
@@ -156,17 +160,18 @@ def _max(step: int, process_set, posted: int, ended: bool) -> tuple[int, bool]:
     if size > 1:
         engine = st.engine
         # Named perseus.autotune.*: the engine counts it in no training step (nor in the step's digest).
-        item = (f"perseus.autotune.policy.{step}", _INT64, buf.shape, buf, buf, _MAX, -1, 1.0, 1.0, 0, None)
+        item = (name, _INT64, buf.shape, buf, buf, _MAX, -1, 1.0, 1.0, 0, None)
         engine.wait(engine.submit(ps_id, _ALLREDUCE, [item], None, buf))
     return int(buf[0]), bool(buf[1])
 
 
-def attach(compressor) -> tuple[Optional[Follower], bool]:
+def attach(compressor, link: str = "policy") -> tuple[Optional[Follower], bool]:
     """Register ``compressor`` with this job's tuner: ``(follower or None, whether a tuner was there to ask)``.
-    Without a tuner (no autotuning, or perseus not initialised yet) the caller may ask again later."""
+    Without a tuner (no autotuning, or perseus not initialised yet) the caller may ask again later.
+    ``link``: ``'policy'`` (a compressor) or ``'sparse'`` (the sparse all-reduce path)."""
     from perseus.common.basics import state
 
     tuner = state()._tuner
     if tuner is None:
         return None, False
-    return tuner.policy.register(compressor), True
+    return getattr(tuner, link).register(compressor), True

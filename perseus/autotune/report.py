@@ -55,6 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ax.set_xlabel("sample")
     ax.set_ylabel("ms per step (slowest rank, median)")
     policy = f", policy {best['compression_policy']}" if best.get("compression_policy") else ""
+    if best.get("sparse_algorithm"):
+        policy += f", sparse {best['sparse_algorithm']}"
     ax.set_title(f"best: unit {int(best['tensor_fusion_threshold']) / (1 << 20):g} MB, {best['channels']} channels, "
                  f"{best['algorithm']}, cycle {best['cycle_time_ms']} ms{policy}", fontsize=10)
     ax.legend(fontsize=8)

@@ -1,13 +1,15 @@
 """What the run-time tuner searches: the engine parameters a TUNE request sets, each with its candidate values.
 
 A :class:`Config` is one point: fusion (all-reduce unit) size, in-place threshold, active channels, cycle time
-and all-reduce algorithm, and the policy of the job's Espresso compressor. :class:`Space` lists the candidate
+and all-reduce algorithm, the policy of the job's Espresso compressor, and the algorithm of the job's sparse
+all-reduces ('auto' calls). :class:`Space` lists the candidate
 values per parameter; a parameter the user set explicitly has one candidate (its value), so the tuner never
 overrides an explicit choice.
 
 The compressor policy (:data:`POLICY`) is a dimension only when an Espresso compressor takes part
 (:mod:`perseus.autotune.policy`); otherwise it has the one candidate 0 and is searched by no technique, so a
-job without one is tuned exactly as before.
+job without one is tuned exactly as before. Likewise the sparse algorithm (:data:`SPARSE`): a dimension only
+when the job reduces sparse tensors with ``algorithm='auto'`` (:mod:`perseus.sparse.choice`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import itertools
 import random
 from typing import Iterator, Sequence
 
-__all__ = ["ALGORITHMS", "COMPRESSION_POLICIES", "Config", "Space", "PARAMS", "POLICY", "ALL_PARAMS"]
+__all__ = ["ALGORITHMS", "COMPRESSION_POLICIES", "SPARSE_ALGORITHMS", "Config", "Space", "PARAMS", "POLICY",
+           "SPARSE", "ALL_PARAMS"]
 
 # Codes as in the engine (native/common.h Algorithm) and PERSEUS_ALLREDUCE_ALGORITHM.
 ALGORITHMS = ("auto", "mpi", "ring", "hierarchical")
@@ -27,7 +30,13 @@ COMPRESSION_POLICIES = ("espresso", "dense", "all-compressed")
 PARAMS = ("fusion_threshold_bytes", "inplace_threshold_bytes", "channels", "cycle_time_us", "algorithm")
 #: the compressor's policy: not an engine parameter; applied by the compressor at a step boundary
 POLICY = "compression_policy"
-ALL_PARAMS = PARAMS + (POLICY,)
+#: what every 'auto' sparse all-reduce runs ('auto': the per-tensor cost model; perseus.sparse.choice)
+SPARSE_ALGORITHMS = ("auto", "dense", "allgather", "zen", "alltoall")
+#: the sparse algorithm: not an engine parameter either; applied by the sparse path at a step boundary
+SPARSE = "sparse_algorithm"
+#: the dimensions applied at step boundaries, not through the TUNE request
+STEP_PARAMS = (POLICY, SPARSE)
+ALL_PARAMS = PARAMS + STEP_PARAMS
 
 _KB, _MB = 1 << 10, 1 << 20
 FUSION_CHOICES = (256 * _KB, 1 * _MB, 2 * _MB, 4 * _MB, 8 * _MB, 16 * _MB, 32 * _MB, 64 * _MB)
@@ -48,25 +57,33 @@ class Config:
     #: index into COMPRESSION_POLICIES; 0 ('espresso', Espresso's default) when no compressor takes part, and
     #: for a setting remembered before the field existed
     compression_policy: int = 0
+    #: index into SPARSE_ALGORITHMS; 0 ('auto') when the job has no sparse 'auto' tensors
+    sparse_algorithm: int = 0
 
     def values(self) -> tuple[int, int, int, int, int]:
         """The engine parameters (what a TUNE request carries)."""
         return (self.fusion_threshold_bytes, self.inplace_threshold_bytes, self.channels, self.cycle_time_us,
                 self.algorithm)
 
-    def all_values(self) -> tuple[int, int, int, int, int, int]:
-        """The engine parameters, then the compressor policy."""
-        return self.values() + (self.compression_policy,)
+    def all_values(self) -> tuple[int, ...]:
+        """The engine parameters, then the compressor policy and the sparse algorithm."""
+        return self.values() + (self.compression_policy, self.sparse_algorithm)
 
     @property
     def policy_name(self) -> str:
         return COMPRESSION_POLICIES[self.compression_policy]
 
-    def describe(self, policy: bool = False) -> str:
-        """One line for people; ``policy``: also name the compressor policy (when one takes part)."""
+    @property
+    def sparse_name(self) -> str:
+        return SPARSE_ALGORITHMS[self.sparse_algorithm]
+
+    def describe(self, policy: bool = False, sparse: bool = False) -> str:
+        """One line for people; ``policy``, ``sparse``: also name the compressor policy, the sparse algorithm
+        (when they are tuned)."""
         return (f"unit {self.fusion_threshold_bytes / _MB:g} MB, in-place from {self.inplace_threshold_bytes / _KB:g} KB, "
                 f"{self.channels} channel{'s' if self.channels != 1 else ''}, cycle {self.cycle_time_us / 1000:g} ms, "
-                f"{ALGORITHMS[self.algorithm]}" + (f", policy {self.policy_name}" if policy else ""))
+                f"{ALGORITHMS[self.algorithm]}" + (f", policy {self.policy_name}" if policy else "")
+                + (f", sparse {self.sparse_name}" if sparse else ""))
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -82,6 +99,7 @@ class Space:
     cycle_time_us: tuple[int, ...]
     algorithm: tuple[int, ...]
     compression_policy: tuple[int, ...] = (0,)
+    sparse_algorithm: tuple[int, ...] = (0,)
 
     @classmethod
     def build(cls, *, max_channels: int, multi_host: bool, fixed: dict | None = None,
@@ -97,6 +115,7 @@ class Space:
             "cycle_time_us": CYCLE_CHOICES_US,
             "algorithm": algorithms,
             POLICY: tuple(range(len(COMPRESSION_POLICIES))) if policies else (0,),
+            SPARSE: (0,),
         }
         for name, value in fixed.items():
             if name not in choices:
@@ -108,14 +127,18 @@ class Space:
         """This space with the compressor policy's candidates replaced (indexes into COMPRESSION_POLICIES)."""
         return dataclasses.replace(self, compression_policy=tuple(int(p) for p in policies))
 
+    def with_sparse(self, algorithms) -> "Space":
+        """This space with the sparse algorithm's candidates replaced (indexes into SPARSE_ALGORITHMS)."""
+        return dataclasses.replace(self, sparse_algorithm=tuple(int(a) for a in algorithms))
+
     def choices(self, name: str) -> tuple[int, ...]:
         return getattr(self, name)
 
     def searched(self) -> tuple[str, ...]:
-        """The parameters a technique proposes values for: the engine's, and the compressor policy when it has
-        more than one candidate (else it keeps its one value, and a job without a compressor is searched as
-        it always was)."""
-        return ALL_PARAMS if len(self.compression_policy) > 1 else PARAMS
+        """The parameters a technique proposes values for: the engine's, and the compressor policy and the
+        sparse algorithm when they have more than one candidate (else they keep their one value, and a job
+        without a compressor or sparse tensors is searched as it always was)."""
+        return PARAMS + tuple(n for n in STEP_PARAMS if len(self.choices(n)) > 1)
 
     def make(self, **values) -> Config:
         """A Config from values of :meth:`searched`; a parameter not given takes its first candidate."""

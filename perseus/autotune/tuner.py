@@ -19,6 +19,9 @@ When an Espresso compressor has registered (:mod:`perseus.autotune.policy`) and 
 time the search starts, its policy is one more dimension of the search: every setting then also carries a
 policy, which the compressor applies at a step boundary agreed on by every rank (not through the TUNE
 request), and each sample skips one more step so that none of its measured steps ran under the old policy.
+The algorithm of the job's 'auto' sparse all-reduces (:mod:`perseus.sparse.choice`) is a dimension the same
+way, through a second link (``self.sparse``), when the job reduces sparse tensors with ``algorithm='auto'``
+before the search starts.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from perseus.autotune import cache as cachelib
 from perseus.autotune.log import TuneLog
 from perseus.autotune.policy import PolicyLink
 from perseus.autotune.search import Search
-from perseus.autotune.space import ALGORITHMS, COMPRESSION_POLICIES, POLICY, Config, Space
+from perseus.autotune.space import (ALGORITHMS, COMPRESSION_POLICIES, POLICY, SPARSE, SPARSE_ALGORITHMS, Config,
+                                    Space)
 
 __all__ = ["Tuner", "tuned_fixed_params"]
 
@@ -76,6 +80,8 @@ def tuned_fixed_params(settings) -> dict:
                       settings.is_explicit("allreduce_algorithm") or settings.hierarchical_allreduce),
         # -1: the policy the compressor has when the search starts (set_policy() is the explicit setting)
         POLICY: (-1, False),
+        # -1: likewise the sparse algorithm in force when the search starts (perseus.sparse.set_policy())
+        SPARSE: (-1, False),
     }
     choice = settings.autotune_fixed.strip().lower()
     if choice == "explicit":
@@ -109,6 +115,7 @@ class Tuner:
         # The compressor policy is kept when named in PERSEUS_AUTOTUNE_FIXED or, with 'explicit', when the
         # compressor's set_policy() was called before the search (decided at the start of the search).
         self._policy_fixed = fixed.pop(POLICY, None) is not None
+        self._sparse_fixed = fixed.pop(SPARSE, None) is not None
         self._policy_explicit_kept = settings.autotune_fixed.strip().lower() == "explicit"
         current = engine.params(0)
         self.space = Space.build(max_channels=int(current[5]), multi_host=multi_host, fixed=fixed)
@@ -116,6 +123,9 @@ class Tuner:
         #: the compressor whose policy the tuner may set, and the proposals this rank has posted to it
         self.policy = PolicyLink()
         self._policy_tuned = False  # the settings exchanged carry a compressor policy (known on every rank)
+        #: the sparse all-reduce path, when it follows the tuner (its algorithm switches at step boundaries)
+        self.sparse = PolicyLink("sparse")
+        self._sparse_tuned = False  # the settings exchanged carry a sparse algorithm (known on every rank)
         self.search: Optional[Search] = None
         self.log = TuneLog(settings.autotune_log) if rank == 0 and settings.autotune_log else None
         self.cache_path = cachelib.path(settings)
@@ -170,6 +180,7 @@ class Tuner:
         # Posted first, on every rank: a compressor switches its policy at the first step boundary at which
         # any rank has posted it (perseus.autotune.policy); -1 leaves its policy alone.
         self.policy.post(config.compression_policy if self._policy_tuned else -1, final)
+        self.sparse.post(config.sparse_algorithm if self._sparse_tuned else -1, final)
         self._wait(self.engine.tune(0, self._name("tune"), *config.values()))
 
     def _completed(self) -> int:
@@ -197,41 +208,49 @@ class Tuner:
                 log.warning("perseus autotune stopped: %s; the job goes on with the setting in force", exc)
         finally:
             self.policy.end()  # a compressor still following stops (at the same step on every rank)
+            self.sparse.end()
 
     def _sample(self, config: Config) -> float:
         """Apply config, skip the step in progress, measure steps_per_sample steps; the slowest rank's median."""
         self._apply(config)
         # The step in progress when the switch happened is mixed. A compressor policy switches at a step
         # boundary after the proposal was posted: at the latest at the start of the step after next.
-        self._step = self._completed() + (2 if self._policy_tuned and not self.policy.done else 1)
+        at_boundary = ((self._policy_tuned and not self.policy.done) or
+                       (self._sparse_tuned and not self.sparse.done))
+        self._step = self._completed() + (2 if at_boundary else 1)
         steps = self._wait_steps(self.steps_per_sample)
         local = float(np.median([s[0] for s in steps]))
         self._last_steps = steps
         return self._max(local)
 
     def _exchange(self, kind: int, technique: int = 0, config: Optional[Config] = None) -> tuple[int, int, Config]:
-        """Rank 0's word to every rank: kind, technique, the five engine values and the compressor policy
-        (-1 when the policy is not tuned: then every rank's Config has policy 0 and leaves the compressor alone)."""
-        msg = np.zeros(8, np.int64)
+        """Rank 0's word to every rank: kind, technique, the five engine values, the compressor policy and the
+        sparse algorithm (-1 when not tuned: then every rank's Config has 0 there and leaves that alone)."""
+        msg = np.zeros(9, np.int64)
         if self.rank == 0:
             config = config or self.initial
             msg[0], msg[1] = kind, technique
             msg[2:7] = config.values()
             msg[7] = config.compression_policy if self._policy_tuned else -1
+            msg[8] = config.sparse_algorithm if self._sparse_tuned else -1
         self._broadcast(msg)
-        policy = int(msg[7])
-        self._policy_tuned = policy >= 0
-        return int(msg[0]), int(msg[1]), Config(*(int(v) for v in msg[2:7]), compression_policy=max(0, policy))
+        policy, sparse = int(msg[7]), int(msg[8])
+        self._policy_tuned, self._sparse_tuned = policy >= 0, sparse >= 0
+        return int(msg[0]), int(msg[1]), Config(*(int(v) for v in msg[2:7]), compression_policy=max(0, policy),
+                                                sparse_algorithm=max(0, sparse))
 
     def _tune(self) -> None:
         self._wait_steps(self.warmup_steps + 1)  # first steps: negotiation of new names, allocations
         digest, step_bytes = self._last_signature()
         if self.rank == 0:
             self._policy_tuned = self._policy_dimension()  # the other ranks learn it from the next exchange
+            self._sparse_tuned = self._sparse_dimension()
         # Rank 0 looks the job up in the cache and tells every rank whether to search, and from where.
         known = cachelib.lookup(self.cache_path, digest, self.topology, step_bytes) if self.rank == 0 else None
         if known is not None and not self._policy_tuned:  # a remembered policy matters only when tuned
             known = cachelib.Known(dataclasses.replace(known.config, compression_policy=0), known.exact)
+        if known is not None and not self._sparse_tuned:
+            known = cachelib.Known(dataclasses.replace(known.config, sparse_algorithm=0), known.exact)
         exact = known is not None and known.exact and self.space.contains(known.config)
         kind, _, start = self._exchange(_FINAL if exact else _SAMPLE, 0,
                                         known.config if known is not None else self.initial)
@@ -241,7 +260,7 @@ class Tuner:
         else:
             if self.rank == 0 and known is not None:
                 print(f"perseus autotune: starting from the setting of a similar job: "
-                      f"{start.describe(self._policy_tuned)}", file=sys.stderr, flush=True)
+                      f"{start.describe(self._policy_tuned, self._sparse_tuned)}", file=sys.stderr, flush=True)
             config = self._search(start, digest, step_bytes)
         while self.retune_drift > 0:
             self._watch()
@@ -344,6 +363,23 @@ class Tuner:
                                            compression_policy=COMPRESSION_POLICIES.index(compressor.policy))
         return True
 
+    def _sparse_dimension(self) -> bool:
+        """Rank 0, at the start of the first search: whether the sparse algorithm is searched (and if so, add
+        it to the space and start from the algorithm in force). Only when the sparse path has registered (an
+        'auto' sparse all-reduce ran) and its algorithm is not kept (PERSEUS_AUTOTUNE_FIXED, or with
+        'explicit' a perseus.sparse.set_policy() of the program)."""
+        from perseus.sparse import choice
+
+        if self.sparse.registered() is None:
+            return False
+        if self._sparse_fixed or (self._policy_explicit_kept and choice.policy_explicit()):
+            print(f"perseus autotune: the sparse algorithm stays {choice.policy() or 'auto'!r}", file=sys.stderr,
+                  flush=True)
+            return False
+        self.space = self.space.with_sparse(range(len(SPARSE_ALGORITHMS)))
+        self.initial = dataclasses.replace(self.initial, sparse_algorithm=choice.tuned_index())
+        return True
+
     def _await_decision(self, compressor) -> bool:
         """Wait until the compressor has decided; False when it has passed the step of its decision without
         deciding, or the job has run many steps without it deciding (a compressor no longer used)."""
@@ -359,18 +395,25 @@ class Tuner:
         return True
 
     def _last_signature(self) -> tuple[int, int]:
-        _, steps = self.engine.steps(0, max(0, self._step - 1))
-        if not steps:
+        """(digest, bytes) of the last completed step: the engine's digest (which leaves the sparse path out)
+        mixed with the sparse tensors' own signature."""
+        from perseus.sparse._runtime import signature
+
+        first, steps = self.engine.steps(0, max(0, self._step - 1))
+        i = self._step - 1 - first  # the step just waited for (a later one may have completed meanwhile)
+        if not steps or not 0 <= i < len(steps):
             return 0, 0
-        return int(steps[-1][2]), int(steps[-1][1])
+        return (int(steps[i][2]) ^ signature()) & ((1 << 64) - 1), int(steps[i][1])
 
     def _finish(self, config: Config, reason: str) -> None:
         self._apply(config, final=True)
         self.result = config
         if self._policy_tuned:  # a later search (re-tuning) keeps the policy: the compressor follows no more
             self.space = self.space.with_policies((config.compression_policy,))
+        if self._sparse_tuned:  # likewise the sparse algorithm
+            self.space = self.space.with_sparse((config.sparse_algorithm,))
         if self.rank == 0:
-            line = f"perseus autotune: done ({reason}): {config.describe(self._policy_tuned)}"
+            line = f"perseus autotune: done ({reason}): {config.describe(self._policy_tuned, self._sparse_tuned)}"
             print(line, file=sys.stderr, flush=True)
             if self.log is not None:
                 self.log.close()
@@ -378,9 +421,10 @@ class Tuner:
     def _report(self, technique: str, config: Config, cost: float, improved: bool, label: str = "") -> None:
         best, best_cost = self.search.best()
         what = label or f"sample {self.samples}"
-        print(f"perseus autotune: {what} [{technique}] {config.describe(self._policy_tuned)}: "
+        print(f"perseus autotune: {what} [{technique}] {config.describe(self._policy_tuned, self._sparse_tuned)}: "
               f"{cost * 1e3:.1f} ms/step{' (new best)' if improved else ''}; best {best_cost * 1e3:.1f} ms",
               file=sys.stderr, flush=True)
         if self.log is not None:
             self.log.row(sample=self.samples, step=self._step, technique=technique, config=config, cost=cost,
-                         best_cost=best_cost, steps=self._last_steps, policy=self._policy_tuned)
+                         best_cost=best_cost, steps=self._last_steps, policy=self._policy_tuned,
+                         sparse=self._sparse_tuned)

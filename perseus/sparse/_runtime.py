@@ -172,7 +172,7 @@ class TensorState:
     """Per (process set, name): the history the 'auto' choice reads, and the latest stats."""
 
     __slots__ = ("key", "calls", "inflight", "choice", "history", "stats", "infos", "tried", "corrections",
-                 "measured", "last_local")
+                 "measured", "last_local", "table")
 
     def __init__(self, key):
         self.key = key
@@ -190,6 +190,8 @@ class TensorState:
         self.measured: dict = {}
         #: (call number, seconds) of this rank's latest finished call
         self.last_local = None
+        #: (rows of the dense table or None, row shape, dtype): set by each call, on the caller's thread
+        self.table: Optional[tuple] = None
 
     def remember(self, index: int, algorithm: str, predicted: Optional[float], setup: bool) -> None:
         self.infos[index] = (algorithm, predicted, setup)
@@ -276,6 +278,20 @@ def stats(name: str, process_set=None) -> Optional[SparseStats]:
     with _tensors_lock:
         st = _tensors.get((ps_id, full))
     return None if st is None else st.stats
+
+
+def signature() -> int:
+    """A 64-bit digest of the global process set's sparse tensors reduced so far in this job (names, dense
+    shapes, dtypes): what the engine's step digest leaves out of the sparse path, whose collectives change
+    with the algorithm and with each step's rows. 0 when there are none."""
+    import hashlib
+
+    with _tensors_lock:
+        items = [(name, st.table) for (ps_id, name), st in _tensors.items() if ps_id == 0 and st.table is not None]
+    if not items:
+        return 0
+    text = ";".join(sorted(f"{name}:{table}" for name, table in items))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
 def all_stats() -> dict:
@@ -416,6 +432,7 @@ def _reset() -> None:
         _sets.clear()
     with _tensors_lock:
         _tensors.clear()
+    choice._forget_tuned()
 
 
 state().register_job_state(_reset)

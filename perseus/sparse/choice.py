@@ -203,21 +203,83 @@ def choose_measured(preds: Dict[str, Prediction], corrections: Dict[str, float],
 
 
 _policy: Optional[str] = None
+_policy_explicit = False  # set_policy() was called by the program (the autotuner then leaves it alone)
 
 
-def set_policy(algorithm: Optional[str]) -> None:
+def set_policy(algorithm: Optional[str], *, _by_tuner: bool = False) -> None:
     """Make every 'auto' choice ``algorithm`` (one of :data:`ALGORITHMS`), or None to model again.
 
-    Collective in effect: call it on every rank at the same point between steps (the choice must agree)."""
-    global _policy
+    Collective in effect: call it on every rank at the same point between steps (the choice must agree).
+    A policy set before the autotuner starts searching is kept by it (``PERSEUS_AUTOTUNE_FIXED=explicit``).
+
+    Raises:
+        ValueError: an unknown algorithm.
+    """
+    global _policy, _policy_explicit
     if algorithm is not None and algorithm not in ALGORITHMS:
         raise ValueError(f"perseus.sparse: unknown algorithm {algorithm!r}; use one of {', '.join(ALGORITHMS)}")
     _policy = algorithm
+    if not _by_tuner:
+        _policy_explicit = True
 
 
 def policy() -> Optional[str]:
     """The algorithm :func:`set_policy` forces, or None."""
     return _policy
+
+
+def _forget_tuned() -> None:
+    """A new job (init after shutdown): an algorithm the tuner forced belonged to the old job; one the program
+    set stays."""
+    global _policy, _tuner_link
+    if not _policy_explicit:
+        _policy = None
+    _tuner_link = None
+
+
+def policy_explicit() -> bool:
+    """Whether the program called :func:`set_policy` (the autotuner keeps such a policy)."""
+    return _policy_explicit
+
+
+class _SparsePath:
+    """The sparse all-reduce path's identity with the autotuner (perseus.autotune.policy, link 'sparse')."""
+
+
+_PARTICIPANT = _SparsePath()
+_tuner_link: Optional[tuple] = None  # (weakref to the tuner, its follower for this path or None)
+
+
+def follow_tuner(key: str, process_set) -> None:
+    """Called at every 'auto' sparse all-reduce of the global process set, before its choice: under the
+    autotuner, at step boundaries, the per-step agreement of perseus.autotune.policy (one small all-reduce
+    while the tuner may still switch), then the algorithm the tuner chose for this step on every rank
+    (:func:`set_policy`). Without a tuner: nothing. Collective while following (every rank calls it at the
+    same calls, which the identical sequence of sparse all-reduces gives)."""
+    import weakref
+
+    from perseus.autotune.space import SPARSE_ALGORITHMS
+    from perseus.common.basics import state
+
+    global _tuner_link
+    tuner = state()._tuner
+    if tuner is None:
+        return
+    if _tuner_link is None or _tuner_link[0]() is not tuner:
+        _tuner_link = (weakref.ref(tuner), tuner.sparse.register(_PARTICIPANT))
+    follower = _tuner_link[1]
+    if follower is None:
+        return
+    code = follower.at_call(key, process_set)
+    if code is not None:
+        set_policy(None if code == 0 else SPARSE_ALGORITHMS[code], _by_tuner=True)
+
+
+def tuned_index() -> int:
+    """The policy in force as an index into perseus.autotune.space.SPARSE_ALGORITHMS (0: 'auto')."""
+    from perseus.autotune.space import SPARSE_ALGORITHMS
+
+    return 0 if _policy is None else SPARSE_ALGORITHMS.index(_policy)
 
 
 def prior_imbalance(n: int, total: float) -> float:

@@ -117,7 +117,10 @@ def sparse_allreduce_async(rows, values, num_rows: Optional[int], name: Optional
     engine = _runtime.state().engine
     full = f"sparse.{name}" if name is not None else _name("sparse", None, ss.ps_id)
     ts = _runtime.tensor_state(ss.ps_id, full)
+    ts.table = (num_rows, row_shape, values2.dtype.str)
     if algorithm == "auto":
+        if ss.ps_id == 0:
+            choice.follow_tuner(full, process_set)  # under the autotuner: the step's algorithm, agreed
         table_rows = -1 if num_rows is None else num_rows
         x = 4 if 0 <= table_rows < (1 << 31) else 8
         algorithm, how, predicted, setup = _decide(ts, ss, process_set, table_rows, width,

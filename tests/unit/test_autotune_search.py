@@ -155,7 +155,7 @@ def test_policy_dimension_only_when_asked():
     assert COMPRESSION_POLICIES == POLICIES  # Config.compression_policy indexes Espresso's policies
     plain, with_policy = space(), Space.build(max_channels=8, multi_host=True, policies=True)
     assert plain.searched() == PARAMS and plain.choices(POLICY) == (0,)
-    assert with_policy.searched() == ALL_PARAMS and with_policy.choices(POLICY) == (0, 1, 2)
+    assert with_policy.searched() == PARAMS + (POLICY,) and with_policy.choices(POLICY) == (0, 1, 2)
     assert with_policy.size() == 3 * plain.size()
     assert {c.compression_policy for c in plain.grid()} == {0}
     assert {c.compression_policy for c in with_policy.grid()} == {0, 1, 2}
@@ -166,7 +166,7 @@ def test_policy_dimension_only_when_asked():
     d = Config(4 * MB, 256 << 10, 2, 0, 2, 1)
     assert not plain.contains(d) and with_policy.contains(d) and plain.nearest(d) == c
     assert d.values() == c.values() == (4 * MB, 256 << 10, 2, 0, 2)  # what a TUNE request carries
-    assert d.all_values() == c.values() + (1,)
+    assert d.all_values() == c.values() + (1, 0)
     assert "policy" not in d.describe() and d.describe(policy=True).endswith(", policy dense")
     assert {n.compression_policy for n in with_policy.neighbours(d)} == {0, 1, 2}
     assert {n.compression_policy for n in plain.neighbours(c)} == {0}
@@ -233,8 +233,29 @@ def test_log_has_a_policy_column(tmp_path):
             best_cost=0.01, steps=[(0.01, 1000, 0)])
     log.close()
     rows = read_log(str(path))
-    assert COLUMNS[-1] == "compression_policy"
+    assert COLUMNS[-2:] == ("compression_policy", "sparse_algorithm")
     assert [r["compression_policy"] for r in rows] == ["all-compressed", ""]
+    assert [r["sparse_algorithm"] for r in rows] == ["", ""]
+
+
+def test_sparse_dimension_only_when_asked():
+    from perseus.autotune.space import ALL_PARAMS, PARAMS, POLICY, SPARSE, SPARSE_ALGORITHMS
+    from perseus.sparse.choice import ALGORITHMS
+
+    assert SPARSE_ALGORITHMS[0] == "auto" and sorted(SPARSE_ALGORITHMS[1:]) == sorted(ALGORITHMS)
+    plain = space()
+    sparse = plain.with_sparse(range(len(SPARSE_ALGORITHMS)))
+    assert plain.searched() == PARAMS and sparse.searched() == PARAMS + (SPARSE,)
+    both = sparse.with_policies((0, 1, 2))
+    assert both.searched() == ALL_PARAMS == PARAMS + (POLICY, SPARSE)
+    assert sparse.size() == len(SPARSE_ALGORITHMS) * plain.size()
+    assert {c.sparse_algorithm for c in sparse.grid()} == set(range(len(SPARSE_ALGORITHMS)))
+    c = Config(4 * MB, 256 << 10, 2, 0, 2, 0, 3)
+    assert c.sparse_name == "zen" and c.all_values()[-1] == 3
+    assert c.describe(sparse=True).endswith(", sparse zen") and "sparse" not in c.describe()
+    assert not plain.contains(c) and sparse.contains(c) and plain.nearest(c).sparse_algorithm == 0
+    assert {n.sparse_algorithm for n in sparse.neighbours(c)} == {2, 3, 4}
+    assert sparse.with_sparse((3,)).searched() == PARAMS
 
 
 def test_fixed_params_may_name_the_policy():
@@ -243,6 +264,8 @@ def test_fixed_params_may_name_the_policy():
 
     fixed = tuned_fixed_params(load_settings({"PERSEUS_AUTOTUNE_FIXED": "channels,compression_policy"}))
     assert sorted(fixed) == ["channels", "compression_policy"] and fixed["compression_policy"] == -1
+    fixed = tuned_fixed_params(load_settings({"PERSEUS_AUTOTUNE_FIXED": "sparse_algorithm"}))
+    assert fixed == {"sparse_algorithm": -1}
     assert "compression_policy" not in tuned_fixed_params(load_settings({"PERSEUS_AUTOTUNE_FIXED": "explicit"}))
     assert tuned_fixed_params(load_settings({"PERSEUS_AUTOTUNE_FIXED": "none"})) == {}
     with pytest.raises(ValueError, match="compression_policy"):  # the message lists it among the names
@@ -262,8 +285,9 @@ class _Ranks:
         self.calls = []
         import perseus.autotune.policy as policy
 
-        def fake_max(step, process_set, posted, ended):
-            self.calls.append(step)
+        def fake_max(name, process_set, posted, ended):
+            assert name.startswith("perseus.autotune.policy.")
+            self.calls.append(int(name.rsplit(".", 1)[1]))
             return max(posted, self.others[0]), bool(ended or self.others[1])
         monkeypatch.setattr(policy, "_max", fake_max)
 

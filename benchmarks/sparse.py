@@ -14,7 +14,10 @@ vocabulary, so that ranks share their frequent tokens (overlap) and each has its
 
 The driver runs one mpirun job per method and round (the order rotating each round) and reports the median
 step time (slowest rank), ratios to the allgather path, and the bytes per step from perseus's counters
-(hvd.wire_bytes(), every process set this rank belongs to is not summed: the global set's counters).
+(hvd.wire_bytes(), every process set this rank belongs to is not summed: the global set's counters). Across
+emulated hosts it also reports, for every method Horovod included, the bytes that really crossed between
+hosts per step: the transmit counters of each host's PERSEUS_NETWORK_INTERFACE (/proc/net/dev of its network
+namespace, TCP/IP headers included), summed over the hosts.
 
     python benchmarks/sparse.py --np 2 --rounds 2 --json benchmarks/results/sparse.jsonl
     tools/emulated_cluster.sh up 2 800 200 2
@@ -44,6 +47,19 @@ def zipf_batch(rng, vocab: int, tokens: int, exponent: float, perm):
     p = ranks ** -exponent
     p /= p.sum()
     return perm[rng.choice(vocab, size=tokens, p=p)]
+
+
+def link_tx_bytes():
+    """Bytes sent so far by this network namespace's PERSEUS_NETWORK_INTERFACE (None without one)."""
+    iface = os.environ.get("PERSEUS_NETWORK_INTERFACE")
+    if not iface:
+        return None
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == iface:
+                return int(rest.split()[8])  # receive: 8 fields, then transmit bytes
+    return None
 
 
 def job(args) -> int:
@@ -91,6 +107,7 @@ def job(args) -> int:
         step(i)
     comm.Barrier()
     before = wire()["sent_bytes"] if wire else None
+    link_before = link_tx_bytes()
     times = []
     for i in range(args.steps):
         comm.Barrier()
@@ -99,10 +116,19 @@ def job(args) -> int:
         times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
     sent = (wire()["sent_bytes"] - before) / args.steps if wire else None
     sent = comm.allreduce(sent, op=MPI.MAX) if sent is not None else None
+    link_after = link_tx_bytes()  # after the last allreduce: every rank has finished every step
+    # One reading per host (the ranks of a host share its namespace's counter): the first rank's.
+    seen = comm.gather((MPI.Get_processor_name(), link_before, link_after), root=0)
+    link = None
+    if rank == 0 and all(b is not None and a is not None for _, b, a in seen):
+        per_host = {}
+        for host, b, a in seen:
+            per_host.setdefault(host, a - b)
+        link = sum(per_host.values()) / args.steps if len(per_host) > 1 else None
     if rank == 0:
         row = {"method": args.method, "ranks": size, "vocab": args.vocab, "dim": args.dim, "tokens": args.tokens,
                "zipf": args.zipf, "step_s": [round(t, 4) for t in times], "sent_bytes_per_step": sent,
-               "round": args.round}
+               "link_bytes_per_step": link, "round": args.round}
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
     hvd.shutdown()
@@ -149,21 +175,25 @@ def driver(args) -> int:
                 print(done.stdout[-3000:], file=sys.stderr, flush=True)
     rows = [json.loads(line) for line in open(out)]
     os.unlink(out)
-    med, sent = {}, {}
+    med, sent, link = {}, {}, {}
     for m in methods:
         ts = [t for r in rows if r["method"] == m for t in r["step_s"]]
         if ts:
             med[m] = statistics.median(ts)
             bs = [r["sent_bytes_per_step"] for r in rows if r["method"] == m and r["sent_bytes_per_step"]]
             sent[m] = statistics.median(bs) if bs else None
+            ls = [r["link_bytes_per_step"] for r in rows if r["method"] == m and r.get("link_bytes_per_step")]
+            link[m] = statistics.median(ls) if ls else None
     ranks = rows[0]["ranks"] if rows else 0
     print(f"\n{ranks} ranks, vocab {args.vocab} x dim {args.dim}, {args.tokens} tokens per rank, zipf {args.zipf}")
-    print(f"{'method':<10} {'median ms':>10} {'x allgather':>12} {'sent MB/step':>13} {'bytes x allgather':>18}")
+    print(f"{'method':<10} {'median ms':>10} {'x allgather':>12} {'sent MB/step':>13} {'bytes x allgather':>18} "
+          f"{'between hosts MB/step':>22}")
     table = []
     for m, t in med.items():
         row = {"method": m, "ranks": ranks, "median_ms": round(t * 1e3, 2),
                "vs_allgather": round(t / med["allgather"], 3) if "allgather" in med else None,
-               "sent_mb": round(sent[m] / 1e6, 3) if sent.get(m) else None}
+               "sent_mb": round(sent[m] / 1e6, 3) if sent.get(m) else None,
+               "link_mb": round(link[m] / 1e6, 3) if link.get(m) else None}
         if sent.get(m) and sent.get("allgather"):
             row["bytes_vs_allgather"] = round(sent[m] / sent["allgather"], 3)
         table.append(row)
@@ -171,7 +201,7 @@ def driver(args) -> int:
         def f(v, fmt):
             return format(v, fmt) if v is not None else "-"
         print(f"{m:<10} {row['median_ms']:>10.1f} {f(row['vs_allgather'], '>12.3f')} {f(row['sent_mb'], '>13.3f')} "
-              f"{f(row.get('bytes_vs_allgather'), '>18.3f')}")
+              f"{f(row.get('bytes_vs_allgather'), '>18.3f')} {f(row['link_mb'], '>22.3f')}")
     if args.json:
         with open(args.json, "a") as fh:
             meta = {"bench": "sparse", "hosts": args.hosts, "vocab": args.vocab, "dim": args.dim,

@@ -2,7 +2,8 @@
 
 The launcher package. It runs before any MPI library exists, so nothing under
 ``perseus.runner`` imports mpi4py or the perseus engine. Scripts are launched with the
-``perseusrun`` command (:mod:`perseus.runner.launch`).
+``perseusrun`` command (:mod:`perseus.runner.launch`), functions with :func:`run`
+(:mod:`perseus.runner.run_func`).
 """
 
 from __future__ import annotations
@@ -22,10 +23,47 @@ def run(func: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, 
         network_interface: str | None = None, network_interfaces: list[str] | None = None,
         executable: str | None = None, np: int | None = None, min_np: int | None = None,
         max_np: int | None = None) -> list[Any]:
-    """Run ``func(*args, **kwargs)`` on every process of a new job and return the results by rank.
+    """Run ``func(*args, **kwargs)`` on ``np`` (``num_proc``) processes of a new job, as perseusrun would run
+    a script, and return the list of their return values in rank order (Horovod's ``horovod.run``).
 
-    Not implemented yet: always raise ``NotImplementedError``. Launch a script with ``perseusrun``.
+    The function, its arguments and its results travel with cloudpickle between this process and the
+    ranks (over TCP; remote ranks connect back to this machine); the function calls ``hvd.init()`` itself.
+    ``hosts``/``hostfile``, ``ssh_port``, ``ssh_identity_file``, ``start_timeout``, ``output_filename``,
+    ``verbose``, ``mpi_args``, ``network_interface(s)`` and ``executable`` (the Python the ranks run) mean
+    what the matching perseusrun flags mean. ``use_mpi`` is accepted (MPI is what perseus launches with);
+    ``disable_cache`` is accepted and has no effect (there is no launch cache).
+
+    Collective in effect: every rank runs ``func``; a rank that waits in a collective for a rank that
+    failed is ended by the launcher.
+
+    Raises:
+        perseus.runner.run_func.RunError: a rank raised (the message names every failed rank and has the
+            first one's traceback; its exception is chained when it could be transported) or ended without a
+            result (crash, kill, launch error).
+        NotImplementedError: elastic arguments (``min_np``/``max_np``/``host_discovery_script``,
+            ``reset_limit``, ``cooldown_range``, ``slots``) and ``use_gloo=True``: not supported yet.
+        ValueError: ``np`` and ``num_proc`` disagree, or fewer than 1 process.
     """
-    raise NotImplementedError(
-        "perseus.run(): programmatic launch is not implemented yet; launch a script with perseusrun"
-    )
+    from perseus.runner import run_func
+
+    if np is not None and num_proc not in (None, 1) and int(np) != int(num_proc):
+        raise ValueError(f"perseus.run: np={np} and num_proc={num_proc} disagree; give one of them")
+    count = int(np if np is not None else (num_proc if num_proc is not None else 1))
+    if count < 1:
+        raise ValueError(f"perseus.run: at least 1 process is needed, got {count}")
+    elastic = {"min_np": min_np if min_np is not None else min_num_proc,
+               "max_np": max_np if max_np is not None else max_num_proc,
+               "host_discovery_script": host_discovery_script, "reset_limit": reset_limit,
+               "cooldown_range": cooldown_range, "slots": slots}
+    given = [k for k, v in elastic.items() if v is not None]
+    if given:
+        raise NotImplementedError(f"perseus.run: elastic launching ({', '.join(given)}) is not supported yet; "
+                                  "run a fixed number of processes (np=..., hosts=...)")
+    if use_gloo:
+        raise NotImplementedError("perseus.run: use_gloo=True: perseus launches with MPI only; leave use_gloo unset")
+    nics = list(network_interfaces or [])
+    if network_interface:
+        nics += [n for n in str(network_interface).split(",") if n]
+    return run_func.run(func, args, kwargs, count, hosts=hosts, hostfile=hostfile, start_timeout=start_timeout,
+                        ssh_port=ssh_port, ssh_identity_file=ssh_identity_file, output_filename=output_filename,
+                        verbose=verbose, mpi_args=mpi_args, network_interfaces=nics, executable=executable)

@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -181,6 +182,31 @@ def test_hierarchical_topk_two_by_two(cluster):
     code, out, _ = perseusrun("-np", "4", "-H", "perseus-h0:2,perseus-h1:2", *job("hitopk", 2, 2))
     assert code == 0, out
     assert len(ok_lines(out, "hitopk")) == 4, out
+
+
+def test_run_a_function_on_two_hosts(cluster):
+    """perseus.run from this (root) namespace: the ranks start on the emulated hosts, fetch the function from
+    this process over the bridge, all-reduce across the link and return their results in rank order."""
+    body = textwrap.dedent("""
+        import perseus
+
+        def where():
+            import socket
+            import torch
+            import perseus.torch as hvd
+            hvd.init()
+            total = hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum).item()
+            out = (hvd.rank(), socket.gethostname(), total)
+            hvd.shutdown()
+            return out
+
+        print("RESULT", perseus.run(where, np=2, hosts="perseus-h0:1,perseus-h1:1", network_interface="perseus0"))
+    """)
+    proc = subprocess.run([sys.executable, "-c", body], cwd="/", capture_output=True, text=True, timeout=150,
+                          env={**os.environ, "PYTHONPATH": REPO})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "RESULT [(0, 'perseus-h0', 3.0), (1, 'perseus-h1', 3.0)]" in out, out
 
 
 def one_error_line(out):

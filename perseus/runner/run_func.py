@@ -1,0 +1,247 @@
+"""``perseus.run``: run a Python function on every process of a new job and return each rank's result.
+
+The calling process serves the function and collects the results over one TCP connection per rank; the
+ranks are started by :mod:`perseus.runner.launch` (perseusrun, hence mpirun and ssh for remote hosts) with
+``python -m perseus.runner.run_task <address> <port>``. Each rank connects, proves it belongs to this job
+(a random token passed in its environment), receives the cloudpickled ``(func, args, kwargs)``, runs it and
+sends back its cloudpickled return value, or its exception and traceback. Nothing here imports the engine:
+the function calls ``hvd.init()`` itself, as in a script.
+
+Frames on the connection: 8-byte big-endian length, then the bytes. Worker -> caller: the token, then (after
+running) a pickled ``(rank, ok, value_or_error_text, exception_or_None)``; caller -> worker: the payload.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import struct
+import sys
+import threading
+from typing import Any, Callable, Optional
+
+__all__ = ["run", "RunError"]
+
+#: the environment variable carrying the job's token to the ranks (exported like every PERSEUS_* setting)
+TOKEN_ENV = "PERSEUS_RUN_TOKEN"
+_LEN = struct.Struct(">Q")
+_MAX_FRAME = 1 << 34
+
+
+class RunError(RuntimeError):
+    """perseus.run(): some rank failed, or the job ended without every rank's result."""
+
+
+def send_frame(sock: socket.socket, data: bytes) -> None:
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def recv_frame(sock: socket.socket, limit: int = _MAX_FRAME) -> bytes:
+    head = _recv_exact(sock, _LEN.size)
+    (n,) = _LEN.unpack(head)
+    if n > limit:
+        raise ConnectionError(f"a frame of {n} bytes (at most {limit} expected)")
+    return _recv_exact(sock, n)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    parts, got = [], 0
+    while got < n:
+        chunk = sock.recv(min(n - got, 1 << 20))
+        if not chunk:
+            raise ConnectionError("the connection closed early")
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def _address_towards(hosts: list[str], interface: Optional[str]) -> str:
+    """The address of this machine that the ranks can reach: 127.0.0.1 for local jobs; else that of
+    ``interface`` when given, else the source address the kernel picks to reach the first remote host."""
+    from perseus.runner import hosts as hostlib
+
+    remote = [h for h in hosts if not hostlib.is_local(h)]
+    if not remote:
+        return "127.0.0.1"
+    if interface:
+        addr = _interface_address(interface.split(",")[0])
+        if addr:
+            return addr
+    try:
+        target = socket.getaddrinfo(remote[0], None, socket.AF_INET)[0][4][0]
+        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            probe.connect((target, 9))  # UDP: no packet is sent; only the route is looked up
+            return probe.getsockname()[0]
+        finally:
+            probe.close()
+    except OSError as exc:
+        raise RunError(f"perseus.run: cannot find this machine's address towards {remote[0]!r} ({exc}); "
+                       "pass network_interface=") from None
+
+
+def _interface_address(name: str) -> Optional[str]:
+    import fcntl
+
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+        return socket.inet_ntoa(packed[20:24])
+    except OSError:
+        return None
+    finally:
+        s.close()
+
+
+class _Server:
+    """Serves the payload to ranks that present the token; keeps each rank's reply."""
+
+    def __init__(self, bind: str, payload: bytes, token: str, num_proc: int):
+        self.payload, self.token, self.num_proc = payload, token.encode(), num_proc
+        self.results: dict[int, tuple] = {}
+        self.arrival: list[int] = []  # ranks in the order their replies came
+        self.problems: list[str] = []
+        self._lock = threading.Lock()
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((bind, 0))
+        self.sock.listen(max(16, num_proc))
+        self.port = self.sock.getsockname()[1]
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, name="perseus-run-server", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        import pickle
+
+        try:
+            with conn:
+                conn.settimeout(60.0)
+                if not secrets.compare_digest(recv_frame(conn, 1024), self.token):
+                    return  # not one of ours
+                send_frame(conn, self.payload)
+                conn.settimeout(None)  # the function may run for a long time
+                reply = pickle.loads(recv_frame(conn))
+                with self._lock:
+                    self.results[int(reply[0])] = tuple(reply[1:])
+                    self.arrival.append(int(reply[0]))
+        except (OSError, ConnectionError, EOFError, ValueError) as exc:
+            with self._lock:
+                self.problems.append(str(exc))
+        except Exception as exc:  # noqa: BLE001 - a reply that cannot be unpickled here
+            with self._lock:
+                self.problems.append(f"a result could not be read: {type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def run(func: Callable[..., Any], args: tuple = (), kwargs: Optional[dict] = None, num_proc: Optional[int] = None,
+        *, hosts: Optional[str] = None, hostfile: Optional[str] = None, start_timeout: Optional[int] = None,
+        ssh_port: Optional[int] = None, ssh_identity_file: Optional[str] = None,
+        output_filename: Optional[str] = None, verbose: Optional[int] = None, mpi_args: Optional[str] = None,
+        network_interfaces: Optional[list] = None, executable: Optional[str] = None) -> list:
+    """Run ``func(*args, **kwargs)`` on ``num_proc`` processes (see :func:`perseus.runner.run`).
+
+    Returns the return values in rank order. Raises :class:`RunError` naming the ranks that failed (with the
+    first failure's traceback; the original exception is chained when it could be transported), or that
+    ended without a result (crashed, killed, or the job could not start: perseusrun's error is printed).
+    """
+    import cloudpickle
+
+    from perseus.runner import launch
+
+    kwargs = dict(kwargs or {})
+    num_proc = int(num_proc or 1)
+    try:
+        payload = cloudpickle.dumps((func, tuple(args), kwargs))
+    except Exception as exc:  # noqa: BLE001 - anything cloudpickle raises
+        raise RunError(f"perseus.run: the function or its arguments cannot be pickled: {exc}") from exc
+    nics = ",".join(network_interfaces or [])
+    host_names = _host_names(hosts, hostfile)
+    address = _address_towards(host_names, nics or os.environ.get("PERSEUS_NETWORK_INTERFACE"))
+    token = secrets.token_hex(16)
+    server = _Server("127.0.0.1" if address == "127.0.0.1" else "0.0.0.0", payload, token, num_proc)
+    argv = ["-np", str(num_proc)]
+    if hosts:
+        argv += ["-H", hosts]
+    if hostfile:
+        argv += ["--hostfile", hostfile]
+    if start_timeout:
+        argv += ["--start-timeout", str(int(start_timeout))]
+    if ssh_port:
+        argv += ["--ssh-port", str(int(ssh_port))]
+    if ssh_identity_file:
+        argv += ["--ssh-identity-file", ssh_identity_file]
+    if output_filename:
+        argv += ["--output-filename", output_filename]
+    if verbose:
+        argv += ["--verbose"]
+    if mpi_args:
+        argv += ["--mpi-args", mpi_args]
+    if nics:
+        argv += ["--network-interfaces", nics]
+    argv += [executable or sys.executable, "-m", "perseus.runner.run_task", address, str(server.port)]
+    previous = os.environ.get(TOKEN_ENV)
+    os.environ[TOKEN_ENV] = token  # perseusrun exports PERSEUS_* to every rank
+    try:
+        code = launch.main(argv)
+    finally:
+        if previous is None:
+            os.environ.pop(TOKEN_ENV, None)
+        else:
+            os.environ[TOKEN_ENV] = previous
+        server.close()
+    return _collect(server, num_proc, code)
+
+
+def _host_names(hosts: Optional[str], hostfile: Optional[str]) -> list[str]:
+    from perseus.runner import hosts as hostlib
+
+    try:
+        if hosts:
+            return [h.host for h in hostlib.parse_hosts(hosts)]
+        if hostfile:
+            return [h.host for h in hostlib.parse_hostfile(hostfile)]
+    except Exception:  # noqa: BLE001 - perseusrun reports the bad host list itself
+        pass
+    return ["localhost"]
+
+
+def _collect(server: _Server, num_proc: int, code: int) -> list:
+    results = dict(server.results)
+    failed = sorted(r for r, (ok, _, _) in results.items() if not ok)
+    missing = [r for r in range(num_proc) if r not in results]
+    if not failed and not missing and code == 0:
+        return [results[r][1] for r in range(num_proc)]
+    parts = []
+    first = next((r for r in server.arrival if r in failed), None)  # the earliest failure: likely the cause
+    if failed:
+        parts.append(f"rank {first} raised" + (f" first (ranks {', '.join(map(str, failed))} raised)"
+                                               if len(failed) > 1 else ""))
+    if missing:
+        parts.append(f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} returned no result "
+                     f"(the job exited with status {code}; see the output above)")
+    elif code != 0:
+        parts.append(f"the job exited with status {code}")
+    message = "perseus.run: " + "; ".join(parts)
+    cause = None
+    if failed:
+        _, text, cause = results[first]
+        message += f"\n--- rank {first} ---\n{text}"
+    if server.problems:
+        message += "\n(connection problems: " + "; ".join(sorted(set(server.problems))[:3]) + ")"
+    raise RunError(message) from cause

@@ -1,0 +1,78 @@
+"""One rank of :func:`perseus.run`: ``python -m perseus.runner.run_task <address> <port>``.
+
+Connects to the calling process, presents the job's token (``PERSEUS_RUN_TOKEN``), receives the cloudpickled
+``(func, args, kwargs)``, runs it, and sends back ``(rank, ok, value_or_traceback, exception_or_None)``.
+Exits 0 after a result was sent, 1 when the function raised (so that mpirun ends the other ranks instead of
+letting them wait in a collective for this one), 2 when the caller could not be reached.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import sys
+import traceback
+
+from perseus.runner.run_func import TOKEN_ENV, recv_frame, send_frame
+
+
+def _rank() -> int:
+    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "HOROVOD_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+def _reply(rank: int, ok: bool, value, error) -> bytes:
+    import cloudpickle
+
+    try:
+        return cloudpickle.dumps((rank, ok, value, error))
+    except Exception as exc:  # noqa: BLE001 - an unpicklable return value or exception
+        if ok:
+            text = f"rank {rank} returned a value that cannot be pickled: {type(exc).__name__}: {exc}"
+        else:
+            text = value
+        return pickle.dumps((rank, False, text, None))
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print("usage: python -m perseus.runner.run_task ADDRESS PORT (started by perseus.run)", file=sys.stderr)
+        return 2
+    address, port = argv[0], int(argv[1])
+    rank = _rank()
+    try:
+        sock = socket.create_connection((address, port), timeout=60.0)
+    except OSError as exc:
+        print(f"perseus.run: rank {rank} cannot reach the calling process at {address}:{port}: {exc}",
+              file=sys.stderr, flush=True)
+        return 2
+    with sock:
+        send_frame(sock, os.environ.get(TOKEN_ENV, "").encode())
+        try:
+            payload = recv_frame(sock)
+        except (OSError, ConnectionError) as exc:
+            print(f"perseus.run: rank {rank} got no function from {address}:{port} ({exc}; a wrong "
+                  f"{TOKEN_ENV}?)", file=sys.stderr, flush=True)
+            return 2
+        sock.settimeout(None)
+        import cloudpickle  # noqa: F401 - the payload may need its reducers
+
+        try:
+            func, args, kwargs = pickle.loads(payload)
+            value = func(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
+            text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            send_frame(sock, _reply(rank, False, text, exc))
+            sys.stderr.write(text)
+            sys.stderr.flush()
+            return 1
+        send_frame(sock, _reply(rank, True, value, None))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

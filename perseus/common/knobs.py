@@ -262,6 +262,12 @@ KNOBS: tuple[Knob, ...] = (
              "machine once per size class), 'exact' (NumPy introselect), 'torch' (torch.topk), 'mstopk' "
              "(threshold bisection, approximate) or 'dgc' (sampled threshold, then exact). "
              "See docs/compression.md."),
+    Knob("dear_threshold_bytes", ("PERSEUS_DEAR_THRESHOLD_BYTES",), int, 4 << 20, unit="bytes",
+         doc="Largest fusion group of DistributedOptimizer(schedule='dear'): consecutive modules, in forward "
+             "order, are grouped up to this many gradient bytes (a module larger than this is a group of its "
+             "own; 0: one group per module). Each group is one reduce-scatter during backward and one "
+             "all-gather before its next forward; smaller groups overlap more, larger ones pay fewer "
+             "collective start-ups. optimizer.set_dear_threshold() changes it during a run. See docs/dear.md."),
     Knob("sparse_algorithm", ("PERSEUS_SPARSE_ALGORITHM",), str, "auto",
          choices=("auto", "zen", "allgather", "dense", "alltoall"),
          doc="How sparse gradients (torch sparse tensors, tf.IndexedSlices) are reduced when no algorithm is "

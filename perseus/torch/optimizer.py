@@ -88,6 +88,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hook_handles = []
         self._requires_update = set()
         self._synchronized = False
+        self._presynchronized = False  # clip_grad_norm_ synchronized already: the next step() does not
         self._should_synchronize = True
         self._groups = groups
         self._group_of: dict = {}
@@ -290,15 +291,29 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """
         if closure is not None and self._hook_handles and self.process_set.included():
             return self._step_with_closure(closure)
-        if self._should_synchronize:
+        if self._should_synchronize and not self._presynchronized:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
                               "optimizer.synchronize(). This can cause training slowdown. You may want to "
                               "consider using optimizer.skip_synchronize() context if you use "
                               "optimizer.synchronize() in your code.")
             self.synchronize()
-        self._synchronized = False
+        self._synchronized = self._presynchronized = False
         return super(self.__class__, self).step(closure)
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
+        """Clip the averaged gradients by their global norm; call it after backward, before ``step()``.
+
+        Waits for the reductions (``synchronize()``), clips every gradient with
+        ``torch.nn.utils.clip_grad_norm_`` and lets the next ``step()`` skip synchronizing. Returns the total
+        norm. The same call works with ``schedule="dear"`` (docs/dear.md), so scripts can switch schedules.
+
+        Collective: every rank of the process set calls it.
+        """
+        self.synchronize()
+        self._presynchronized = True
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
 
     def _step_with_closure(self, closure):
         """``step(closure)`` across ranks: see :meth:`step`."""
@@ -369,7 +384,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0, num_groups=0,
                          groups=None, sparse_as_dense=False, process_set=global_process_set,
-                         sparse_algorithm=None):
+                         sparse_algorithm=None, schedule="default"):
     """Wrap a torch optimizer so that ``step()`` uses gradients averaged over all ranks.
 
     The result is an instance of a subclass of the wrapped optimizer's class, with the same class name,
@@ -397,16 +412,32 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         sparse_algorithm: (perseus) how sparse gradients are reduced when not ``sparse_as_dense``: 'auto',
             'zen', 'allgather', 'dense' or 'alltoall' (see :func:`sparse_allreduce_async` and docs/sparse.md);
             None reads PERSEUS_SPARSE_ALGORITHM (default 'auto'). The gradient stays sparse.
+        schedule: (perseus) ``"default"``: each gradient is all-reduced during backward and ``step()`` waits
+            for all of them. ``"dear"``: gradients are reduce-scattered per fusion group during backward,
+            ``step()`` waits only for those, and each group's all-gather and update run just before the
+            group's next forward (docs/dear.md); every rank must pass the same schedule, and
+            ``synchronize()`` (or ``finish()``) after the last ``step()`` applies the last update.
 
     Raises:
-        ValueError: bad names, groups, factors, ``backward_passes_per_step`` or ``sparse_algorithm``.
+        ValueError: bad names, groups, factors, ``backward_passes_per_step``, ``sparse_algorithm`` or
+            ``schedule``.
+        NotImplementedError: ``schedule="dear"`` with ``groups``, a communicating compressor, or in an
+            elastic job.
     """
+    if schedule not in ("default", "dear"):
+        raise ValueError(f"DistributedOptimizer: schedule must be 'default' or 'dear', not {schedule!r}")
     if num_groups != 0:
         warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
                       DeprecationWarning)
         if groups is None:
             groups = num_groups
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
+    methods = dict(_DistributedOptimizer.__dict__)
+    if schedule == "dear":
+        from perseus.torch import dear
+
+        dear.check_arguments(compression, groups)
+        methods = dear.mixin()
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups, sparse_as_dense, process_set, sparse_algorithm,
                _defaults=optimizer.defaults, _state=dict(optimizer.state))

@@ -416,7 +416,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             for all of them. ``"dear"``: gradients are reduce-scattered per fusion group during backward,
             ``step()`` waits only for those, and each group's all-gather and update run just before the
             group's next forward (docs/dear.md); every rank must pass the same schedule, and
-            ``synchronize()`` (or ``finish()``) after the last ``step()`` applies the last update.
+            ``synchronize()`` (or ``finish()``) after the last ``step()`` applies the last update. A DeAR
+            optimizer also has ``finish()``, ``set_dear_threshold(bytes)`` (group size, from the next
+            backward; PERSEUS_DEAR_THRESHOLD_BYTES by default) and ``dear_groups()``.
+
+    Both schedules offer ``optimizer.clip_grad_norm_(max_norm, norm_type=2.0)``: call it after backward and
+    before ``step()`` to clip the averaged gradients by their global norm (it returns the norm).
 
     Raises:
         ValueError: bad names, groups, factors, ``backward_passes_per_step``, ``sparse_algorithm`` or

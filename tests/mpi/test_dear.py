@@ -240,6 +240,63 @@ def test_fp16_wire(hvd):
     torch.testing.assert_close(flat(model), flat(ref), rtol=1e-3, atol=1e-4)
 
 
+class Branchy(Net):
+    """A module used only on some steps (its gradient is missing on the others)."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra = nn.Linear(64, 64)
+        self.use_extra = False
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv(x)), 2).flatten(1)
+        if self.use_extra:
+            x = self.extra(x)
+        return self.head(F.relu(self.fc2(F.relu(self.fc1(self.norm(x))))))
+
+
+def _train_custom(hvd, schedule, model, make_opt, steps, before_step=None, after_step=None):
+    opt = hvd.DistributedOptimizer(make_opt(model), named_parameters=model.named_parameters(), schedule=schedule)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(steps):
+        if before_step:
+            before_step(model, opt, step)
+        opt.zero_grad()
+        x, y = batch(hvd, step)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        sched.step()  # between step() and the deferred update: the update keeps the step's learning rate
+        if after_step:
+            after_step(model, opt, step)
+    opt.synchronize()
+    return model
+
+
+def test_lr_scheduler_and_unused_module(hvd):
+    def before(model, opt, step):
+        model.use_extra = step % 3 == 1
+
+    results = []
+    for schedule in ("default", "dear"):
+        torch.manual_seed(0)
+        results.append(_train_custom(hvd, schedule, Branchy(),
+                                     lambda m: torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.9), 5, before))
+    torch.testing.assert_close(flat(results[1]), flat(results[0]), rtol=1e-5, atol=1e-6)
+
+
+def test_regroup_during_run(hvd):
+    def after(model, opt, step):
+        if step == 1 and hasattr(opt, "set_dear_threshold"):
+            opt.set_dear_threshold(0)
+
+    results = []
+    for schedule in ("default", "dear"):
+        torch.manual_seed(0)
+        results.append(_train_custom(hvd, schedule, Net(), lambda m: torch.optim.Adam(m.parameters(), lr=0.01), 4,
+                                     after_step=after))
+    torch.testing.assert_close(flat(results[1]), flat(results[0]), rtol=1e-5, atol=1e-6)
+
+
 def test_mismatched_schedule_fails_on_every_rank(hvd):
     """Rank 0 uses DeAR, the others the default schedule: every rank raises instead of hanging."""
     if hvd.size() < 2:

@@ -1,6 +1,8 @@
 // Stage 4: channel threads and how each unit runs on the transport (see channels.h).
 #include "channels.h"
 
+#include "adasum.h"
+
 #include <sched.h>
 
 #include <chrono>
@@ -151,6 +153,11 @@ void Channel::activity(Unit* u, const char* label) {
 }
 
 void Channel::allreduce(Unit* u) {
+  if (u->reduce_op == ReduceOp::ADASUM) {
+    activity(u, "ADASUM_ALLREDUCE");
+    adasum_unit(Path{comm_.get(), links_.get()}, u, fusion_, scratch_);
+    return;
+  }
   const DType dt = u->dtype;
   const double pre = u->prescale, post = u->postscale;
   if (u->kind == UnitKind::INPLACE) {

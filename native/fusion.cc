@@ -83,8 +83,10 @@ void plan_units(const std::vector<Request*>& requests, int64_t fusion_threshold_
                                                                              : static_cast<ReduceOp>(s.reduce_op);
     const int64_t nbytes = numel * item;
     if (nbytes >= std::max<int64_t>(inplace_threshold_bytes, 1) || nbytes > fusion_threshold_bytes) {
-      const int64_t step = fusion_threshold_bytes > 0 ? std::max<int64_t>(fusion_threshold_bytes / item, 1)
-                                                      : std::max<int64_t>(numel, 1);
+      // An Adasum tensor stays whole: its coefficients come from dot products over all of it.
+      const int64_t step = fusion_threshold_bytes > 0 && rop != ReduceOp::ADASUM
+                               ? std::max<int64_t>(fusion_threshold_bytes / item, 1)
+                               : std::max<int64_t>(numel, 1);
       int parts = 0;
       for (int64_t start = 0; start < numel || (numel == 0 && start == 0); start += step) {
         Unit* u = make_unit(pool, UnitKind::INPLACE, OpType::ALLREDUCE, s.dtype, rop, s.prescale, post);

@@ -119,6 +119,15 @@ def _target(process_set: ProcessSet):
     return _state.engine, ps_id
 
 
+#: float16, bfloat16, float32, float64: what Adasum combines
+_FLOATS = (5, 6, 7, 8)
+
+
+def _adasum_dtype(dtype) -> None:
+    raise ValueError(f"perseus.allreduce: op=Adasum needs floating-point tensors (float16, bfloat16, float32, "
+                     f"float64), not {DType(int(dtype)).name.lower()}; use Sum or Average")
+
+
 def allreduce_async(array, output, name: Optional[str] = None, op=ReduceOp.AVERAGE,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set, priority: int = 0,
@@ -132,13 +141,13 @@ def allreduce_async(array, output, name: Optional[str] = None, op=ReduceOp.AVERA
     ``(value,)`` is returned as it is (no Python call on the way back).
     """
     op = int(op)
-    if op == 2:
-        reject_adasum(op, "allreduce")
     engine, ps_id = _target(process_set)
     if dtype is None:
         dtype = _check(array, "allreduce")
     if dtype == 9 and op == 0:  # bool, Average
         raise ValueError("perseus.allreduce: op=Average is not defined for bool tensors; use Sum, Min or Max")
+    if op == 2 and int(dtype) not in _FLOATS:
+        _adasum_dtype(dtype)
     return engine.submit_one(ps_id, _ALLREDUCE, _name("allreduce", name, ps_id), dtype,
                              array.shape if shape is None else shape, array, output, op, -1,
                              float(prescale_factor), float(postscale_factor), int(priority), None, finish,
@@ -150,7 +159,7 @@ def grouped_allreduce_async(arrays: Sequence[np.ndarray], outputs: Sequence[np.n
                             process_set: ProcessSet = global_process_set, priority: int = 0,
                             dtypes=None, finish: Callable[[list], Any] = lambda r: r, _single=False) -> int:
     """Start allreduces of several arrays, negotiated together. Returns one handle for the group."""
-    op = reject_adasum(op, "allreduce")
+    op = ReduceOp(int(op))
     ps_id, _, _ = _info(process_set)
     op, pre, post, priority = int(op), float(prescale_factor), float(postscale_factor), int(priority)
     base = _name("allreduce", name, ps_id)
@@ -159,6 +168,8 @@ def grouped_allreduce_async(arrays: Sequence[np.ndarray], outputs: Sequence[np.n
         dt = _dt(dtypes, i, arr, "allreduce")
         if dt is DType.BOOL and op == ReduceOp.AVERAGE:
             raise ValueError("perseus.allreduce: op=Average is not defined for bool tensors; use Sum, Min or Max")
+        if op == ReduceOp.ADASUM and int(dt) not in _FLOATS:
+            _adasum_dtype(dt)
         items.append((base if _single else f"{base}.{i}", int(dt), arr.shape, arr, out, op, -1, pre, post,
                       priority, None))
     return state().engine.submit(ps_id, _ALLREDUCE, items, finish, (arrays, outputs))

@@ -7,8 +7,8 @@ Every collective returns once its result is in the output NDArray (see :mod:`per
 cross-rank mismatch raises an ``mxnet.base.MXNetError`` on every rank that is also a perseus
 ``MismatchError`` (a ``HorovodInternalError``).
 
-Not implemented (raise ``NotImplementedError``): NDArrays on a GPU context (the NCCL transport), op=Adasum,
-parameters replicated on several contexts of one process in ``DistributedTrainer``.
+Not implemented (raise ``NotImplementedError``): NDArrays on a GPU context (the NCCL transport), op=Adasum
+in reducescatter and the optimizers, parameters replicated on several contexts of one process in ``DistributedTrainer``.
 """
 
 from perseus.common.api import wire_bytes

@@ -50,7 +50,7 @@ def handle_average_backwards_compatibility(op, average):
 
 
 def _reduce_op(op, average, what: str) -> ReduceOp:
-    return reject_adasum(resolve_op(op, average), f"mxnet.{what}")
+    return resolve_op(op, average)  # every allreduce form takes Adasum (floating-point tensors)
 
 
 def _as_list(tensors, what: str) -> list:
@@ -159,7 +159,8 @@ def allreduce(tensor, average=None, name=None, priority=0, prescale_factor=1.0, 
 
     Raises:
         PerseusMXNetMismatchError: ranks disagree about name, shape, dtype, op or scale factors.
-        NotImplementedError: op=Adasum, or a GPU NDArray.
+        NotImplementedError: a GPU NDArray.
+        ValueError: op=Adasum on an integer NDArray.
     """
     op = _reduce_op(op, average, "allreduce")
     if isinstance(compression, Reducer):

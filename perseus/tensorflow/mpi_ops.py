@@ -112,7 +112,7 @@ def _grad_or_zeros(dy, y):
 
 
 def _reduce_op(op, dts, what):
-    op = reject_adasum(op, what)
+    op = resolve_op(op, None) if what == "allreduce" else reject_adasum(op, what)  # Adasum: allreduce only
     if op == Average and any(d == tf.bool for d in dts):
         raise ValueError(f"perseus.{what}: op=Average is not defined for bool tensors; use Sum, Min or Max")
     return op

@@ -227,9 +227,8 @@ def test_grouped_reducescatter(hvd):
     check(outs[1], reduce_ref(b, hvd.Sum, hvd)[rank:rank + 1], "float64")
 
 
-def test_adasum_not_implemented(hvd):
-    with pytest.raises(NotImplementedError, match="Adasum"):
-        hvd.allreduce(torch.ones(2), op=hvd.Adasum, name="adasum")
+def test_adasum_reducescatter_not_implemented(hvd):
+    # (Adasum all-reduce: tests/mpi/test_adasum.py)
     with pytest.raises(NotImplementedError, match="Adasum"):
         hvd.reducescatter(torch.ones(2), op=hvd.Adasum, name="adasum_rs")
 

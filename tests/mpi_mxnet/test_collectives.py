@@ -331,3 +331,25 @@ def test_copy_path_without_dlpack(hvd, dtype, monkeypatch):
     check(out, expected(inputs, "Sum", dtype)[2 * rank:2 * rank + 2], dtype)
     np.testing.assert_array_equal(hvd.allgather(nd(inputs[rank]), name=f"cp_ag.{dtype}").asnumpy(),
                                   np.concatenate(inputs))
+
+
+def test_allreduce_adasum(hvd):
+    """Adasum of two ranks' vectors (rank 0's as a): the formula, applied pairwise up the tree."""
+    rng = np.random.default_rng(3)
+    vs = [rng.normal(size=9) for _ in range(hvd.size())]
+
+    def pair(a, b):
+        ab, aa, bb = a @ b, a @ a, b @ b
+        return (1 - ab / (2 * aa)) * a + (1 - ab / (2 * bb)) * b
+
+    def tree(x):
+        return x[0] if len(x) == 1 else pair(tree(x[:len(x) // 2]), tree(x[len(x) // 2:]))
+
+    p2 = 1
+    while p2 * 2 <= hvd.size():
+        p2 *= 2
+    folded = list(vs[:p2])
+    for i in range(hvd.size() - p2):
+        folded[i] = pair(folded[i], vs[p2 + i])
+    out = hvd.allreduce(mx.nd.array(vs[hvd.rank()], dtype="float64"), op=hvd.Adasum, name="adasum")
+    np.testing.assert_allclose(out.asnumpy(), tree(folded), rtol=1e-12, atol=1e-12)

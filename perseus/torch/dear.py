@@ -177,7 +177,8 @@ class _DeAR(torch.optim.Optimizer):
                     units.append(by_module[key])
                 by_module[key].append(names[p])
             units = [u for u in units if u]
-            self._dear_layout = broadcast_object(units, root_rank=0, name=f"perseus.{self._dear_tag}.layout",
+            root = (getattr(self.process_set, "ranks", None) or [0])[0]  # the set's first rank
+            self._dear_layout = broadcast_object(units, root_rank=root, name=f"perseus.{self._dear_tag}.layout",
                                                  process_set=self.process_set)
         self._dear_regroup(self._dear_new_threshold or self._dear_threshold)
 

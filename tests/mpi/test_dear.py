@@ -297,6 +297,46 @@ def test_regroup_during_run(hvd):
     torch.testing.assert_close(flat(results[1]), flat(results[0]), rtol=1e-5, atol=1e-6)
 
 
+def test_broadcast_optimizer_state_and_process_set(hvd):
+    """broadcast_optimizer_state works on a DeAR optimizer; a process set of the last ranks trains alone."""
+    results = []
+    for schedule in ("default", "dear"):
+        torch.manual_seed(0)
+        model = Net()
+        opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                       named_parameters=model.named_parameters(), schedule=schedule)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        for step in range(3):
+            opt.zero_grad()
+            x, y = batch(hvd, step)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        opt.synchronize()
+        results.append(flat(model))
+    torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-6)
+    if hvd.size() < 3:
+        return
+    ps = hvd.add_process_set(list(range(1, hvd.size())))
+    try:
+        results = []
+        for schedule in ("default", "dear"):
+            torch.manual_seed(0)
+            model = Net()
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                           named_parameters=model.named_parameters(), schedule=schedule,
+                                           process_set=ps)
+            for step in range(3):
+                opt.zero_grad()
+                x, y = batch(hvd, step)
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+            opt.synchronize()
+            results.append(flat(model))
+        torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-6)
+    finally:
+        hvd.remove_process_set(ps)
+
+
 def test_mismatched_schedule_fails_on_every_rank(hvd):
     """Rank 0 uses DeAR, the others the default schedule: every rank raises instead of hanging."""
     if hvd.size() < 2:

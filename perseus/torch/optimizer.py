@@ -402,7 +402,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             communicating compressor such as ``Compression.topk(0.01)`` (docs/compression.md); those keep
             per-parameter state, so give each optimizer its own instance.
         backward_passes_per_step: backward passes accumulated locally before gradients are reduced.
-        op: ``Average`` (default) or ``Sum``.
+        op: ``Average`` (default), ``Sum``, or ``Adasum``: each rank runs the wrapped optimizer on each
+            parameter as soon as its gradient is ready and the ranks' updates (not gradients) are combined
+            by Adasum (perseus.torch.adasum_optimizer; docs/adasum.md).
         gradient_predivide_factor: divide gradients by this before summing and multiply after (Average only).
         num_groups: deprecated; use ``groups``.
         groups: an int (split the parameters into that many groups) or a list of lists of parameters; each
@@ -437,7 +439,15 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         if groups is None:
             groups = num_groups
     methods = dict(_DistributedOptimizer.__dict__)
-    if schedule == "dear":
+    if int(op) == int(ReduceOp.ADASUM):
+        if schedule == "dear":
+            raise NotImplementedError("DistributedOptimizer: schedule='dear' with op=Adasum is not supported; "
+                                      "use one of them")
+        from perseus.torch import adasum_optimizer
+
+        adasum_optimizer.check_arguments(compression, groups, sparse_as_dense, gradient_predivide_factor)
+        methods = adasum_optimizer.mixin()
+    elif schedule == "dear":
         from perseus.torch import dear
 
         dear.check_arguments(compression, groups)

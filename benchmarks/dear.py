@@ -5,8 +5,9 @@ Each method runs in its own mpirun job per round, the order rotating every round
 DistributedOptimizer (SGD with momentum) for --warmup steps, then times --windows windows of --steps
 consecutive steps each (no barrier between the steps of a window, so DeAR's all-gathers may overlap the next
 forward; the window ends after DeAR's last update is applied with finish()). A window's time per step is
-the slowest rank's. Reported: the median over every window of every round, and its ratio to the default
-schedule.
+the slowest rank's. Reported: the median over every window of every round, its ratio to the default
+schedule and to Horovod, the model's compute alone (forward + backward, no communication), and where a step's
+time goes (forward with DeAR's waits and updates, backward, the step() call; slowest rank, median of jobs).
 
 Methods: default (perseus, schedule="default"), dear (schedule="dear"; dear:BYTES sets its group
 threshold), horovod (Horovod 0.28.1 from --horovod-venv), and rsag: perseus all-reduce vs reduce-scatter +
@@ -98,16 +99,27 @@ def job(args) -> int:
         gen = torch.Generator().manual_seed(rank)
         data = [torch.randn(args.batch, args.width, generator=gen) for _ in range(2)]
 
+        phases = [0.0, 0.0, 0.0]  # forward (with DeAR's waits and updates), backward, step()
+
         def step(i):
+            t0 = time.perf_counter()
             opt.zero_grad()
-            model(data[i % 2]).square().mean().backward()
+            loss = model(data[i % 2]).square().mean()
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
             opt.step()
+            t3 = time.perf_counter()
+            phases[0] += t1 - t0
+            phases[1] += t2 - t1
+            phases[2] += t3 - t2
 
         for i in range(args.warmup):
             step(i)
         finish = getattr(opt, "finish", lambda: None)
         finish()
         windows = []
+        phases[:] = [0.0, 0.0, 0.0]
         for w in range(args.windows):
             comm.Barrier()
             t0 = time.perf_counter()
@@ -122,6 +134,8 @@ def job(args) -> int:
             ref(data[0]).square().mean().backward()
         row["compute_s"] = round(comm.allreduce((time.perf_counter() - t0) / 3, op=MPI.MAX), 4)
         row["step_s"] = [round(t, 4) for t in windows]
+        n = args.windows * args.steps
+        row["phases_s"] = [round(comm.allreduce(v / n, op=MPI.MAX), 4) for v in phases]
         if method == "dear" and hasattr(opt, "dear_groups"):
             row["groups"] = len(opt.dear_groups())
     if rank == 0:
@@ -162,12 +176,14 @@ def summarize(rows: list[dict], methods: list[str]) -> list[dict]:
         if ts:
             comp = [r["compute_s"] for r in rows if r["method"] == m]
             groups = [r["groups"] for r in rows if r["method"] == m and "groups" in r]
-            med[m] = (statistics.median(ts), statistics.median(comp), len(ts), groups[0] if groups else None)
+            ph = [statistics.median(r["phases_s"][k] for r in rows if r["method"] == m) for k in range(3)]
+            med[m] = (statistics.median(ts), statistics.median(comp), len(ts), groups[0] if groups else None, ph)
     base = med.get("default", (None,))[0]
     hvd = med.get("horovod", (None,))[0]
     return [{"method": m, "median_step_s": round(t, 4), "compute_s": round(c, 4), "windows": n, "groups": g,
+             "forward_s": round(ph[0], 4), "backward_s": round(ph[1], 4), "step_call_s": round(ph[2], 4),
              "vs_default": round(t / base, 3) if base else None, "vs_horovod": round(t / hvd, 3) if hvd else None}
-            for m, (t, c, n, g) in med.items()]
+            for m, (t, c, n, g, ph) in med.items()]
 
 
 def driver(args) -> int:
@@ -192,12 +208,14 @@ def driver(args) -> int:
     table = summarize(rows, methods)
     print(f"\n{args.hosts}, {args.ranks_per_host} rank(s) per host, MLP {args.layers} x {args.width}^2 "
           f"({args.layers * (args.width ** 2 + args.width) * 4 / 2 ** 20:.1f} MiB of gradients), batch {args.batch}")
-    print(f"{'method':<16} {'median s/step':>14} {'x default':>10} {'x horovod':>10} {'compute s':>10} {'groups':>7}")
+    print(f"{'method':<16} {'median s/step':>14} {'x default':>10} {'x horovod':>10} {'compute s':>10} "
+          f"{'fwd s':>7} {'bwd s':>7} {'step() s':>9} {'groups':>7}")
     for r in table:
         def f(v, fmt):
             return format(v, fmt) if v is not None else "-"
         print(f"{r['method']:<16} {r['median_step_s']:>14.4f} {f(r['vs_default'], '>10.3f')} "
-              f"{f(r['vs_horovod'], '>10.3f')} {r['compute_s']:>10.4f} {f(r['groups'], '>7')}")
+              f"{f(r['vs_horovod'], '>10.3f')} {r['compute_s']:>10.4f} {r['forward_s']:>7.4f} "
+              f"{r['backward_s']:>7.4f} {r['step_call_s']:>9.4f} {f(r['groups'], '>7')}")
     ratios = [x for r in rows if "rsag" in r for x in r["rsag"]]
     for label in ("model", "group"):
         sel = [x for x in ratios if x["size"] == label]

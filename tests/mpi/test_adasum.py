@@ -123,3 +123,59 @@ def test_tensorflow_allreduce(hvd):
     np.testing.assert_allclose(out.numpy(), reference(vs), rtol=1e-12, atol=1e-12)
     fn = tf.function(lambda x: htf.allreduce(x, op=htf.Adasum, name="ada.tf.fn"))
     np.testing.assert_allclose(fn(tf.constant(vs[hvd.rank()])).numpy(), reference(vs), rtol=1e-12, atol=1e-12)
+
+
+# -- DistributedOptimizer(op=Adasum): Adasum of each rank's local update ------------------------------------
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                                  lambda ps: torch.optim.Adam(ps, lr=0.05),
+                                  lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1)],
+                         ids=["sgd_momentum", "adam", "adamw"])
+@pytest.mark.parametrize("passes", [1, 2])
+def test_optimizer_combines_local_updates(hvd, make, passes):
+    n, rank = hvd.size(), hvd.rank()
+    torch.manual_seed(0)
+    init = [torch.randn(6, dtype=torch.float64), torch.randn(3, dtype=torch.float64)]
+    targets = [[torch.full((6,), float(r + 1), dtype=torch.float64), torch.arange(3.0, dtype=torch.float64) * r]
+               for r in range(n)]
+    params = [torch.nn.Parameter(t.clone()) for t in init]
+    opt = hvd.DistributedOptimizer(make(params), named_parameters=[("w", params[0]), ("b", params[1])],
+                                   op=hvd.Adasum, backward_passes_per_step=passes)
+    # every rank simulates every rank's local optimizer (its own state) and combines with the formula
+    sims = [[torch.nn.Parameter(t.clone()) for t in init] for _ in range(n)]
+    sim_opts = [make(s) for s in sims]
+    shared = [t.clone() for t in init]
+
+    def loss_of(ps, r, micro):
+        return sum(((p - t * (1 + 0.5 * micro)) ** 2).sum() for p, t in zip(ps, targets[r]))
+
+    for step in range(3):
+        opt.zero_grad()
+        for micro in range(passes):
+            loss_of(params, rank, micro).backward()
+        opt.step()
+        deltas = []
+        for r in range(n):
+            with torch.no_grad():
+                for s, v in zip(sims[r], shared):
+                    s.copy_(v)
+            sim_opts[r].zero_grad()
+            for micro in range(passes):
+                loss_of(sims[r], r, micro).backward()
+            sim_opts[r].step()
+            deltas.append([(s.detach() - v) for s, v in zip(sims[r], shared)])
+        for i in range(len(shared)):
+            combined = reference([d[i].numpy() for d in deltas])
+            shared[i] = shared[i] + torch.from_numpy(combined)
+        for p, v in zip(params, shared):
+            torch.testing.assert_close(p.detach(), v, rtol=1e-9, atol=1e-9)
+
+
+def test_optimizer_rejects_what_it_cannot_do(hvd):
+    p = torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(NotImplementedError, match="schedule='dear' with op=Adasum"):
+        hvd.DistributedOptimizer(torch.optim.SGD([p], lr=0.1), op=hvd.Adasum, schedule="dear")
+    with pytest.raises(NotImplementedError, match="groups"):
+        hvd.DistributedOptimizer(torch.optim.SGD([p], lr=0.1), op=hvd.Adasum, groups=1)
+    with pytest.raises(NotImplementedError, match="communicating compressor"):
+        hvd.DistributedOptimizer(torch.optim.SGD([p], lr=0.1), op=hvd.Adasum,
+                                 compression=hvd.Compression.topk(0.5))

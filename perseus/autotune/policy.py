@@ -41,7 +41,7 @@ import numpy as np
 
 from perseus.common.exceptions import PerseusInternalError
 
-__all__ = ["PolicyLink", "Follower", "attach", "WAIT_S"]
+__all__ = ["PolicyLink", "Follower", "Following", "attach", "WAIT_S"]
 
 #: how long a compressor waits for its own tuner to receive a proposal another rank has received
 WAIT_S = 30.0
@@ -163,6 +163,32 @@ def _max(name: str, process_set, posted: int, ended: bool) -> tuple[int, bool]:
         item = (name, _INT64, buf.shape, buf, buf, _MAX, -1, 1.0, 1.0, 0, None)
         engine.wait(engine.submit(ps_id, _ALLREDUCE, [item], None, buf))
     return int(buf[0]), bool(buf[1])
+
+
+class Following:
+    """A participant's hold on the job's tuner through link ``link`` ('sparse', 'dear'): registers with the
+    tuner on first use (anew when a later ``init()`` made a new tuner) and, at each call, runs the follower's
+    step-boundary agreement. Without a tuner, or when another participant holds the link, nothing happens."""
+
+    def __init__(self, link: str):
+        self.link = link
+        self._tuner = None  # weakref to the tuner registered with
+        self.follower: Optional[Follower] = None
+
+    def at_call(self, participant, key: str, process_set) -> Optional[int]:
+        """The setting index to use from this call on, or None to keep the one in force. Collective while
+        following (see :meth:`Follower.at_call`)."""
+        from perseus.common.basics import state
+
+        tuner = state()._tuner
+        if tuner is None:
+            return None
+        if self._tuner is None or self._tuner() is not tuner:
+            self._tuner = weakref.ref(tuner)
+            self.follower = getattr(tuner, self.link).register(participant)
+        if self.follower is None:
+            return None
+        return self.follower.at_call(key, process_set)
 
 
 def attach(compressor, link: str = "policy") -> tuple[Optional[Follower], bool]:

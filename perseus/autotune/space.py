@@ -9,7 +9,8 @@ overrides an explicit choice.
 The compressor policy (:data:`POLICY`) is a dimension only when an Espresso compressor takes part
 (:mod:`perseus.autotune.policy`); otherwise it has the one candidate 0 and is searched by no technique, so a
 job without one is tuned exactly as before. Likewise the sparse algorithm (:data:`SPARSE`): a dimension only
-when the job reduces sparse tensors with ``algorithm='auto'`` (:mod:`perseus.sparse.choice`).
+when the job reduces sparse tensors with ``algorithm='auto'`` (:mod:`perseus.sparse.choice`), and DeAR's
+fusion-group size (:data:`DEAR`): only when a ``DistributedOptimizer(schedule='dear')`` takes part.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import itertools
 import random
 from typing import Iterator, Sequence
 
-__all__ = ["ALGORITHMS", "COMPRESSION_POLICIES", "SPARSE_ALGORITHMS", "Config", "Space", "PARAMS", "POLICY",
-           "SPARSE", "ALL_PARAMS"]
+__all__ = ["ALGORITHMS", "COMPRESSION_POLICIES", "SPARSE_ALGORITHMS", "DEAR_THRESHOLDS", "Config", "Space",
+           "PARAMS", "POLICY", "SPARSE", "DEAR", "STEP_PARAMS", "ALL_PARAMS"]
 
 # Codes as in the engine (native/common.h Algorithm) and PERSEUS_ALLREDUCE_ALGORITHM.
 ALGORITHMS = ("auto", "mpi", "ring", "hierarchical")
@@ -34,8 +35,12 @@ POLICY = "compression_policy"
 SPARSE_ALGORITHMS = ("auto", "dense", "allgather", "zen", "alltoall")
 #: the sparse algorithm: not an engine parameter either; applied by the sparse path at a step boundary
 SPARSE = "sparse_algorithm"
+#: DeAR's fusion-group sizes in bytes (Config.dear_threshold indexes it)
+DEAR_THRESHOLDS = (256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
+#: DeAR's group size: applied by the DeAR optimizer at a step boundary
+DEAR = "dear_threshold"
 #: the dimensions applied at step boundaries, not through the TUNE request
-STEP_PARAMS = (POLICY, SPARSE)
+STEP_PARAMS = (POLICY, SPARSE, DEAR)
 ALL_PARAMS = PARAMS + STEP_PARAMS
 
 _KB, _MB = 1 << 10, 1 << 20
@@ -59,6 +64,8 @@ class Config:
     compression_policy: int = 0
     #: index into SPARSE_ALGORITHMS; 0 ('auto') when the job has no sparse 'auto' tensors
     sparse_algorithm: int = 0
+    #: index into DEAR_THRESHOLDS; 0 (and meaningless) when no DeAR optimizer takes part
+    dear_threshold: int = 0
 
     def values(self) -> tuple[int, int, int, int, int]:
         """The engine parameters (what a TUNE request carries)."""
@@ -66,8 +73,8 @@ class Config:
                 self.algorithm)
 
     def all_values(self) -> tuple[int, ...]:
-        """The engine parameters, then the compressor policy and the sparse algorithm."""
-        return self.values() + (self.compression_policy, self.sparse_algorithm)
+        """The engine parameters, then the step-aligned ones (STEP_PARAMS order)."""
+        return self.values() + tuple(getattr(self, n) for n in STEP_PARAMS)
 
     @property
     def policy_name(self) -> str:
@@ -77,13 +84,18 @@ class Config:
     def sparse_name(self) -> str:
         return SPARSE_ALGORITHMS[self.sparse_algorithm]
 
-    def describe(self, policy: bool = False, sparse: bool = False) -> str:
-        """One line for people; ``policy``, ``sparse``: also name the compressor policy, the sparse algorithm
-        (when they are tuned)."""
+    @property
+    def dear_bytes(self) -> int:
+        return DEAR_THRESHOLDS[self.dear_threshold]
+
+    def describe(self, policy: bool = False, sparse: bool = False, dear: bool = False) -> str:
+        """One line for people; ``policy``, ``sparse``, ``dear``: also name the compressor policy, the sparse
+        algorithm, DeAR's group size (when they are tuned)."""
         return (f"unit {self.fusion_threshold_bytes / _MB:g} MB, in-place from {self.inplace_threshold_bytes / _KB:g} KB, "
                 f"{self.channels} channel{'s' if self.channels != 1 else ''}, cycle {self.cycle_time_us / 1000:g} ms, "
                 f"{ALGORITHMS[self.algorithm]}" + (f", policy {self.policy_name}" if policy else "")
-                + (f", sparse {self.sparse_name}" if sparse else ""))
+                + (f", sparse {self.sparse_name}" if sparse else "")
+                + (f", DeAR groups {self.dear_bytes / _MB:g} MB" if dear else ""))
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -100,6 +112,7 @@ class Space:
     algorithm: tuple[int, ...]
     compression_policy: tuple[int, ...] = (0,)
     sparse_algorithm: tuple[int, ...] = (0,)
+    dear_threshold: tuple[int, ...] = (0,)
 
     @classmethod
     def build(cls, *, max_channels: int, multi_host: bool, fixed: dict | None = None,
@@ -116,6 +129,7 @@ class Space:
             "algorithm": algorithms,
             POLICY: tuple(range(len(COMPRESSION_POLICIES))) if policies else (0,),
             SPARSE: (0,),
+            DEAR: (0,),
         }
         for name, value in fixed.items():
             if name not in choices:
@@ -129,7 +143,11 @@ class Space:
 
     def with_sparse(self, algorithms) -> "Space":
         """This space with the sparse algorithm's candidates replaced (indexes into SPARSE_ALGORITHMS)."""
-        return dataclasses.replace(self, sparse_algorithm=tuple(int(a) for a in algorithms))
+        return self.with_choices(SPARSE, algorithms)
+
+    def with_choices(self, name: str, values) -> "Space":
+        """This space with parameter ``name``'s candidates replaced."""
+        return dataclasses.replace(self, **{name: tuple(int(v) for v in values)})
 
     def choices(self, name: str) -> tuple[int, ...]:
         return getattr(self, name)

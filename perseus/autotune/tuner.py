@@ -21,7 +21,9 @@ policy, which the compressor applies at a step boundary agreed on by every rank 
 request), and each sample skips one more step so that none of its measured steps ran under the old policy.
 The algorithm of the job's 'auto' sparse all-reduces (:mod:`perseus.sparse.choice`) is a dimension the same
 way, through a second link (``self.sparse``), when the job reduces sparse tensors with ``algorithm='auto'``
-before the search starts.
+before the search starts; so is the fusion-group size of a ``DistributedOptimizer(schedule='dear')``
+(``self.dear``; perseus.torch.dear). These step-aligned dimensions (space.STEP_PARAMS) share one mechanism:
+a link each, a flag each saying whether the search covers it (known on every rank from rank 0's word).
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ from perseus.autotune import cache as cachelib
 from perseus.autotune.log import TuneLog
 from perseus.autotune.policy import PolicyLink
 from perseus.autotune.search import Search
-from perseus.autotune.space import (ALGORITHMS, COMPRESSION_POLICIES, POLICY, SPARSE, SPARSE_ALGORITHMS, Config,
-                                    Space)
+from perseus.autotune.space import (ALGORITHMS, COMPRESSION_POLICIES, DEAR, DEAR_THRESHOLDS, POLICY, SPARSE,
+                                    SPARSE_ALGORITHMS, STEP_PARAMS, Config, Space)
 
 __all__ = ["Tuner", "tuned_fixed_params"]
 
@@ -82,6 +84,8 @@ def tuned_fixed_params(settings) -> dict:
         POLICY: (-1, False),
         # -1: likewise the sparse algorithm in force when the search starts (perseus.sparse.set_policy())
         SPARSE: (-1, False),
+        # -1: DeAR's group size in force (PERSEUS_DEAR_THRESHOLD_BYTES set explicitly keeps it)
+        DEAR: (-1, settings.is_explicit("dear_threshold_bytes")),
     }
     choice = settings.autotune_fixed.strip().lower()
     if choice == "explicit":
@@ -114,18 +118,17 @@ class Tuner:
         fixed = tuned_fixed_params(settings)
         # The compressor policy is kept when named in PERSEUS_AUTOTUNE_FIXED or, with 'explicit', when the
         # compressor's set_policy() was called before the search (decided at the start of the search).
-        self._policy_fixed = fixed.pop(POLICY, None) is not None
-        self._sparse_fixed = fixed.pop(SPARSE, None) is not None
+        self._fixed_step = {name: fixed.pop(name, None) is not None for name in STEP_PARAMS}
         self._policy_explicit_kept = settings.autotune_fixed.strip().lower() == "explicit"
         current = engine.params(0)
         self.space = Space.build(max_channels=int(current[5]), multi_host=multi_host, fixed=fixed)
         self.initial = Config(*current[:5])
-        #: the compressor whose policy the tuner may set, and the proposals this rank has posted to it
-        self.policy = PolicyLink()
-        self._policy_tuned = False  # the settings exchanged carry a compressor policy (known on every rank)
-        #: the sparse all-reduce path, when it follows the tuner (its algorithm switches at step boundaries)
-        self.sparse = PolicyLink("sparse")
-        self._sparse_tuned = False  # the settings exchanged carry a sparse algorithm (known on every rank)
+        #: per step-aligned dimension: the link to what follows it (the compressor whose policy the tuner may
+        #: set, the sparse all-reduce path, the DeAR optimizer) and the proposals this rank has posted to it
+        self.links = {POLICY: PolicyLink("policy"), SPARSE: PolicyLink("sparse"), DEAR: PolicyLink("dear")}
+        self.policy, self.sparse, self.dear = self.links[POLICY], self.links[SPARSE], self.links[DEAR]
+        #: whether the settings exchanged carry each of them (known on every rank)
+        self._tuned = {name: False for name in STEP_PARAMS}
         self.search: Optional[Search] = None
         self.log = TuneLog(settings.autotune_log) if rank == 0 and settings.autotune_log else None
         self.cache_path = cachelib.path(settings)
@@ -179,8 +182,8 @@ class Tuner:
     def _apply(self, config: Config, final: bool = False) -> None:
         # Posted first, on every rank: a compressor switches its policy at the first step boundary at which
         # any rank has posted it (perseus.autotune.policy); -1 leaves its policy alone.
-        self.policy.post(config.compression_policy if self._policy_tuned else -1, final)
-        self.sparse.post(config.sparse_algorithm if self._sparse_tuned else -1, final)
+        for name, link in self.links.items():
+            link.post(getattr(config, name) if self._tuned[name] else -1, final)
         self._wait(self.engine.tune(0, self._name("tune"), *config.values()))
 
     def _completed(self) -> int:
@@ -207,16 +210,15 @@ class Tuner:
             if not self._stop.is_set():
                 log.warning("perseus autotune stopped: %s; the job goes on with the setting in force", exc)
         finally:
-            self.policy.end()  # a compressor still following stops (at the same step on every rank)
-            self.sparse.end()
+            for link in self.links.values():
+                link.end()  # what still follows stops (at the same step on every rank)
 
     def _sample(self, config: Config) -> float:
         """Apply config, skip the step in progress, measure steps_per_sample steps; the slowest rank's median."""
         self._apply(config)
         # The step in progress when the switch happened is mixed. A compressor policy switches at a step
         # boundary after the proposal was posted: at the latest at the start of the step after next.
-        at_boundary = ((self._policy_tuned and not self.policy.done) or
-                       (self._sparse_tuned and not self.sparse.done))
+        at_boundary = any(self._tuned[n] and not self.links[n].done for n in STEP_PARAMS)
         self._step = self._completed() + (2 if at_boundary else 1)
         steps = self._wait_steps(self.steps_per_sample)
         local = float(np.median([s[0] for s in steps]))
@@ -224,33 +226,35 @@ class Tuner:
         return self._max(local)
 
     def _exchange(self, kind: int, technique: int = 0, config: Optional[Config] = None) -> tuple[int, int, Config]:
-        """Rank 0's word to every rank: kind, technique, the five engine values, the compressor policy and the
-        sparse algorithm (-1 when not tuned: then every rank's Config has 0 there and leaves that alone)."""
-        msg = np.zeros(9, np.int64)
+        """Rank 0's word to every rank: kind, technique, the five engine values and the step-aligned ones
+        (-1 where not tuned: then every rank's Config has 0 there and leaves that alone)."""
+        msg = np.zeros(7 + len(STEP_PARAMS), np.int64)
         if self.rank == 0:
             config = config or self.initial
             msg[0], msg[1] = kind, technique
             msg[2:7] = config.values()
-            msg[7] = config.compression_policy if self._policy_tuned else -1
-            msg[8] = config.sparse_algorithm if self._sparse_tuned else -1
+            for i, name in enumerate(STEP_PARAMS):
+                msg[7 + i] = getattr(config, name) if self._tuned[name] else -1
         self._broadcast(msg)
-        policy, sparse = int(msg[7]), int(msg[8])
-        self._policy_tuned, self._sparse_tuned = policy >= 0, sparse >= 0
-        return int(msg[0]), int(msg[1]), Config(*(int(v) for v in msg[2:7]), compression_policy=max(0, policy),
-                                                sparse_algorithm=max(0, sparse))
+        step_values = {}
+        for i, name in enumerate(STEP_PARAMS):
+            self._tuned[name] = int(msg[7 + i]) >= 0
+            step_values[name] = max(0, int(msg[7 + i]))
+        return int(msg[0]), int(msg[1]), Config(*(int(v) for v in msg[2:7]), **step_values)
 
     def _tune(self) -> None:
         self._wait_steps(self.warmup_steps + 1)  # first steps: negotiation of new names, allocations
         digest, step_bytes = self._last_signature()
         if self.rank == 0:
-            self._policy_tuned = self._policy_dimension()  # the other ranks learn it from the next exchange
-            self._sparse_tuned = self._sparse_dimension()
+            # the other ranks learn these from the next exchange
+            self._tuned[POLICY] = self._policy_dimension()
+            self._tuned[SPARSE] = self._sparse_dimension()
+            self._tuned[DEAR] = self._dear_dimension()
         # Rank 0 looks the job up in the cache and tells every rank whether to search, and from where.
         known = cachelib.lookup(self.cache_path, digest, self.topology, step_bytes) if self.rank == 0 else None
-        if known is not None and not self._policy_tuned:  # a remembered policy matters only when tuned
-            known = cachelib.Known(dataclasses.replace(known.config, compression_policy=0), known.exact)
-        if known is not None and not self._sparse_tuned:
-            known = cachelib.Known(dataclasses.replace(known.config, sparse_algorithm=0), known.exact)
+        for name in STEP_PARAMS:  # a remembered step-aligned value matters only when tuned
+            if known is not None and not self._tuned[name]:
+                known = cachelib.Known(dataclasses.replace(known.config, **{name: 0}), known.exact)
         exact = known is not None and known.exact and self.space.contains(known.config)
         kind, _, start = self._exchange(_FINAL if exact else _SAMPLE, 0,
                                         known.config if known is not None else self.initial)
@@ -260,7 +264,7 @@ class Tuner:
         else:
             if self.rank == 0 and known is not None:
                 print(f"perseus autotune: starting from the setting of a similar job: "
-                      f"{start.describe(self._policy_tuned, self._sparse_tuned)}", file=sys.stderr, flush=True)
+                      f"{start.describe(**self._shown())}", file=sys.stderr, flush=True)
             config = self._search(start, digest, step_bytes)
         while self.retune_drift > 0:
             self._watch()
@@ -350,7 +354,7 @@ class Tuner:
         compressor = self.policy.registered()
         if compressor is None:
             return False
-        if self._policy_fixed or (self._policy_explicit_kept and getattr(compressor, "policy_explicit", False)):
+        if self._fixed_step[POLICY] or (self._policy_explicit_kept and getattr(compressor, "policy_explicit", False)):
             print(f"perseus autotune: the compression policy stays {compressor.policy!r}", file=sys.stderr,
                   flush=True)
             return False
@@ -372,12 +376,29 @@ class Tuner:
 
         if self.sparse.registered() is None:
             return False
-        if self._sparse_fixed or (self._policy_explicit_kept and choice.policy_explicit()):
+        if self._fixed_step[SPARSE] or (self._policy_explicit_kept and choice.policy_explicit()):
             print(f"perseus autotune: the sparse algorithm stays {choice.policy() or 'auto'!r}", file=sys.stderr,
                   flush=True)
             return False
         self.space = self.space.with_sparse(range(len(SPARSE_ALGORITHMS)))
         self.initial = dataclasses.replace(self.initial, sparse_algorithm=choice.tuned_index())
+        return True
+
+    def _dear_dimension(self) -> bool:
+        """Rank 0, at the start of the first search: whether DeAR's group size is searched (a DeAR optimizer
+        has registered, and neither PERSEUS_AUTOTUNE_FIXED nor an explicit PERSEUS_DEAR_THRESHOLD_BYTES keeps
+        it); if so, the search starts from the candidate nearest to the optimizer's size."""
+        optimizer = self.dear.registered()
+        if optimizer is None:
+            return False
+        current = int(getattr(optimizer, "_dear_threshold", DEAR_THRESHOLDS[2]))
+        if self._fixed_step[DEAR]:
+            print(f"perseus autotune: DeAR's group size stays {current / (1 << 20):g} MB", file=sys.stderr,
+                  flush=True)
+            return False
+        self.space = self.space.with_choices(DEAR, range(len(DEAR_THRESHOLDS)))
+        nearest = min(range(len(DEAR_THRESHOLDS)), key=lambda i: (abs(DEAR_THRESHOLDS[i] - current), i))
+        self.initial = dataclasses.replace(self.initial, dear_threshold=nearest)
         return True
 
     def _await_decision(self, compressor) -> bool:
@@ -408,23 +429,34 @@ class Tuner:
     def _finish(self, config: Config, reason: str) -> None:
         self._apply(config, final=True)
         self.result = config
-        if self._policy_tuned:  # a later search (re-tuning) keeps the policy: the compressor follows no more
-            self.space = self.space.with_policies((config.compression_policy,))
-        if self._sparse_tuned:  # likewise the sparse algorithm
-            self.space = self.space.with_sparse((config.sparse_algorithm,))
+        for name in STEP_PARAMS:  # a later search (re-tuning) keeps them: what followed follows no more
+            if self._tuned[name]:
+                self.space = self.space.with_choices(name, (getattr(config, name),))
         if self.rank == 0:
-            line = f"perseus autotune: done ({reason}): {config.describe(self._policy_tuned, self._sparse_tuned)}"
+            line = f"perseus autotune: done ({reason}): {config.describe(**self._shown())}"
             print(line, file=sys.stderr, flush=True)
             if self.log is not None:
                 self.log.close()
 
+    def _shown(self) -> dict:
+        """describe()'s flags: the step-aligned dimensions the search covers."""
+        return {"policy": self._tuned[POLICY], "sparse": self._tuned[SPARSE], "dear": self._tuned[DEAR]}
+
+    @property
+    def _policy_tuned(self) -> bool:
+        return self._tuned[POLICY]
+
+    @property
+    def _sparse_tuned(self) -> bool:
+        return self._tuned[SPARSE]
+
     def _report(self, technique: str, config: Config, cost: float, improved: bool, label: str = "") -> None:
         best, best_cost = self.search.best()
         what = label or f"sample {self.samples}"
-        print(f"perseus autotune: {what} [{technique}] {config.describe(self._policy_tuned, self._sparse_tuned)}: "
+        print(f"perseus autotune: {what} [{technique}] {config.describe(**self._shown())}: "
               f"{cost * 1e3:.1f} ms/step{' (new best)' if improved else ''}; best {best_cost * 1e3:.1f} ms",
               file=sys.stderr, flush=True)
         if self.log is not None:
             self.log.row(sample=self.samples, step=self._step, technique=technique, config=config, cost=cost,
-                         best_cost=best_cost, steps=self._last_steps, policy=self._policy_tuned,
-                         sparse=self._sparse_tuned)
+                         best_cost=best_cost, steps=self._last_steps, policy=self._tuned[POLICY],
+                         sparse=self._tuned[SPARSE], dear=self._tuned[DEAR])

@@ -231,10 +231,10 @@ def policy() -> Optional[str]:
 def _forget_tuned() -> None:
     """A new job (init after shutdown): an algorithm the tuner forced belonged to the old job; one the program
     set stays."""
-    global _policy, _tuner_link
+    global _policy, _following
     if not _policy_explicit:
         _policy = None
-    _tuner_link = None
+    _following = None
 
 
 def policy_explicit() -> bool:
@@ -247,7 +247,7 @@ class _SparsePath:
 
 
 _PARTICIPANT = _SparsePath()
-_tuner_link: Optional[tuple] = None  # (weakref to the tuner, its follower for this path or None)
+_following = None  # perseus.autotune.policy.Following('sparse'), made at first use
 
 
 def follow_tuner(key: str, process_set) -> None:
@@ -256,22 +256,15 @@ def follow_tuner(key: str, process_set) -> None:
     while the tuner may still switch), then the algorithm the tuner chose for this step on every rank
     (:func:`set_policy`). Without a tuner: nothing. Collective while following (every rank calls it at the
     same calls, which the identical sequence of sparse all-reduces gives)."""
-    import weakref
+    global _following
+    if _following is None:
+        from perseus.autotune.policy import Following
 
-    from perseus.autotune.space import SPARSE_ALGORITHMS
-    from perseus.common.basics import state
-
-    global _tuner_link
-    tuner = state()._tuner
-    if tuner is None:
-        return
-    if _tuner_link is None or _tuner_link[0]() is not tuner:
-        _tuner_link = (weakref.ref(tuner), tuner.sparse.register(_PARTICIPANT))
-    follower = _tuner_link[1]
-    if follower is None:
-        return
-    code = follower.at_call(key, process_set)
+        _following = Following("sparse")
+    code = _following.at_call(_PARTICIPANT, key, process_set)
     if code is not None:
+        from perseus.autotune.space import SPARSE_ALGORITHMS
+
         set_policy(None if code == 0 else SPARSE_ALGORITHMS[code], _by_tuner=True)
 
 

@@ -31,6 +31,7 @@ from perseus.common import collectives as _c
 from perseus.common.api import _basics
 from perseus.common.exceptions import HorovodInternalError
 from perseus.common.knobs import read_knob
+from perseus.common.process_sets import global_process_set
 from perseus.common.reduce_ops import Max, Sum
 from perseus.torch.mpi_ops import _dtype, _np, allreduce_async, size, synchronize
 from perseus.torch.optimizer import _DistributedOptimizer
@@ -361,7 +362,25 @@ class _DeAR(torch.optim.Optimizer):
         self._dear_pending = True
         if self._dear_groups and self._dear_groups[0].trigger is None:  # no module seen: update now
             self._dear_apply_upto(len(self._dear_groups) - 1)
+        self._dear_follow_tuner()
         return None
+
+    def _dear_follow_tuner(self):
+        """Under the autotuner (global process set): the group size is a search dimension
+        (perseus.autotune.policy, link 'dear'); while the tuner may change it, each step ends with one small
+        all-reduce so that every rank takes the same size from the same backward on. Collective."""
+        if self.process_set is not global_process_set:
+            return
+        following = self.__dict__.get("_dear_following")
+        if following is None:
+            from perseus.autotune.policy import Following
+
+            following = self._dear_following = Following("dear")
+        code = following.at_call(self, "dear.step", self.process_set)
+        if code is not None:
+            from perseus.autotune.space import DEAR_THRESHOLDS
+
+            self.set_dear_threshold(DEAR_THRESHOLDS[code])
 
     def synchronize(self):
         """Apply every pending update; then, if a backward ran since the last ``step()``, finish its

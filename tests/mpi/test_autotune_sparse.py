@@ -74,7 +74,7 @@ def _train_until_tuned(hvd, model, max_steps=400):
         if hvd.rank() % 2 == 1:
             time.sleep(rng.uniform(0, 0.004))  # this rank is slower, irregularly
         opt.step()
-        follower = choice._tuner_link[1] if choice._tuner_link is not None else None
+        follower = choice._following.follower if choice._following is not None else None
         record.append((stats("grad.emb.weight").algorithm, None if follower is None else follower.finished))
         steps += 1
         assert steps < max_steps, "the tuner did not finish within its budget"

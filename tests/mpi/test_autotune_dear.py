@@ -1,0 +1,118 @@
+"""DeAR's fusion-group size as a dimension of the run-time tuner, in a real job: the tuner tries more than one
+size, every rank regroups at the same step (identical groups at every step, ranks timed differently),
+training stays identical on every rank and equal to the default schedule's, and an explicit
+PERSEUS_DEAR_THRESHOLD_BYTES is kept."""
+
+import os
+import random
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+pytest.importorskip("optuna")
+
+pytestmark = pytest.mark.timeout(280)
+
+ENGINE_PARAMS = "fusion_threshold_bytes,inplace_threshold_bytes,channels,cycle_time_us,algorithm"
+
+
+def _restart(hvd, env):
+    hvd.shutdown()
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    hvd.init()
+
+
+def _env(**extra):
+    env = {"PERSEUS_AUTOTUNE": "1", "PERSEUS_AUTOTUNE_BUDGET_STEPS": "30", "PERSEUS_AUTOTUNE_STEPS_PER_SAMPLE": "2",
+           "PERSEUS_AUTOTUNE_WARMUP_SAMPLES": "0", "PERSEUS_CACHE_DIR": "/proc/perseus-test-no-cache",
+           "PERSEUS_AUTOTUNE_FIXED": ENGINE_PARAMS, "PERSEUS_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": None,
+           "PERSEUS_AUTOTUNE_RETUNE_DRIFT": None, "PERSEUS_DEAR_THRESHOLD_BYTES": None}
+    env.update(extra)
+    return env
+
+
+def model():
+    torch.manual_seed(0)
+    # layers of 1 MB and more, so that the candidate sizes (256 KB ... 64 MB) group them differently
+    return nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 1024),
+                         nn.ReLU(), nn.Linear(1024, 4))
+
+
+def _train(hvd, net, schedule, steps=None, max_steps=400):
+    from perseus.common.basics import state
+
+    tuner = state()._tuner
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9),
+                                   named_parameters=net.named_parameters(), schedule=schedule)
+    g = torch.Generator().manual_seed(100 + hvd.rank())
+    rng = random.Random(hvd.rank())
+    record, n, extra = [], 0, None
+    while (steps is not None and n < steps) or (steps is None and (extra is None or extra > 0)):
+        if steps is None:
+            if extra is None:
+                done = hvd.allreduce(torch.tensor([1.0 if tuner.done else 0.0]), name="dear.tuned", op=hvd.Min)
+                if done.item() == 1.0 and n >= 5:
+                    extra = 3
+            else:
+                extra -= 1
+        x = torch.randn(8, 512, generator=g)
+        opt.zero_grad()
+        net(x).square().mean().backward()
+        if hvd.rank() % 2 == 1:
+            time.sleep(rng.uniform(0, 0.004))
+        opt.step()
+        if schedule == "dear":
+            following = opt.__dict__.get("_dear_following")
+            follower = following.follower if following is not None else None
+            record.append((len(opt.dear_groups()), opt._dear_threshold,
+                           None if follower is None else follower.finished))
+        n += 1
+        assert n < max_steps, "the tuner did not finish within its budget"
+    opt.synchronize()  # the last deferred update
+    return tuner, record, n
+
+
+def _flat(net):
+    return torch.cat([p.detach().flatten() for p in net.parameters()])
+
+
+def test_dear_group_size_is_searched_and_switches_at_the_same_step(hvd):
+    env = _env()
+    old = {k: os.environ.get(k) for k in env}
+    try:
+        _restart(hvd, env)
+        net = model()
+        tuner, record, steps = _train(hvd, net, "dear")
+        assert tuner._tuned["dear_threshold"]
+        assert len({r[1] for r in record}) > 1, f"the search tried one group size only: {record}"
+        everyone = hvd.allgather_object((record, tuner.result))
+        assert all(e == everyone[0] for e in everyone), "ranks regrouped at different steps"
+        assert record[-1][2] is True and record[-1][1] == tuner.result.dear_bytes
+        params = hvd.allgather(_flat(net).unsqueeze(0), name="dear.tuned.params")
+        for r in range(hvd.size()):
+            torch.testing.assert_close(params[r], params[0], rtol=0, atol=0)
+        # the same steps with the default schedule (no tuner): the same parameters
+        _restart(hvd, {"PERSEUS_AUTOTUNE": None})
+        ref = model()
+        _train(hvd, ref, "default", steps=steps)
+        torch.testing.assert_close(_flat(net), _flat(ref), rtol=1e-5, atol=1e-6)
+    finally:
+        _restart(hvd, old)
+
+
+def test_explicit_threshold_is_kept(hvd):
+    env = _env(PERSEUS_DEAR_THRESHOLD_BYTES=str(1 << 20), PERSEUS_AUTOTUNE_FIXED="explicit",
+               PERSEUS_AUTOTUNE_BUDGET_STEPS="8")
+    old = {k: os.environ.get(k) for k in env}
+    try:
+        _restart(hvd, env)
+        tuner, record, _ = _train(hvd, model(), "dear")
+        assert not tuner._tuned["dear_threshold"] and {r[1] for r in record} == {1 << 20}
+    finally:
+        _restart(hvd, old)

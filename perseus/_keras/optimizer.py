@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from perseus.common import guard as _guard
 from perseus.common.process_sets import global_process_set
 from perseus.common.reduce_ops import Average, ReduceOp, Sum
 from perseus._keras.aggregation import LocalGradientAggregationHelper, is_model_parallel, var_key
@@ -224,6 +225,7 @@ def create_distributed_optimizer(optimizer, name=None, device_dense='', device_s
     The result is built from ``optimizer.get_config()`` (its slot variables are not copied, as in Horovod).
     Raises ValueError for an op other than Average/Sum, or ``gradient_predivide_factor`` with Sum.
     """
+    _guard.refuse("the Keras DistributedOptimizer")
     from perseus.tensorflow.compression import Compression
     op = check_keras_op(op)
     if gradient_predivide_factor != 1.0 and op != Average:

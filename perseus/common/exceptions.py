@@ -8,6 +8,7 @@ __all__ = [
     "PerseusVersionMismatchError",
     "StallError",
     "MismatchError",
+    "NonFiniteGradientError",
 ]
 
 
@@ -34,6 +35,11 @@ class HostsUpdatedInterrupt(RuntimeError):
     def __init__(self, skip_sync):
         super().__init__()
         self.skip_sync = skip_sync
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A gradient held NaN or Inf before it was reduced (PERSEUS_NONFINITE_GRADIENTS=raise). Raised on every
+    rank of the process set at the same step, naming the tensors and the ranks."""
 
 
 class HorovodVersionMismatchError(ImportError):

@@ -263,6 +263,13 @@ KNOBS: tuple[Knob, ...] = (
              "machine once per size class), 'exact' (NumPy introselect), 'torch' (torch.topk), 'mstopk' "
              "(threshold bisection, approximate) or 'dgc' (sampled threshold, then exact). "
              "See docs/compression.md."),
+    Knob("nonfinite_gradients", ("PERSEUS_NONFINITE_GRADIENTS",), str, "off",
+         choices=("off", "raise", "skip"),
+         doc="Check each gradient for NaN/Inf on its own rank before it is reduced (torch DistributedOptimizer): "
+             "'raise' fails every rank at the same step with NonFiniteGradientError naming the tensors and the "
+             "ranks, 'skip' skips that optimizer step on every rank (a warning names them), 'off' checks "
+             "nothing. Costs one pass over each gradient and one small all-reduce per step when on. See "
+             "docs/troubleshooting.md."),
     Knob("dear_threshold_bytes", ("PERSEUS_DEAR_THRESHOLD_BYTES",), int, 4 << 20, unit="bytes",
          doc="Largest fusion group of DistributedOptimizer(schedule='dear'): consecutive modules, in forward "
              "order, are grouped up to this many gradient bytes (a module larger than this is a group of its "

@@ -24,6 +24,7 @@ from collections import defaultdict
 import mxnet as mx
 import numpy as np
 
+from perseus.common import guard as _guard
 from perseus.common.process_sets import global_process_set
 from perseus.common.reduce_ops import Average
 from perseus.common.util import split_list
@@ -131,6 +132,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
 
     def __init__(self, optimizer, gradient_predivide_factor=1.0, num_groups=0, process_set=global_process_set,
                  compression=None):
+        _guard.refuse("the MXNet DistributedOptimizer")
         if not isinstance(optimizer, mx.optimizer.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps an mx.optimizer.Optimizer, got {type(optimizer).__name__}")
         object.__setattr__(self, "_optimizer", optimizer)
@@ -245,6 +247,7 @@ class DistributedTrainer(mx.gluon.Trainer):
 
     def __init__(self, params, optimizer, optimizer_params=None, compression=Compression.none,
                  gradient_predivide_factor=1.0, prefix=None, num_groups=0, process_set=global_process_set):
+        _guard.refuse("the MXNet DistributedTrainer")
         if prefix is not None and not isinstance(prefix, str):
             raise ValueError(f"DistributedTrainer: prefix must be a string, got {type(prefix).__name__}")
         if isinstance(optimizer, DistributedOptimizer):

@@ -16,6 +16,7 @@ import warnings
 
 import tensorflow as tf
 
+from perseus.common import guard as _guard
 from perseus.common.process_sets import global_process_set
 from perseus.common.reduce_ops import Average, ReduceOp
 from perseus.compression import Reducer
@@ -177,6 +178,7 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compres
     starts without residuals). With one, tf.IndexedSlices gradients are densified, and the reduction is not
     differentiable.
     """
+    _guard.refuse("DistributedGradientTape")
     op = ReduceOp(op)
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")

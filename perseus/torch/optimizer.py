@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
+from perseus.common import guard as _guard
 from perseus.common.api import _basics
 from perseus.compression import Pending, Reducer
 from perseus.common.partition import split_list
@@ -93,6 +94,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._groups = groups
         self._group_of: dict = {}
         self._group_ready: dict = {}
+        #: PERSEUS_NONFINITE_GRADIENTS: each gradient checked as it is submitted, the verdict after the step's
+        #: reduction (perseus.common.guard); None when off
+        self._guard = _guard.for_optimizer(process_set)
+        self._skip_step = False
         # An elastic job may grow from one rank, so its hooks are needed even at size 1.
         if self.process_set.included() and (size() > 1 or _basics.settings.elastic):
             self._register_hooks()
@@ -162,6 +167,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             p.grad = torch.zeros_like(p)
         name = f"grad.{self._parameter_names.get(p)}"
         grad, sparse = p.grad, p.grad.is_sparse
+        if self._guard is not None:
+            self._check_finite(name, grad._values() if sparse else grad)
         if sparse:
             if not self.sparse_as_dense:
                 return sparse_allreduce_async(grad, name=name, op=self.op, process_set=self.process_set,
@@ -179,12 +186,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                   postscale_factor=post, process_set=self.process_set)
         return handle, (ctx, sparse)
 
+    def _check_finite(self, name, grad):
+        """The guard's local check; in 'skip' mode a non-finite gradient is zeroed before it is sent, so that
+        nothing (a compressor's error feedback included) keeps its NaN once the step is skipped."""
+        finite = bool(torch.isfinite(grad).all())
+        self._guard.note(name, finite)
+        if not finite and self._guard.mode == "skip":
+            grad.zero_()
+
     def _grouped_allreduce_async(self, group):
         grads = []
         for p in group:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad.to_dense() if p.grad.is_sparse else p.grad)
+            if self._guard is not None:
+                self._check_finite(f"grad.{self._parameter_names.get(p)}", grads[-1])
         pre, post = self._scales()
         if isinstance(self._compression, Reducer):
             grads = [g.contiguous() for g in grads]
@@ -246,6 +263,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._set_grad(p, self._compression.decompress(synchronize(handle), c), sparse)
         self._handles.clear()
         self._synchronized = True
+        if self._guard is not None and not self._guard.verdict():
+            self._skip_step = True  # PERSEUS_NONFINITE_GRADIENTS=skip: the next step() does nothing
 
     @staticmethod
     def _set_grad(p, value, sparse=False):
@@ -299,6 +318,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               "optimizer.synchronize() in your code.")
             self.synchronize()
         self._synchronized = self._presynchronized = False
+        if self._skip_step:  # non-finite gradients on some rank (every rank skips this step)
+            self._skip_step = False
+            return None
         return super(self.__class__, self).step(closure)
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
@@ -316,6 +338,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
 
     def _step_with_closure(self, closure):
+        if self._guard is not None and self._guard.mode == "skip":
+            raise NotImplementedError("PERSEUS_NONFINITE_GRADIENTS=skip does not apply to step(closure); use "
+                                      "'raise' (the closure's gradients are checked) or step() without a closure")
         """``step(closure)`` across ranks: see :meth:`step`."""
         if self._handles:  # a backward pass made before step(): finish its reductions before the closure runs
             self.synchronize()
@@ -445,9 +470,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                                       "use one of them")
         from perseus.torch import adasum_optimizer
 
+        _guard.refuse("DistributedOptimizer(op=Adasum)")
         adasum_optimizer.check_arguments(compression, groups, sparse_as_dense, gradient_predivide_factor)
         methods = adasum_optimizer.mixin()
     elif schedule == "dear":
+        _guard.refuse("DistributedOptimizer(schedule='dear')")
         from perseus.torch import dear
 
         dear.check_arguments(compression, groups)

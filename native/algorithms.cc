@@ -79,6 +79,30 @@ void ring_reduce_scatter(const Path& path, void* buf, const std::vector<size_t>&
   }
 }
 
+void ring_reduce_scatter_to(const Path& path, const void* src, void* out, const std::vector<size_t>& counts,
+                            DType dt, ReduceOp op, Scratch& scratch) {
+  const int n = path.size(), r = path.rank();
+  auto displs = displacements(counts);
+  const size_t item = itemsize(dt);
+  if (n == 1) {
+    copy_bytes(out, at(src, displs[0], dt), counts[0] * item);
+    return;
+  }
+  const int right = (r + 1) % n, left = (r - 1 + n) % n;
+  const size_t max_count = *std::max_element(counts.begin(), counts.end());
+  uint8_t* tmp = scratch.get(max_count * item, 0);
+  uint8_t* acc = scratch.get(max_count * item, 2);
+  // Step k sends the partial sum of segment r-k-1 (this rank's own values at k = 0) and receives that of
+  // segment r-k-2, adding this rank's values to it; the last step's segment is r itself. Only the partial
+  // sum just computed is live, so one accumulator suffices: it is sent before it is overwritten.
+  for (int step = 0; step < n - 1; ++step) {
+    const int s = ((r - step - 1) % n + n) % n, q = ((r - step - 2) % n + n) % n;
+    const void* outgoing = step == 0 ? at(src, displs[s], dt) : acc;
+    path.sendrecv(outgoing, counts[s] * item, right, tmp, counts[q] * item, left);
+    combine(at(src, displs[q], dt), tmp, step == n - 2 ? out : acc, counts[q], dt, op);
+  }
+}
+
 void ring_allgather(const Path& path, void* buf, const std::vector<size_t>& counts, DType dt) {
   const int n = path.size(), r = path.rank();
   auto displs = displacements(counts);

@@ -57,6 +57,11 @@ std::vector<size_t> even_counts(size_t total, int parts);
 // their offset) of buf. src (or buf when null) is this rank's input.
 void ring_reduce_scatter(const Path& path, void* buf, const std::vector<size_t>& counts, DType dt, ReduceOp op,
                          const void* src, Scratch& scratch);
+// The same reduction without a whole-size result buffer: this rank's reduced segment (counts[rank]
+// elements) goes to out; src holds every segment and is only read. Partial sums live in two segment-sized
+// scratch slots (0 and 2), so out may be as small as this rank's segment.
+void ring_reduce_scatter_to(const Path& path, const void* src, void* out, const std::vector<size_t>& counts,
+                            DType dt, ReduceOp op, Scratch& scratch);
 // Each rank's segment r of buf reaches every rank.
 void ring_allgather(const Path& path, void* buf, const std::vector<size_t>& counts, DType dt);
 // recv = reduction of every rank's send (recv itself when send is null), times postscale.

@@ -136,7 +136,7 @@ void Channel::execute(Unit* u) {
   }
   switch (u->op_type) {
     case OpType::ALLREDUCE: allreduce(u); break;
-    case OpType::ALLGATHER: allgather(u->pieces[0].request); break;
+    case OpType::ALLGATHER: allgather(u); break;
     case OpType::BROADCAST: broadcast(u->pieces[0].request); break;
     case OpType::ALLTOALL: alltoall(u->pieces[0].request); break;
     case OpType::REDUCESCATTER: reducescatter(u); break;
@@ -226,8 +226,23 @@ void Channel::allreduce_buffer(const void* send, void* recv, size_t count, DType
   }
 }
 
-// -- other collectives ---------------------------------------------------------------------------------
-void Channel::allgather(Request* r) {
+// -- reduce-scatter and allgather ------------------------------------------------------------------------
+// The same choice as allreduce's, by the bytes the collective moves: `auto` runs a large one as our ring
+// (over the channel's links across hosts, over the Comm's messages inside one) and a small one as MPI's; a
+// forced ring runs every size as a ring, forced mpi none. There is no hierarchical reduce-scatter: a
+// hierarchical choice runs the flat ring (HOROVOD_HIERARCHICAL_ALLGATHER still picks the hierarchical
+// allgather, see allgather()).
+bool Channel::use_ring(Algorithm a, size_t bytes) const {
+  if (comm_->size() == 1 || bytes == 0) return false;
+  switch (a) {
+    case Algorithm::AUTO: return bytes >= kRingMinBytes;
+    case Algorithm::RING: case Algorithm::HIERARCHICAL: return true;
+    default: return false;
+  }
+}
+
+void Channel::allgather(Unit* u) {
+  Request* r = u->pieces[0].request;
   const int n = comm_->size();
   const int64_t rows = r->shape.empty() ? 1 : r->shape[0];
   std::vector<int64_t> all(n);
@@ -242,16 +257,23 @@ void Channel::allgather(Request* r) {
   r->result_shape[0] = total_rows;
   r->result_bytes = static_cast<size_t>(total_rows * row) * itemsize(r->sig.dtype);
   r->result.reset(new uint8_t[std::max<size_t>(r->result_bytes, 1)]);
+  const int me = comm_->rank();
+  // The hierarchical allgather where asked for (HOROVOD_HIERARCHICAL_ALLGATHER, whatever the algorithm) and
+  // possible (the same number, >1, of ranks on every host).
   if (config_.hierarchical_allgather && local_ != nullptr) {
-    const int me = comm_->rank();
     hierarchical_allgatherv(*local_, config_.layout->local_rank[me] == 0 ? cross_.get() : nullptr,
                             *config_.layout, me, r->input, r->result.get(), counts, r->sig.dtype, scratch_);
+  } else if (use_ring(u->algorithm, r->result_bytes)) {
+    const size_t start = std::accumulate(counts.begin(), counts.begin() + me, size_t(0));
+    copy_bytes(at(r->result.get(), start, r->sig.dtype), r->input, counts[me] * itemsize(r->sig.dtype));
+    ring_allgather(Path{comm_.get(), links_.get()}, r->result.get(), counts, r->sig.dtype);
   } else {
     comm_->allgatherv(r->input, r->result.get(), counts, r->sig.dtype);
   }
   r->received_splits = std::move(all);
 }
 
+// -- other collectives ---------------------------------------------------------------------------------
 void Channel::broadcast(Request* r) {
   const int root = r->sig.root_rank;
   if (comm_->rank() == root && r->input != nullptr && r->input != r->output)
@@ -297,7 +319,10 @@ void Channel::reducescatter(Unit* u) {
     src = scaled;
   }
   ReduceOp op = u->reduce_op == ReduceOp::AVERAGE ? ReduceOp::SUM : u->reduce_op;
-  comm_->reduce_scatter(src, r->output, counts, dt, op);
+  if (use_ring(u->algorithm, total * itemsize(dt)))
+    ring_reduce_scatter_to(Path{comm_.get(), links_.get()}, src, r->output, counts, dt, op, scratch_);
+  else
+    comm_->reduce_scatter(src, r->output, counts, dt, op);
   if (u->postscale != 1.0) scale_into(r->output, r->output, counts[comm_->rank()], dt, u->postscale);
 }
 

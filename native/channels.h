@@ -63,7 +63,8 @@ class Channel {
   void allreduce(Unit* u);
   void allreduce_buffer(const void* send, void* recv, size_t count, DType dtype, ReduceOp op, double postscale,
                         Algorithm algorithm);
-  void allgather(Request* r);
+  bool use_ring(Algorithm a, size_t bytes) const;  // reduce-scatter and allgather: ring or MPI
+  void allgather(Unit* u);
   void broadcast(Request* r);
   void alltoall(Request* r);
   void reducescatter(Unit* u);

@@ -1,5 +1,7 @@
 """Every collective, every dtype, sync/async/in-place/grouped, against references built from all ranks' inputs."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -225,6 +227,53 @@ def test_grouped_reducescatter(hvd):
     outs = hvd.grouped_reducescatter([a[rank], b[rank]], op=hvd.Sum, name="grs")
     check(outs[0], reduce_ref(a, hvd.Sum, hvd)[rank * 3:(rank + 1) * 3], "float32")
     check(outs[1], reduce_ref(b, hvd.Sum, hvd)[rank:rank + 1], "float64")
+
+
+def _restart(hvd, env):
+    hvd.shutdown()
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    hvd.init()
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "mpi", "auto"])
+def test_large_reducescatter_and_allgather_with_each_algorithm(hvd, algorithm):
+    # Above the ring's threshold (64 kB) reduce-scatter and allgather run as our rings (ring, auto) or as
+    # MPI's (mpi); uneven first dimensions (earlier ranks get a row more; one rank gathers no rows), scale
+    # factors and Average. Small integers: sums are exact whatever order the ring combines ranks in.
+    old = {"PERSEUS_ALLREDUCE_ALGORITHM": os.environ.get("PERSEUS_ALLREDUCE_ALGORITHM")}
+    try:
+        _restart(hvd, {"PERSEUS_ALLREDUCE_ALGORITHM": algorithm})
+        from perseus.common.basics import state
+
+        assert state().engine.params(0)[4] == {"auto": 0, "mpi": 1, "ring": 2}[algorithm]
+        size, rank = hvd.size(), hvd.rank()
+        for dtype in ("float32", "bfloat16", "int64", "float64"):
+            for op, pre, post in (("Sum", 1.0, 1.0), ("Average", 1.0, 1.0), ("Max", 1.0, 1.0), ("Sum", 2.0, 0.5)):
+                op_v = getattr(hvd, op)
+                for rows in (4096 * size + 1, size - 1 if size > 1 else 0, 3 * size + 2):
+                    inputs = all_inputs(hvd, (rows, 5), dtype, seed=80 + rows)
+                    out = hvd.reducescatter(inputs[rank], op=op_v, name=f"rs.big.{dtype}.{op}.{pre}.{rows}",
+                                            prescale_factor=pre, postscale_factor=post)
+                    ref = reduce_ref(inputs, op_v, hvd) * (pre * post)
+                    if op == "Average" and dtype.startswith("int"):
+                        ref = torch.trunc(ref)
+                    base, extra = divmod(rows, size)
+                    counts = [base + (1 if r < extra else 0) for r in range(size)]
+                    start = sum(counts[:rank])
+                    assert out.shape == (counts[rank], 5)
+                    check(out, ref[start:start + counts[rank]], dtype)
+            rows = [3000 * (r + 1) + r for r in range(size)]
+            if size > 1:
+                rows[1] = 0
+            inputs = [tensor(r, (rows[r], 6), dtype, seed=90) for r in range(size)]
+            out = hvd.allgather(inputs[rank], name=f"ag.big.{dtype}")
+            assert torch.equal(out, torch.cat(inputs))
+    finally:
+        _restart(hvd, old)
 
 
 def test_adasum_reducescatter_not_implemented(hvd):

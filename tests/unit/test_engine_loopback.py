@@ -1031,6 +1031,101 @@ def test_allgather_across_hosts(make_sim, hierarchical, hosts):
             assert splits.tolist() == [x.shape[0] for x in d]
 
 
+RS_LAYOUTS = [[0], [0, 0], [0, 0, 0]] + HOST_LAYOUTS  # one host (1-3 ranks), then across hosts
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "ring", "hierarchical", "mpi"])
+@pytest.mark.parametrize("hosts", RS_LAYOUTS, ids=lambda h: "".join(map(str, h)))
+def test_reducescatter_and_allgather_across_hosts_and_layouts(make_sim, algorithm, hosts):
+    # Reduce-scatter and allgather take the allreduce's algorithm: above 64 kB `auto` runs them as rings
+    # (over the links across hosts), a forced ring runs every size as one. Uneven first dimensions (the
+    # first ranks get a row more; some ranks gather no rows), every op and scale, small integers (the ring
+    # combines in another order than the reference).
+    n = len(hosts)
+    sim = make_sim(n, hosts=hosts if n > 1 else None, allreduce_algorithm=algorithm, num_channels=2,
+                   network_interface="lo")
+    rng = np.random.default_rng(90 + n)
+    rs_cases = []
+    for dt, op, pre, post, (rows, cols) in itertools.product(
+            (DType.FLOAT32, DType.BFLOAT16, DType.INT32, DType.FLOAT64), (SUM, AVERAGE, MAX),
+            (1.0, 0.5), (1.0, 2.0), ((2 * n + 1, 3), (4099, 5), (n - 1, 7))):
+        if (pre, post) == (0.5, 2.0):
+            continue
+        rs_cases.append((f"rs.{dt.name}.{op}.{pre}.{post}.{rows}", dt, op, pre, post, rows, cols,
+                         [random_data(rng, dt, (rows, cols), small_ints=True) for _ in range(n)]))
+    rs_cases.append(("rs.bool.big", DType.BOOL, MIN, 1.0, 1.0, 70001, 1,
+                     [random_data(rng, DType.BOOL, (70001, 1)) for _ in range(n)]))
+    ag_cases = []
+    for dt in (DType.FLOAT32, DType.UINT8, DType.FLOAT16, DType.INT64):
+        for base in (1, 3000):
+            rows = [base * ((r * 5 + 2) % 4) + r for r in range(n)]  # uneven; rank 0 of 4 sends 2*base rows
+            if n > 1:
+                rows[1] = 0  # a rank with nothing to send
+            ag_cases.append((f"ag.{dt.name}.{base}", dt, [random_data(rng, dt, (rows[r], 6)) for r in range(n)]))
+
+    def rank(r, e):
+        outs, hids = {}, {}
+        for name, dt, op, pre, post, rows, cols, d in rs_cases:
+            out = np.zeros((even_counts(rows, n)[r], cols), d[r].dtype)
+            outs[name] = out
+            hids[name] = submit(e, REDUCESCATTER, [item(name, dt, d[r], out, op=op, pre=pre, post=post)],
+                                (d[r], out))
+        for name, dt, d in ag_cases:
+            hids[name] = submit(e, ALLGATHER, [item(name, dt, d[r], None)], d[r], RESULTS)
+        got = {name: wait(e, hid) for name, hid in hids.items()}
+        return outs, {name: got[name][0] for name, _, _ in ag_cases}
+
+    for r, (outs, gathered) in enumerate(sim.run(rank)):
+        for name, dt, op, pre, post, rows, cols, d in rs_cases:
+            counts = even_counts(rows, n)
+            start = sum(counts[:r])
+            want = ref_reduce(d, dt, op, pre, post)[start:start + counts[r]]
+            assert_same(outs[name], want, f"{name} on rank {r}")
+        for name, dt, d in ag_cases:
+            arr, splits = gathered[name]
+            assert_same(arr, np.concatenate(d), f"{name} on rank {r}")
+            assert splits.tolist() == [x.shape[0] for x in d]
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "mpi"])
+@pytest.mark.parametrize("hosts", [[0, 0, 0], [0, 1, 2]], ids=lambda h: "".join(map(str, h)))
+def test_ring_reducescatter_and_allgather_count_what_travels(make_sim, algorithm, hosts):
+    # The ring's steps count what they move: (n-1)/n of the input out of every rank for a reduce-scatter
+    # with even segments, every other rank's rows in for an allgather; MPI's are counted as the textbook
+    # volume, which is the same here.
+    n = len(hosts)
+    sim = make_sim(n, hosts=hosts, allreduce_algorithm=algorithm, network_interface="lo")
+    rows, cols = 3 * 1000, 8
+
+    def rank(r, e):
+        x = np.full((rows, cols), r + 1, np.float32)
+        out = np.zeros((rows // n, cols), np.float32)
+        def wire():
+            w = e.wire_bytes(0)
+            return w["sent_bytes"], w["received_bytes"]
+
+        before = wire()
+        wait(e, submit(e, REDUCESCATTER, [item("rs", DType.FLOAT32, x, out)], (x, out)))
+        mid = wire()
+        g = np.full((1000 * (r + 1), cols), r, np.float32)
+        got = wait(e, submit(e, ALLGATHER, [item("ag", DType.FLOAT32, g, None)], g, RESULTS))[0][0]
+        after = wire()
+        return out, got, before, mid, after
+
+    seg = rows // n * cols * 4
+    for r, (out, got, before, mid, after) in enumerate(sim.run(rank)):
+        assert (out == sum(range(1, n + 1))).all()
+        assert got.shape == (1000 * sum(range(1, n + 1)), cols)
+        assert mid[0] - before[0] == (n - 1) * seg and mid[1] - before[1] == (n - 1) * seg, (before, mid)
+        mine = 1000 * (r + 1) * cols * 4
+        others = 1000 * (sum(range(1, n + 1)) - (r + 1)) * cols * 4
+        if algorithm == "mpi":
+            assert after[0] - mid[0] == mine * (n - 1) and after[1] - mid[1] == others, (mid, after)
+        else:  # the ring forwards every block but the one its right neighbour sent
+            right = 1000 * ((r + 1) % n + 1) * cols * 4
+            assert after[0] - mid[0] == mine + others - right and after[1] - mid[1] == others, (mid, after)
+
+
 def test_links_to_an_interface_without_address_fail_clearly():
     with pytest.raises(Exception, match="PERSEUS_NETWORK_INTERFACE"):
         Sim(2, hosts=[0, 1], network_interface="perseus-no-such-if0")
@@ -1508,7 +1603,8 @@ def _wire_delta(before: dict, after: dict) -> dict:
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_wire_bytes_of_each_collective(make_sim, algorithm, n):
     # The ring counts what its point-to-point steps move; the transport's own all-reduce counts the ring's
-    # volume: both are 2 (n-1)/n of the buffer each way. The other collectives count the textbook volume.
+    # volume: both are 2 (n-1)/n of the buffer each way. The other collectives count the textbook volume,
+    # but for allgather and reducescatter under a forced ring, which count what the ring moves.
     sim = make_sim(n, allreduce_algorithm=algorithm)
     count = 12000  # float32 elements: divisible by 1..4, so every ring segment is the same size
     nbytes = count * 4
@@ -1541,7 +1637,11 @@ def test_wire_bytes_of_each_collective(make_sim, algorithm, n):
     for r, d in enumerate(sim.run(rank)):
         ar = 2 * (n - 1) * nbytes // n
         assert (d["allreduce"]["sent_bytes"], d["allreduce"]["received_bytes"]) == (ar, ar), (r, d["allreduce"])
-        assert d["allgather"]["sent_bytes"] == rows[r] * 20 * (n - 1), (r, d["allgather"])
+        ring = algorithm == "ring" and n > 1  # a forced ring runs allgather and reducescatter as rings too
+        if ring:  # every rank forwards every block but the one its right neighbour sent
+            assert d["allgather"]["sent_bytes"] == sum(rows[q] * 20 for q in range(n) if q != (r + 1) % n)
+        else:
+            assert d["allgather"]["sent_bytes"] == rows[r] * 20 * (n - 1), (r, d["allgather"])
         assert d["allgather"]["received_bytes"] == sum(rows[q] * 20 for q in range(n) if q != r)
         root = n - 1
         assert d["broadcast"]["sent_bytes"] == (4000 * (n - 1) if r == root else 0), (r, d["broadcast"])
@@ -1549,7 +1649,10 @@ def test_wire_bytes_of_each_collective(make_sim, algorithm, n):
         assert d["alltoall"]["sent_bytes"] == sum(splits[r][q] * 12 for q in range(n) if q != r)
         assert d["alltoall"]["received_bytes"] == sum(splits[q][r] * 12 for q in range(n) if q != r)
         assert d["reducescatter"]["sent_bytes"] == sum(rs_counts[q] * 4 for q in range(n) if q != r)
-        assert d["reducescatter"]["received_bytes"] == rs_counts[r] * 4 * (n - 1)
+        if ring:  # partial sums of every segment but the left neighbour's come in
+            assert d["reducescatter"]["received_bytes"] == sum(rs_counts[q] * 4 for q in range(n) if q != (r - 1) % n)
+        else:
+            assert d["reducescatter"]["received_bytes"] == rs_counts[r] * 4 * (n - 1)
         assert d["barrier"]["sent_bytes"] == d["barrier"]["received_bytes"] == 0
         if n > 1:  # every new name was negotiated: control traffic, never counted as payload
             for what in ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier"):

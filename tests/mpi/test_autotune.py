@@ -9,21 +9,13 @@ import numpy as np
 import pytest
 import torch
 
+from job_env import restart
+
 pytest.importorskip("optuna")
 
 pytestmark = pytest.mark.timeout(240)
 
 SIZES = (3, 1000, 70001, 300000, 5)
-
-
-def _restart(hvd, env):
-    hvd.shutdown()
-    for k, v in env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    hvd.init()
 
 
 def _train_until_tuned(hvd, max_steps=600):
@@ -61,7 +53,7 @@ def test_tuner_switches_every_rank_together_and_remembers(hvd, tmp_path):
            "PERSEUS_FUSION_THRESHOLD": str(64 << 10)}
     old = {k: os.environ.get(k) for k in env}
     try:
-        _restart(hvd, env)
+        restart(hvd, env)
         tuner, steps = _train_until_tuned(hvd)
         from perseus.common.basics import state
 
@@ -70,11 +62,11 @@ def test_tuner_switches_every_rank_together_and_remembers(hvd, tmp_path):
         assert all(e == everyone[0] for e in everyone), everyone
         assert params[:5] == tuner.result.values() and tuner.samples >= 3
         # The same job again: the stored setting is applied at once, without a search.
-        _restart(hvd, env)
+        restart(hvd, env)
         again, _ = _train_until_tuned(hvd, max_steps=60)
         assert again.samples == 0 and again.result == tuner.result
     finally:
-        _restart(hvd, old)
+        restart(hvd, old)
 
 
 def test_tuner_searches_again_when_steps_slow_down(hvd, tmp_path):
@@ -85,7 +77,7 @@ def test_tuner_searches_again_when_steps_slow_down(hvd, tmp_path):
            "PERSEUS_CACHE_DIR": "/proc/perseus-test-no-cache"}
     old = {k: os.environ.get(k) for k in env}
     try:
-        _restart(hvd, env)
+        restart(hvd, env)
         tuner = state()._tuner
         slow, tuned_at, took, pause = False, None, [], None
         for step in range(1200):
@@ -113,4 +105,4 @@ def test_tuner_searches_again_when_steps_slow_down(hvd, tmp_path):
                 break
         assert searches >= 2, "a slowdown of the steps did not start a new search"
     finally:
-        _restart(hvd, old)
+        restart(hvd, old)

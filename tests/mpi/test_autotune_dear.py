@@ -11,30 +11,14 @@ import pytest
 import torch
 import torch.nn as nn
 
+from job_env import autotune_env, restart
+
 pytest.importorskip("optuna")
 
 pytestmark = pytest.mark.timeout(280)
 
-ENGINE_PARAMS = "fusion_threshold_bytes,inplace_threshold_bytes,channels,cycle_time_us,algorithm"
-
-
-def _restart(hvd, env):
-    hvd.shutdown()
-    for k, v in env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    hvd.init()
-
-
 def _env(**extra):
-    env = {"PERSEUS_AUTOTUNE": "1", "PERSEUS_AUTOTUNE_BUDGET_STEPS": "30", "PERSEUS_AUTOTUNE_STEPS_PER_SAMPLE": "2",
-           "PERSEUS_AUTOTUNE_WARMUP_SAMPLES": "0", "PERSEUS_CACHE_DIR": "/proc/perseus-test-no-cache",
-           "PERSEUS_AUTOTUNE_FIXED": ENGINE_PARAMS, "PERSEUS_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": None,
-           "PERSEUS_AUTOTUNE_RETUNE_DRIFT": None, "PERSEUS_DEAR_THRESHOLD_BYTES": None}
-    env.update(extra)
-    return env
+    return autotune_env(**{"PERSEUS_AUTOTUNE_BUDGET_STEPS": "30", **extra})
 
 
 def model():
@@ -86,7 +70,7 @@ def test_dear_group_size_is_searched_and_switches_at_the_same_step(hvd):
     env = _env()
     old = {k: os.environ.get(k) for k in env}
     try:
-        _restart(hvd, env)
+        restart(hvd, env)
         net = model()
         tuner, record, steps = _train(hvd, net, "dear")
         assert tuner._tuned["dear_threshold"]
@@ -98,12 +82,12 @@ def test_dear_group_size_is_searched_and_switches_at_the_same_step(hvd):
         for r in range(hvd.size()):
             torch.testing.assert_close(params[r], params[0], rtol=0, atol=0)
         # the same steps with the default schedule (no tuner): the same parameters
-        _restart(hvd, {"PERSEUS_AUTOTUNE": None})
+        restart(hvd, {"PERSEUS_AUTOTUNE": None})
         ref = model()
         _train(hvd, ref, "default", steps=steps)
         torch.testing.assert_close(_flat(net), _flat(ref), rtol=1e-5, atol=1e-6)
     finally:
-        _restart(hvd, old)
+        restart(hvd, old)
 
 
 def test_explicit_threshold_is_kept(hvd):
@@ -111,8 +95,8 @@ def test_explicit_threshold_is_kept(hvd):
                PERSEUS_AUTOTUNE_BUDGET_STEPS="8")
     old = {k: os.environ.get(k) for k in env}
     try:
-        _restart(hvd, env)
+        restart(hvd, env)
         tuner, record, _ = _train(hvd, model(), "dear")
         assert not tuner._tuned["dear_threshold"] and {r[1] for r in record} == {1 << 20}
     finally:
-        _restart(hvd, old)
+        restart(hvd, old)

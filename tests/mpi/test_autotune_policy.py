@@ -11,30 +11,14 @@ import pytest
 import torch
 import torch.nn as nn
 
+from job_env import ENGINE_PARAMS, autotune_env, restart
+
 pytest.importorskip("optuna")
 
 pytestmark = pytest.mark.timeout(280)
 
-ENGINE_PARAMS = "fusion_threshold_bytes,inplace_threshold_bytes,channels,cycle_time_us,algorithm"
-
-
-def _restart(hvd, env):
-    hvd.shutdown()
-    for k, v in env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    hvd.init()
-
-
 def _env(**extra):
-    env = {"PERSEUS_AUTOTUNE": "1", "PERSEUS_AUTOTUNE_BUDGET_STEPS": "24", "PERSEUS_AUTOTUNE_STEPS_PER_SAMPLE": "2",
-           "PERSEUS_AUTOTUNE_WARMUP_SAMPLES": "0", "PERSEUS_CACHE_DIR": "/proc/perseus-test-no-cache",
-           "PERSEUS_AUTOTUNE_FIXED": "none", "PERSEUS_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": None,
-           "PERSEUS_AUTOTUNE_RETUNE_DRIFT": None}
-    env.update(extra)
-    return env
+    return autotune_env(**{"PERSEUS_AUTOTUNE_FIXED": "none", **extra})
 
 
 def mlp():
@@ -113,7 +97,7 @@ def test_policy_switches_at_the_same_step_on_every_rank(hvd, tmp_path):
     env = _env(PERSEUS_AUTOTUNE_FIXED=ENGINE_PARAMS, PERSEUS_CACHE_DIR=cache)
     old = {k: os.environ.get(k) for k in env}
     try:
-        _restart(hvd, env)
+        restart(hvd, env)
         es = Espresso(density=0.1)
         model = mlp()
         tuner, record, more = _train_until_tuned(hvd, es, model)
@@ -134,14 +118,14 @@ def test_policy_switches_at_the_same_step_on_every_rank(hvd, tmp_path):
         assert es._autotune.steps == before
         # The same job again: the stored setting, policy included, is applied at once, without a search.
         first = tuner.result
-        _restart(hvd, env)
+        restart(hvd, env)
         es2 = Espresso(density=0.1)
         model2 = mlp()
         again, record2, _ = _train_until_tuned(hvd, es2, model2, max_steps=80)
         assert again.samples == 0 and again.result == first
         _check_same_everywhere(hvd, es2, model2, again, record2)
     finally:
-        _restart(hvd, old)
+        restart(hvd, old)
 
 
 def test_policy_and_engine_parameters_searched_together(hvd):
@@ -150,7 +134,7 @@ def test_policy_and_engine_parameters_searched_together(hvd):
     env = _env(PERSEUS_AUTOTUNE_BUDGET_STEPS="30")
     old = {k: os.environ.get(k) for k in env}
     try:
-        _restart(hvd, env)
+        restart(hvd, env)
         es = hvd.Compression.espresso(density=0.1)
         other = Espresso(density=0.1)  # only one Espresso per job follows the tuner: the first one created
         model = mlp()
@@ -171,14 +155,14 @@ def test_policy_and_engine_parameters_searched_together(hvd):
         assert tuple(state().engine.params(0))[:5] == tuner.result.values()
         assert tuner.samples >= 3
     finally:
-        _restart(hvd, old)
+        restart(hvd, old)
 
 
 def test_explicit_policy_is_kept(hvd):
     env = _env(PERSEUS_AUTOTUNE_FIXED="explicit", PERSEUS_AUTOTUNE_BUDGET_STEPS="12")
     old = {k: os.environ.get(k) for k in env}
     try:
-        _restart(hvd, env)
+        restart(hvd, env)
         es = hvd.Compression.espresso(density=0.1)
         es.set_policy("all-compressed")
         model = mlp()
@@ -188,4 +172,4 @@ def test_explicit_policy_is_kept(hvd):
         assert all(r == record for r in everyone)
         assert record[-1][2] is True  # the per-step agreement stopped all the same
     finally:
-        _restart(hvd, old)
+        restart(hvd, old)

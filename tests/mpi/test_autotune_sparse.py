@@ -11,31 +11,11 @@ import pytest
 import torch
 import torch.nn as nn
 
+from job_env import autotune_env, restart
+
 pytest.importorskip("optuna")
 
 pytestmark = pytest.mark.timeout(280)
-
-ENGINE_PARAMS = "fusion_threshold_bytes,inplace_threshold_bytes,channels,cycle_time_us,algorithm"
-
-
-def _restart(hvd, env):
-    hvd.shutdown()
-    for k, v in env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    hvd.init()
-
-
-def _env(**extra):
-    env = {"PERSEUS_AUTOTUNE": "1", "PERSEUS_AUTOTUNE_BUDGET_STEPS": "24", "PERSEUS_AUTOTUNE_STEPS_PER_SAMPLE": "2",
-           "PERSEUS_AUTOTUNE_WARMUP_SAMPLES": "0", "PERSEUS_CACHE_DIR": "/proc/perseus-test-no-cache",
-           "PERSEUS_AUTOTUNE_FIXED": ENGINE_PARAMS, "PERSEUS_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": None,
-           "PERSEUS_AUTOTUNE_RETUNE_DRIFT": None, "PERSEUS_SPARSE_ALGORITHM": None}
-    env.update(extra)
-    return env
-
 
 class Model(nn.Module):
     def __init__(self):
@@ -96,11 +76,11 @@ def test_sparse_algorithm_is_searched_and_switches_at_the_same_step(hvd, tmp_pat
     from perseus.sparse import choice
 
     cache = hvd.broadcast_object(str(tmp_path / "cache"), root_rank=0)
-    env = _env(PERSEUS_CACHE_DIR=cache)
+    env = autotune_env(PERSEUS_CACHE_DIR=cache)
     old = {k: os.environ.get(k) for k in env}
     try:
         choice._policy, choice._policy_explicit = None, False
-        _restart(hvd, env)
+        restart(hvd, env)
         model = Model()
         tuner, record = _train_until_tuned(hvd, model)
         assert tuner._sparse_tuned and tuner.space.choices("sparse_algorithm") == (tuner.result.sparse_algorithm,)
@@ -110,7 +90,7 @@ def test_sparse_algorithm_is_searched_and_switches_at_the_same_step(hvd, tmp_pat
         final = tuner.result.sparse_name
         assert choice.policy() == (None if final == "auto" else final)
         # The second run of the same job applies the remembered algorithm without searching.
-        _restart(hvd, env)
+        restart(hvd, env)
         model = Model()
         tuner, record = _train_until_tuned(hvd, model)
         assert tuner.samples == 0 and tuner.result.sparse_name == final
@@ -119,16 +99,16 @@ def test_sparse_algorithm_is_searched_and_switches_at_the_same_step(hvd, tmp_pat
         _check_same_everywhere(hvd, model, tuner, record)
     finally:
         choice._policy, choice._policy_explicit = None, False
-        _restart(hvd, old)
+        restart(hvd, old)
 
 
 def test_explicit_sparse_policy_is_kept(hvd):
     from perseus.sparse import choice, set_policy
 
-    env = _env(PERSEUS_AUTOTUNE_FIXED="explicit", PERSEUS_AUTOTUNE_BUDGET_STEPS="6")
+    env = autotune_env(PERSEUS_AUTOTUNE_FIXED="explicit", PERSEUS_AUTOTUNE_BUDGET_STEPS="6")
     old = {k: os.environ.get(k) for k in env}
     try:
-        _restart(hvd, env)
+        restart(hvd, env)
         set_policy("allgather")  # the program's own choice, before the search starts
         model = Model()
         tuner, record = _train_until_tuned(hvd, model)
@@ -137,4 +117,4 @@ def test_explicit_sparse_policy_is_kept(hvd):
         _check_same_everywhere(hvd, model, tuner, record)
     finally:
         choice._policy, choice._policy_explicit = None, False
-        _restart(hvd, old)
+        restart(hvd, old)

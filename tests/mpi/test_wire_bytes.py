@@ -6,6 +6,8 @@ import os
 import pytest
 import torch
 
+from job_env import restart
+
 pytestmark = pytest.mark.timeout(120)
 
 KEYS = ("sent_bytes", "received_bytes", "control_sent_bytes", "control_received_bytes")
@@ -18,22 +20,12 @@ def _delta(before, after):
     return {k: after[k] - before[k] for k in KEYS}
 
 
-def _restart(hvd, env):
-    hvd.shutdown()
-    for k, v in env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    hvd.init()
-
-
 @pytest.mark.parametrize("algorithm", ["ring", "mpi"])
 def test_allreduce_sends_two_size_minus_one_over_size_of_the_buffer(hvd, algorithm):
     # ring: the point-to-point steps are counted as they move; mpi: MPI_Allreduce counts the ring's volume.
     old = {"PERSEUS_ALLREDUCE_ALGORITHM": os.environ.get("PERSEUS_ALLREDUCE_ALGORITHM")}
     try:
-        _restart(hvd, {"PERSEUS_ALLREDUCE_ALGORITHM": algorithm})
+        restart(hvd, {"PERSEUS_ALLREDUCE_ALGORITHM": algorithm})
         from perseus.common.basics import state
 
         assert state().engine.params(0)[4] == {"mpi": 1, "ring": 2}[algorithm]
@@ -53,7 +45,7 @@ def test_allreduce_sends_two_size_minus_one_over_size_of_the_buffer(hvd, algorit
             if step == 0:  # a new name is negotiated: control bytes, never payload
                 assert d["control_sent_bytes"] > 0 and d["control_received_bytes"] > 0, d
     finally:
-        _restart(hvd, old)
+        restart(hvd, old)
     # Counters start again at the next init() (they belong to the engine's process sets), and need one.
     fresh = hvd.wire_bytes()
     assert fresh["sent_bytes"] == fresh["received_bytes"] == 0, fresh

@@ -54,20 +54,10 @@ class _AdasumOptimizer(torch.optim.Optimizer):
             self.state.update(_state)
         if backward_passes_per_step <= 0:
             raise ValueError("backward_passes_per_step must be > 0")
+        from perseus.torch.optimizer import parameter_names
+
         all_params = [p for g in self.param_groups for p in g["params"]]
-        if named_parameters is None:
-            named = [(f"noname.{i}.{j}", p) for i, g in enumerate(self.param_groups)
-                     for j, p in enumerate(g["params"])]
-        else:
-            named = list(named_parameters)
-            if any(not isinstance(item, tuple) for item in named):
-                raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually "
-                                 "produced by model.named_parameters().")
-            unnamed = {id(p) for p in all_params} - {id(p) for _, p in named}
-            if unnamed:
-                raise ValueError("named_parameters was specified, but one or more model parameters were not "
-                                 "named. Python object ids: " + ", ".join(str(i) for i in sorted(unnamed)))
-        self._parameter_names = {p: n for n, p in named}
+        self._parameter_names = {p: n for n, p in parameter_names(named_parameters, self.param_groups)}
         self._compression = compression
         self.backward_passes_per_step = backward_passes_per_step
         self.process_set = process_set

@@ -26,6 +26,29 @@ __all__ = ["DistributedOptimizer"]
 
 
 
+def parameter_names(named_parameters, param_groups) -> list:
+    """``[(name, parameter)]`` from ``named_parameters`` (checked), or made up from positions when None.
+
+    Raises:
+        ValueError: not (name, parameter) tuples, duplicate names, or parameters left unnamed.
+    """
+    if named_parameters is None:
+        return [(f"noname.{i}.{j}", p) for i, g in enumerate(param_groups) for j, p in enumerate(g["params"])]
+    named = list(named_parameters)
+    if any(not isinstance(item, tuple) for item in named):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually "
+                         "produced by model.named_parameters().")
+    names = [n for n, _ in named]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: " + ", ".join(dups))
+    unnamed = {id(p) for g in param_groups for p in g["params"]} - {id(p) for _, p in named}
+    if unnamed:
+        raise ValueError("named_parameters was specified, but one or more model parameters were not "
+                         "named. Python object ids: " + ", ".join(str(i) for i in sorted(unnamed)))
+    return named
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into a subclass of the user's optimizer class (see :func:`DistributedOptimizer`)."""
 
@@ -40,23 +63,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self.state.update(_state)
         self._compression = compression
         all_params = [p for g in self.param_groups for p in g["params"]]
-        if named_parameters is None:
-            named = [(f"noname.{i}.{j}", p) for i, g in enumerate(self.param_groups)
-                     for j, p in enumerate(g["params"])]
-        else:
-            named = list(named_parameters)
-            if any(not isinstance(item, tuple) for item in named):
-                raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually "
-                                 "produced by model.named_parameters().")
-            names = [n for n, _ in named]
-            dups = sorted({n for n in names if names.count(n) > 1})
-            if dups:
-                raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: "
-                                 + ", ".join(dups))
-            unnamed = {id(p) for p in all_params} - {id(p) for _, p in named}
-            if unnamed:
-                raise ValueError("named_parameters was specified, but one or more model parameters were not "
-                                 "named. Python object ids: " + ", ".join(str(i) for i in sorted(unnamed)))
+        named = parameter_names(named_parameters, self.param_groups)
         if backward_passes_per_step <= 0:
             raise ValueError("backward_passes_per_step must be > 0")
         reject_adasum(op, "torch.DistributedOptimizer")

@@ -227,15 +227,17 @@ void Channel::allreduce_buffer(const void* send, void* recv, size_t count, DType
 }
 
 // -- reduce-scatter and allgather ------------------------------------------------------------------------
-// The same choice as allreduce's, by the bytes the collective moves: `auto` runs a large one as our ring
-// (over the channel's links across hosts, over the Comm's messages inside one) and a small one as MPI's; a
-// forced ring runs every size as a ring, forced mpi none. There is no hierarchical reduce-scatter: a
-// hierarchical choice runs the flat ring (HOROVOD_HIERARCHICAL_ALLGATHER still picks the hierarchical
-// allgather, see allgather()).
-bool Channel::use_ring(Algorithm a, size_t bytes) const {
+// The same choice as allreduce's, by the bytes the collective moves. `auto` runs a large reduce-scatter as
+// our ring (over the channel's links across hosts, over the Comm's messages inside one: MPI_Reduce_scatter
+// is slower than MPI's own all-reduce), and a large allgather as a ring across hosts only (inside one host
+// MPI_Allgatherv, a plain copy through shared memory, was as fast or faster); small ones as MPI's. A forced
+// ring runs every size as a ring, forced mpi none. There is no hierarchical reduce-scatter: a hierarchical
+// choice runs the flat ring (HOROVOD_HIERARCHICAL_ALLGATHER still picks the hierarchical allgather, see
+// allgather()).
+bool Channel::use_ring(Algorithm a, size_t bytes, bool ring_within_host) const {
   if (comm_->size() == 1 || bytes == 0) return false;
   switch (a) {
-    case Algorithm::AUTO: return bytes >= kRingMinBytes;
+    case Algorithm::AUTO: return bytes >= kRingMinBytes && (links_ != nullptr || ring_within_host);
     case Algorithm::RING: case Algorithm::HIERARCHICAL: return true;
     default: return false;
   }
@@ -263,7 +265,7 @@ void Channel::allgather(Unit* u) {
   if (config_.hierarchical_allgather && local_ != nullptr) {
     hierarchical_allgatherv(*local_, config_.layout->local_rank[me] == 0 ? cross_.get() : nullptr,
                             *config_.layout, me, r->input, r->result.get(), counts, r->sig.dtype, scratch_);
-  } else if (use_ring(u->algorithm, r->result_bytes)) {
+  } else if (use_ring(u->algorithm, r->result_bytes, false)) {
     const size_t start = std::accumulate(counts.begin(), counts.begin() + me, size_t(0));
     copy_bytes(at(r->result.get(), start, r->sig.dtype), r->input, counts[me] * itemsize(r->sig.dtype));
     ring_allgather(Path{comm_.get(), links_.get()}, r->result.get(), counts, r->sig.dtype);
@@ -319,7 +321,7 @@ void Channel::reducescatter(Unit* u) {
     src = scaled;
   }
   ReduceOp op = u->reduce_op == ReduceOp::AVERAGE ? ReduceOp::SUM : u->reduce_op;
-  if (use_ring(u->algorithm, total * itemsize(dt)))
+  if (use_ring(u->algorithm, total * itemsize(dt), true))
     ring_reduce_scatter_to(Path{comm_.get(), links_.get()}, src, r->output, counts, dt, op, scratch_);
   else
     comm_->reduce_scatter(src, r->output, counts, dt, op);

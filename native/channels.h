@@ -63,7 +63,8 @@ class Channel {
   void allreduce(Unit* u);
   void allreduce_buffer(const void* send, void* recv, size_t count, DType dtype, ReduceOp op, double postscale,
                         Algorithm algorithm);
-  bool use_ring(Algorithm a, size_t bytes) const;  // reduce-scatter and allgather: ring or MPI
+  // Reduce-scatter and allgather: ring or MPI (ring_within_host: `auto` takes the ring on one host too).
+  bool use_ring(Algorithm a, size_t bytes, bool ring_within_host) const;
   void allgather(Unit* u);
   void broadcast(Request* r);
   void alltoall(Request* r);

@@ -241,8 +241,8 @@ def _restart(hvd, env):
 
 @pytest.mark.parametrize("algorithm", ["ring", "mpi", "auto"])
 def test_large_reducescatter_and_allgather_with_each_algorithm(hvd, algorithm):
-    # Above the ring's threshold (64 kB) reduce-scatter and allgather run as our rings (ring, auto) or as
-    # MPI's (mpi); uneven first dimensions (earlier ranks get a row more; one rank gathers no rows), scale
+    # Above the ring's threshold (64 kB) reduce-scatter runs as our ring (ring, auto) or as MPI's (mpi),
+    # allgather as our ring (ring) or MPI's (mpi, and auto on one host); uneven first dimensions (earlier ranks get a row more; one rank gathers no rows), scale
     # factors and Average. Small integers: sums are exact whatever order the ring combines ranks in.
     old = {"PERSEUS_ALLREDUCE_ALGORITHM": os.environ.get("PERSEUS_ALLREDUCE_ALGORITHM")}
     try:

@@ -1037,8 +1037,9 @@ RS_LAYOUTS = [[0], [0, 0], [0, 0, 0]] + HOST_LAYOUTS  # one host (1-3 ranks), th
 @pytest.mark.parametrize("algorithm", ["auto", "ring", "hierarchical", "mpi"])
 @pytest.mark.parametrize("hosts", RS_LAYOUTS, ids=lambda h: "".join(map(str, h)))
 def test_reducescatter_and_allgather_across_hosts_and_layouts(make_sim, algorithm, hosts):
-    # Reduce-scatter and allgather take the allreduce's algorithm: above 64 kB `auto` runs them as rings
-    # (over the links across hosts), a forced ring runs every size as one. Uneven first dimensions (the
+    # Reduce-scatter and allgather take the allreduce's algorithm: above 64 kB `auto` runs reduce-scatter as
+    # a ring (over the links across hosts) and allgather as one across hosts; a forced ring runs every size
+    # as one. Uneven first dimensions (the
     # first ranks get a row more; some ranks gather no rows), every op and scale, small integers (the ring
     # combines in another order than the reference).
     n = len(hosts)

@@ -1,12 +1,11 @@
 """Every collective, every dtype, sync/async/in-place/grouped, against references built from all ranks' inputs."""
 
-import os
-
 import numpy as np
 import pytest
 import torch
 
 from conftest import rank_data
+from job_env import restart
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -229,24 +228,13 @@ def test_grouped_reducescatter(hvd):
     check(outs[1], reduce_ref(b, hvd.Sum, hvd)[rank:rank + 1], "float64")
 
 
-def _restart(hvd, env):
-    hvd.shutdown()
-    for k, v in env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    hvd.init()
-
-
 @pytest.mark.parametrize("algorithm", ["ring", "mpi", "auto"])
 def test_large_reducescatter_and_allgather_with_each_algorithm(hvd, algorithm):
     # Above the ring's threshold (64 kB) reduce-scatter runs as our ring (ring, auto) or as MPI's (mpi),
     # allgather as our ring (ring) or MPI's (mpi, and auto on one host); uneven first dimensions (earlier ranks get a row more; one rank gathers no rows), scale
     # factors and Average. Small integers: sums are exact whatever order the ring combines ranks in.
-    old = {"PERSEUS_ALLREDUCE_ALGORITHM": os.environ.get("PERSEUS_ALLREDUCE_ALGORITHM")}
+    old = restart(hvd, {"PERSEUS_ALLREDUCE_ALGORITHM": algorithm})
     try:
-        _restart(hvd, {"PERSEUS_ALLREDUCE_ALGORITHM": algorithm})
         from perseus.common.basics import state
 
         assert state().engine.params(0)[4] == {"auto": 0, "mpi": 1, "ring": 2}[algorithm]
@@ -273,7 +261,7 @@ def test_large_reducescatter_and_allgather_with_each_algorithm(hvd, algorithm):
             out = hvd.allgather(inputs[rank], name=f"ag.big.{dtype}")
             assert torch.equal(out, torch.cat(inputs))
     finally:
-        _restart(hvd, old)
+        restart(hvd, old)
 
 
 def test_adasum_reducescatter_not_implemented(hvd):

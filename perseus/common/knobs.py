@@ -263,6 +263,9 @@ KNOBS: tuple[Knob, ...] = (
              "machine once per size class), 'exact' (NumPy introselect), 'torch' (torch.topk), 'mstopk' "
              "(threshold bisection, approximate) or 'dgc' (sampled threshold, then exact). "
              "See docs/compression.md."),
+    Knob("run_token", ("PERSEUS_RUN_TOKEN",), str, "",
+         doc="Set by perseus.run for the ranks it starts: the secret a rank presents when it fetches the "
+             "function from the calling process. Not for people to set."),
     Knob("nonfinite_gradients", ("PERSEUS_NONFINITE_GRADIENTS",), str, "off",
          choices=("off", "raise", "skip"),
          doc="Check each gradient for NaN/Inf on its own rank before it is reduced (torch DistributedOptimizer): "

@@ -15,7 +15,7 @@ import shlex
 import signal
 import subprocess
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from perseus.common.knobs import KNOBS
 from perseus.runner import hosts as hostlib
@@ -264,7 +264,7 @@ def _run(argv: list[str], env: dict[str, str]) -> int:
     return code if code >= 0 else 128 - code
 
 
-def _launch(args: argparse.Namespace) -> int:
+def _launch(args: argparse.Namespace, env_extra: Mapping[str, str] | None = None) -> int:
     if args.check_build:
         check_build()
         return 0
@@ -297,6 +297,7 @@ def _launch(args: argparse.Namespace) -> int:
             a == "--prefix" or a.startswith("--prefix=") for a in mpi_args):
         prefix = mpi_run.python_env_prefix(mpirun)
     launcher_env = dict(settings)
+    launcher_env.update(env_extra or {})  # perseus.run: its token, forwarded to every rank
     path = os.environ.get("PATH", "")
     if mpi_run.rank_path(path) != path:
         launcher_env["PATH"] = mpi_run.rank_path(path)
@@ -323,10 +324,11 @@ def _launch(args: argparse.Namespace) -> int:
     return _run(plan.argv, {**env, **plan.env})
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run perseusrun with ``argv`` (default ``sys.argv[1:]``) and return the exit status."""
+def main(argv: Sequence[str] | None = None, env_extra: Mapping[str, str] | None = None) -> int:
+    """Run perseusrun with ``argv`` (default ``sys.argv[1:]``) and return the exit status; ``env_extra``:
+    more variables for the ranks (set and forwarded like the settings)."""
     try:
-        return _launch(parse_args(argv))
+        return _launch(parse_args(argv), env_extra)
     except LaunchError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -13,7 +13,6 @@ running) a pickled ``(rank, ok, value_or_error_text, exception_or_None)``; calle
 
 from __future__ import annotations
 
-import os
 import secrets
 import socket
 import struct
@@ -162,6 +161,7 @@ def run(func: Callable[..., Any], args: tuple = (), kwargs: Optional[dict] = Non
     """
     import cloudpickle
 
+    from perseus.common.knobs import read_knob
     from perseus.runner import launch
 
     kwargs = dict(kwargs or {})
@@ -172,7 +172,7 @@ def run(func: Callable[..., Any], args: tuple = (), kwargs: Optional[dict] = Non
         raise RunError(f"perseus.run: the function or its arguments cannot be pickled: {exc}") from exc
     nics = ",".join(network_interfaces or [])
     host_names = _host_names(hosts, hostfile)
-    address = _address_towards(host_names, nics or os.environ.get("PERSEUS_NETWORK_INTERFACE"))
+    address = _address_towards(host_names, nics or str(read_knob("network_interface")[0]))
     token = secrets.token_hex(16)
     server = _Server("127.0.0.1" if address == "127.0.0.1" else "0.0.0.0", payload, token, num_proc)
     argv = ["-np", str(num_proc)]
@@ -195,15 +195,9 @@ def run(func: Callable[..., Any], args: tuple = (), kwargs: Optional[dict] = Non
     if nics:
         argv += ["--network-interfaces", nics]
     argv += [executable or sys.executable, "-m", "perseus.runner.run_task", address, str(server.port)]
-    previous = os.environ.get(TOKEN_ENV)
-    os.environ[TOKEN_ENV] = token  # perseusrun exports PERSEUS_* to every rank
     try:
-        code = launch.main(argv)
+        code = launch.main(argv, env_extra={TOKEN_ENV: token})  # forwarded to every rank
     finally:
-        if previous is None:
-            os.environ.pop(TOKEN_ENV, None)
-        else:
-            os.environ[TOKEN_ENV] = previous
         server.close()
     return _collect(server, num_proc, code)
 

@@ -8,20 +8,23 @@ letting them wait in a collective for this one), 2 when the caller could not be 
 
 from __future__ import annotations
 
-import os
 import pickle
 import socket
 import sys
 import traceback
 
+from perseus.common.knobs import read_knob
 from perseus.runner.run_func import TOKEN_ENV, recv_frame, send_frame
 
 
 def _rank() -> int:
-    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "HOROVOD_RANK"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return 0
+    from perseus.runner.common.util.env import get_env_rank_and_size
+
+    try:
+        found = get_env_rank_and_size()
+    except RuntimeError:
+        found = None
+    return found[0] if found else 0
 
 
 def _reply(rank: int, ok: bool, value, error) -> bytes:
@@ -51,7 +54,7 @@ def main(argv=None) -> int:
               file=sys.stderr, flush=True)
         return 2
     with sock:
-        send_frame(sock, os.environ.get(TOKEN_ENV, "").encode())
+        send_frame(sock, str(read_knob("run_token")[0]).encode())
         try:
             payload = recv_frame(sock)
         except (OSError, ConnectionError) as exc:

@@ -365,11 +365,12 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip() == __version__
 
 
-def test_run_not_implemented():
+def test_run_refuses_elastic_arguments():
+    # (perseus.run itself: tests/integration/test_run.py)
     from perseus.runner import run
 
-    with pytest.raises(NotImplementedError, match="launch a script with perseusrun"):
-        run(print, np=2)
+    with pytest.raises(NotImplementedError, match="elastic launching"):
+        run(print, np=2, min_np=1)
 
 
 def test_runner_imports_no_mpi():

@@ -136,7 +136,10 @@ KNOBS: tuple[Knob, ...] = (
              "same number of ranks on every host, else ring), or auto: for a large unit across hosts, "
              "hierarchical when every host runs the same number (>1) of ranks, else ring; on one host, ring "
              "when it saves the scaling pass; mpi for everything else. Across hosts, ring and hierarchical "
-             "use each channel's own TCP connections, so channels are concurrent flows."),
+             "use each channel's own TCP connections, so channels are concurrent flows. Reduce-scatter and "
+             "allgather follow the same choice: ring (or hierarchical, which runs them as a flat ring) makes "
+             "them rings over the same path; auto does so from 64 kB (allgather only across hosts); mpi "
+             "keeps MPI's collectives."),
     Knob("hierarchical_allreduce", _both("HIERARCHICAL_ALLREDUCE"), bool, False,
          doc="Use the hierarchical all-reduce (as PERSEUS_ALLREDUCE_ALGORITHM=hierarchical; an algorithm "
              "other than auto named there wins).",

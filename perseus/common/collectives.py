@@ -91,11 +91,15 @@ class Result:
 
 
 def _gathered(allocs, finish):
-    """A finish that first copies each engine-allocated result into the buffer the adapter allocates."""
+    """A finish that first copies each engine-allocated result into the buffer the adapter allocates, or
+    (alloc None) hands the engine's array itself over (it owns its memory: no copy)."""
     def done(results):
         out = []
         for alloc, res in zip(allocs, results):
             data, splits = res
+            if alloc is None:
+                out.append(Result(data, splits))
+                continue
             target = alloc(data.shape)
             np.copyto(target, data.view(target.dtype) if target.dtype != data.dtype else data)
             out.append(Result(target, splits))

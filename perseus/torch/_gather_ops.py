@@ -18,13 +18,25 @@ __all__ = [
 
 
 # -- allgather ----------------------------------------------------------------------------------------------
+def _adoptable(t: torch.Tensor) -> bool:
+    """Whether the engine's result array can become the tensor as it is (NumPy has the dtype)."""
+    return t.dtype != torch.bfloat16
+
+
+def _adopt(result) -> torch.Tensor:
+    """The engine-allocated result as a tensor, sharing its memory (the array owns it)."""
+    return torch.from_numpy(result.output)
+
+
 def allgather_async(tensor, name=None, process_set=global_process_set):
     """Start an allgather (concatenation on the first dimension); return a handle."""
     dt = _dtype(tensor)
     src = _contig(tensor)
+    if _adoptable(src):
+        return _c.allgather_async(_np(src), None, name, process_set, dtype=dt, finish=lambda r: _adopt(r[0]))
     holder: list = []
     return _c.allgather_async(_np(src), _alloc_like(src, holder), name, process_set, dtype=dt,
-                              finish=lambda r: holder[0] if src.dim() else holder[0])
+                              finish=lambda r: holder[0])
 
 
 class _Allgather(torch.autograd.Function):
@@ -53,8 +65,12 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
     dts = [_dtype(t) for t in tensors]
     srcs = [_contig(t) for t in tensors]
     holders = [[] for _ in srcs]
-    return _c.grouped_allgather_async([_np(t) for t in srcs], [_alloc_like(t, h) for t, h in zip(srcs, holders)],
-                                      name, process_set, dtypes=dts, finish=lambda r: [h[0] for h in holders])
+    allocs = [None if _adoptable(t) else _alloc_like(t, h) for t, h in zip(srcs, holders)]
+
+    def finish(results):
+        return [_adopt(res) if alloc is None else h[0] for res, alloc, h in zip(results, allocs, holders)]
+    return _c.grouped_allgather_async([_np(t) for t in srcs], allocs, name, process_set, dtypes=dts,
+                                      finish=finish)
 
 
 class _GroupedAllgather(torch.autograd.Function):

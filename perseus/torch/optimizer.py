@@ -461,7 +461,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         ValueError: bad names, groups, factors, ``backward_passes_per_step``, ``sparse_algorithm`` or
             ``schedule``.
         NotImplementedError: ``schedule="dear"`` with ``groups``, a communicating compressor, or in an
-            elastic job.
+            elastic job; ``op=Adasum`` with ``groups``, a communicating compressor or ``schedule="dear"``;
+            PERSEUS_NONFINITE_GRADIENTS set with ``op=Adasum`` or ``schedule="dear"``.
+
+    With PERSEUS_NONFINITE_GRADIENTS=raise or skip, each gradient is checked for NaN/Inf on its rank before
+    it is reduced, and ``step()`` raises ``perseus.common.exceptions.NonFiniteGradientError`` on every rank
+    (naming the tensors and ranks) or skips the update on every rank (docs/troubleshooting.md).
     """
     if schedule not in ("default", "dear"):
         raise ValueError(f"DistributedOptimizer: schedule must be 'default' or 'dear', not {schedule!r}")

@@ -122,6 +122,15 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("-H", "--hosts", help="host:slots list, e.g. node1:4,node2:4 (default localhost:<np>)")
     g.add_argument("-hostfile", "--hostfile", help="file with one 'host slots=N' (or host:N) per line")
 
+    g = p.add_argument_group("elastic (horovodrun's flags; not supported yet: they stop the launch with an error)")
+    g.add_argument("--min-np", "--min-num-proc", dest="min_np", metavar="N")
+    g.add_argument("--max-np", "--max-num-proc", dest="max_np", metavar="N")
+    g.add_argument("--slots-per-host", "--slots", dest="slots_per_host", metavar="N")
+    g.add_argument("--host-discovery-script", dest="host_discovery_script", metavar="SCRIPT")
+    g.add_argument("--reset-limit", dest="reset_limit", metavar="N")
+    g.add_argument("--blacklist-cooldown-range", dest="cooldown_range", nargs=2, metavar=("LO", "HI"))
+    g.add_argument("--elastic-timeout", dest="elastic_timeout", metavar="SECONDS")
+
     _add_knob_flags(p)
 
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program to run and its arguments")
@@ -264,10 +273,20 @@ def _run(argv: list[str], env: dict[str, str]) -> int:
     return code if code >= 0 else 128 - code
 
 
+_ELASTIC_FLAGS = {"min_np": "--min-np", "max_np": "--max-np", "slots_per_host": "--slots-per-host",
+                  "host_discovery_script": "--host-discovery-script", "reset_limit": "--reset-limit",
+                  "cooldown_range": "--blacklist-cooldown-range", "elastic_timeout": "--elastic-timeout"}
+
+
 def _launch(args: argparse.Namespace, env_extra: Mapping[str, str] | None = None) -> int:
     if args.check_build:
         check_build()
         return 0
+    elastic = [flag for dest, flag in _ELASTIC_FLAGS.items() if getattr(args, dest, None) is not None]
+    if elastic:
+        raise LaunchError(f"elastic launching ({', '.join(elastic)}) is not supported yet: perseusrun starts a "
+                          f"fixed set of processes; run with -np N and -H/--hostfile (inside such a job, "
+                          f"perseus.torch.elastic.run still recovers from a failed collective)")
     if args.num_proc is None:
         raise LaunchError(f"-np/--num-proc is required; give the number of processes, "
                           f"e.g. {PROG} -np 4 python train.py")

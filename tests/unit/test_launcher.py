@@ -608,3 +608,15 @@ def test_is_exportable():
         assert not env_util.is_exportable(name), name
     for name in ("PATH", "PERSEUS_CYCLE_TIME", "HOROVOD_FUSION_THRESHOLD", "PWD"):
         assert env_util.is_exportable(name), name
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--min-np", "1"], "--min-np"),
+    (["--max-np", "4", "--host-discovery-script", "./discover.sh"], "--max-np, --host-discovery-script"),
+    (["--min-num-proc", "1", "--slots", "2", "--reset-limit", "3"], "--min-np, --slots-per-host, --reset-limit"),
+    (["--blacklist-cooldown-range", "10", "100", "--elastic-timeout", "60"],
+     "--blacklist-cooldown-range, --elastic-timeout"),
+])
+def test_elastic_flags_are_one_clear_error(capsys, flags, named):
+    line = error_line(capsys, "-np", "2", *flags, "python", "train.py")
+    assert f"elastic launching ({named}) is not supported yet" in line

@@ -62,6 +62,9 @@ POLICIES = ("espresso", "dense", "all-compressed")
 #: dense iteration's modelled time: encode and decode times are measured on a busy machine, and a choice
 #: within their noise would flip between runs (and cost real time on a fast link)
 MIN_GAIN = 0.01
+#: ... and by more than this many seconds: a lossy choice must buy at least a tenth of a millisecond per step
+#: (smaller modelled gains are within the noise of codec timings taken on a busy machine)
+MIN_GAIN_S = 1e-4
 
 
 # -- cost models -----------------------------------------------------------------------------------------------
@@ -420,7 +423,7 @@ class Espresso(Reducer):
             return simulate_timeline(back, enc[ch, cols], com[ch, cols], dec[ch, cols]) if len(keys) else 0.0
 
         t_dense = total(np.zeros(len(keys), np.int64))
-        local = (decide(elements, back, enc, com, dec, min_gain=MIN_GAIN * t_dense) if keys
+        local = (decide(elements, back, enc, com, dec, min_gain=max(MIN_GAIN * t_dense, MIN_GAIN_S)) if keys
                  else np.zeros(0, np.int64))
         t_plan = total(local)
         # the compressed option sending the fewest bytes for the largest gradient (for 'all-compressed')

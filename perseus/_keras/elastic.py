@@ -74,6 +74,17 @@ class KerasState(ObjectState):
         self._load_model()
         super().restore()
 
+    def snapshot_payload(self):
+        return {"objects": self._saved_state, "variables": self._saved_model_state}
+
+    def load_snapshot_payload(self, payload):
+        self._saved_model_state = list(payload["variables"])
+        self._saved_state = dict(payload["objects"])
+        if self.optimizer is not None and len(self._variables()) < len(self._saved_model_state):
+            build = getattr(self.optimizer, "build", None)
+            if callable(build):  # Keras 3 builds its slots lazily; the commit has them
+                build(self.model.trainable_variables)
+
     def sync(self):
         variables = self._variables()
         for var, value in zip(variables, broadcast_values(variables, 0, "KerasState.sync")):

@@ -183,6 +183,9 @@ class State:
         few batches rather than every batch trades a little recomputation after a failure for speed.
         """
         self.save()
+        session = getattr(self, "_elastic_session", None)
+        if session is not None:
+            session.commit(self)
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
@@ -228,10 +231,26 @@ class State:
     def reset(self) -> None:
         """Adjust to the restarted job (new ``rank()``/``size()``), before :meth:`sync`. Default: nothing."""
 
+    def snapshot_payload(self):
+        """The last snapshot as a picklable object (NumPy arrays for tensors), for the elastic launcher's
+        checkpoint keepers. Must not change when the live state changes later.
+
+        Raises:
+            NotImplementedError: this kind of state cannot be kept by the keepers.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot be checkpointed to the elastic launcher's "
+                                  f"keepers; use TorchState, TensorFlowKerasState, TensorFlowState or ObjectState")
+
+    def load_snapshot_payload(self, payload) -> None:
+        """Make ``payload`` (from :meth:`snapshot_payload`, perhaps of another process) the last snapshot;
+        :meth:`restore` then puts it in place."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be restored from the elastic launcher's keepers")
+
 
 # Names an ObjectState attribute may not take: they would hide the State's own machinery.
 _INTERNAL_NAMES = frozenset({"_bcast_object", "_rank", "_host_messages", "_last_updated_timestamp",
-                             "_reset_callbacks", "_saved_state", "_handlers"})
+                             "_reset_callbacks", "_saved_state", "_handlers",
+                             "_elastic_session"})
 
 
 def _check_attribute_names(cls, names) -> None:
@@ -271,6 +290,12 @@ class ObjectState(State):
         if self._saved_state:
             self._saved_state = self._bcast_object(self._saved_state)
             self._set_attrs()
+
+    def snapshot_payload(self):
+        return {"objects": self._saved_state}
+
+    def load_snapshot_payload(self, payload) -> None:
+        self._saved_state = dict(payload["objects"])
 
     def _set_attrs(self) -> None:
         # Copies: changing an attribute in place must not change the snapshot a later restore() uses.
@@ -340,6 +365,9 @@ def run_fn(func, reset):
 
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
+        session = _launcher_session()
+        if session is not None:
+            return _run_relaunched(session, func, state, args, kwargs)
         notification_manager.init()
         limit = reset_limit()
         notification_manager.register_listener(state)
@@ -372,3 +400,62 @@ def run_fn(func, reset):
             notification_manager.remove_listener(state)
 
     return wrapper
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Under the elastic launcher
+# ---------------------------------------------------------------------------------------------------------
+
+def _launcher_session():
+    """The elastic launcher's session for this rank (perseus must be initialised), or None in a job
+    without one."""
+    from perseus.elastic import worker
+
+    if not worker.launcher_attached():
+        return None
+    from perseus.common.basics import _STATE
+
+    if not _STATE.is_initialized():
+        raise ValueError("perseus elastic: call init() before the function decorated with elastic.run")
+    global _source_factory
+    if _source_factory is None:
+        # The driver connection delivers host changes: mark the manager attached (reset_limit and the error
+        # messages then speak of a launcher).
+        _source_factory = lambda manager: worker.session(_STATE.rank(), _STATE.size())  # noqa: E731
+    notification_manager.init()
+    return worker.session(_STATE.rank(), _STATE.size())
+
+
+def _run_relaunched(session, func, state, args, kwargs):
+    """One generation of a job under the elastic launcher.
+
+    A later generation first restores the newest commit from the keepers (every rank, collectively) and runs
+    the reset callbacks (``size()`` may have changed); then the state is synced from rank 0 and ``func`` runs.
+    Every ``commit()`` is copied to the keepers. When the job must be re-formed (``HorovodInternalError``: a
+    collective failed, perhaps because a peer died; ``HostsUpdatedInterrupt``: hosts were added or removed) the
+    rank flushes its last commit, tells the driver and exits; the driver starts the next generation, whose
+    ranks carry on from that commit. An exception from ``func`` itself is reported to the driver, which ends
+    the job, and propagates.
+    """
+    state._elastic_session = session
+    notification_manager.register_listener(state)
+    try:
+        if session.generation > 0:
+            session.restore(state, state._bcast_object)
+            state.on_reset()
+        state.sync()
+        result = func(state, *args, **kwargs)
+    except HorovodInternalError as e:
+        log.warning("perseus elastic: rank %d: %s: %s; leaving so that the job is re-formed from the last commit",
+                    session.rank, type(e).__name__, e)
+        session.leave_for_reset(e, graceful=False)
+    except HostsUpdatedInterrupt as e:
+        session.leave_for_reset(e, graceful=True)
+    except BaseException as e:
+        if not isinstance(e, (KeyboardInterrupt, SystemExit)):
+            session.report_error(e)
+        raise
+    finally:
+        notification_manager.remove_listener(state)
+    session.report_done()
+    return result

@@ -310,6 +310,40 @@ KNOBS: tuple[Knob, ...] = (
              "'auto' choice on a process set)."),
     Knob("sparse_bandwidth_mbit", ("PERSEUS_SPARSE_BANDWIDTH_MBIT",), float, 0.0, unit="Mbit/s",
          doc="Link bandwidth per rank for the sparse cost model; 0: measured with the latency."),
+    # Set by the elastic launcher (perseusrun --host-discovery-script ...) for the ranks it starts.
+    Knob("elastic_driver", ("PERSEUS_ELASTIC_DRIVER",), str, "",
+         doc="Set by the elastic launcher: host:port of its driver, which each rank reports to and hears host "
+             "changes from. Not for people to set."),
+    Knob("elastic_token", ("PERSEUS_ELASTIC_TOKEN",), str, "",
+         doc="Set by the elastic launcher: the secret ranks present to its driver and to the checkpoint "
+             "keepers. Not for people to set."),
+    Knob("elastic_generation", ("PERSEUS_ELASTIC_GENERATION",), int, 0,
+         doc="Set by the elastic launcher: how many times the job has been re-formed (0: first launch). A "
+             "rank of a later generation restores the last commit from the keepers. Not for people to set."),
+    Knob("elastic_hosts", ("PERSEUS_ELASTIC_HOSTS",), str, "",
+         doc="Set by the elastic launcher: host:slots of this generation, in rank order. Not for people to set."),
+    Knob("elastic_keepers", ("PERSEUS_ELASTIC_KEEPERS",), str, "",
+         doc="Set by the elastic launcher: host=address:port of every running checkpoint keeper, "
+             "comma-separated. Not for people to set."),
+    Knob("elastic_heartbeat_timeout", ("PERSEUS_ELASTIC_HEARTBEAT_TIMEOUT",), float, 10.0, unit="s",
+         doc="Elastic launcher: a rank silent this long (stopped, or its host cut off) is taken as failed; its "
+             "host is blacklisted and the job re-formed without it."),
+    Knob("gemini_peers", ("PERSEUS_GEMINI_PEERS",), int, 1, unit="hosts",
+         doc="Elastic jobs: besides the copy in its own host's keeper, each rank's commit is copied to this "
+             "many other hosts' keepers (the next ones on the ring of hosts), so the state survives the loss "
+             "of that many hosts. 0: local copy only."),
+    Knob("gemini_chunk_bytes", ("PERSEUS_GEMINI_CHUNK_BYTES",), int, 4 << 20, unit="bytes",
+         doc="Elastic jobs: commits travel to the keepers in chunks of this size, sent by a background thread "
+             "between the training's own traffic."),
+    Knob("gemini_sync", ("PERSEUS_GEMINI_SYNC",), bool, False,
+         doc="Elastic jobs: commit() returns only once every copy of the commit is stored in the keepers. Off "
+             "(the default): commit() returns once the state is snapshotted in memory, the copies travel in the "
+             "background and the next commit waits for them."),
+    Knob("gemini_disk_dir", ("PERSEUS_GEMINI_DISK_DIR",), str, "",
+         doc="Elastic jobs: also write every PERSEUS_GEMINI_DISK_EVERY-th commit of rank 0 to this directory "
+             "(the last place a restore looks, after the keepers' memory). Empty: no disk copy."),
+    Knob("gemini_disk_every", ("PERSEUS_GEMINI_DISK_EVERY",), int, 100, unit="commits",
+         doc="Elastic jobs with PERSEUS_GEMINI_DISK_DIR: how often a commit is also written to disk."),
 )
 
 _BY_NAME = {k.name: k for k in KNOBS}

@@ -46,6 +46,13 @@ class TensorFlowState(ObjectState):
             var.assign(value)
         super().restore()
 
+    def snapshot_payload(self):
+        return {"objects": self._saved_state, "variables": [v.numpy() for v in self._values]}
+
+    def load_snapshot_payload(self, payload):
+        self._values = [tf.constant(a) for a in payload["variables"]]
+        self._saved_state = dict(payload["objects"])
+
     def sync(self):
         if self.variables:
             broadcast_variables(self.variables, root_rank=0)

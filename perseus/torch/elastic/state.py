@@ -60,6 +60,21 @@ class TorchState(ObjectState):
             handler.reset()
         super().reset()
 
+    def snapshot_payload(self):
+        """The last commit with every tensor as a NumPy array (sent to the keepers without a copy)."""
+        return {"objects": _to_numpy(self._saved_state),
+                "handlers": {name: _to_numpy(h.payload()) for name, h in self._handlers.items()}}
+
+    def load_snapshot_payload(self, payload):
+        handlers = payload.get("handlers", {})
+        missing = sorted(set(self._handlers) - set(handlers))
+        if missing:
+            raise ValueError(f"TorchState: the restored commit has no {', '.join(missing)}; every generation "
+                             f"of an elastic job must build its state with the same attributes")
+        for name, handler in self._handlers.items():
+            handler.load_payload(_from_numpy(handlers[name]))
+        self._saved_state = dict(_from_numpy(payload["objects"]))
+
     def __setattr__(self, name, value):
         handlers = self.__dict__.get("_handlers")
         if handlers is not None and name in handlers and name in self.__dict__:
@@ -97,9 +112,28 @@ class StateHandler:
         self.value = value
         self.save()
 
+    #: The attribute holding the last snapshot (handlers that keep it elsewhere override the two methods below).
+    _saved_attr = None
+
+    def payload(self):
+        """The last snapshot, picklable, for the elastic launcher's checkpoint keepers."""
+        if self._saved_attr is None:
+            raise NotImplementedError(f"{type(self).__name__} cannot be checkpointed to the elastic launcher's "
+                                      f"keepers: define payload() and load_payload()")
+        return getattr(self, self._saved_attr)
+
+    def load_payload(self, payload):
+        """Make ``payload`` (from :meth:`payload`) the last snapshot; ``restore()`` puts it in place."""
+        if self._saved_attr is None:
+            raise NotImplementedError(f"{type(self).__name__} cannot be restored from the elastic launcher's "
+                                      f"keepers: define payload() and load_payload()")
+        setattr(self, self._saved_attr, payload)
+
 
 class ModelStateHandler(StateHandler):
     """``nn.Module``: a deep copy of ``state_dict()``; sync broadcasts parameters and buffers from rank 0."""
+
+    _saved_attr = "_saved_model_state"
 
     def __init__(self, model):
         super().__init__(model)
@@ -118,6 +152,8 @@ class ModelStateHandler(StateHandler):
 
 class OptimizerStateHandler(StateHandler):
     """``optim.Optimizer``: a deep copy of ``state_dict()``; sync broadcasts the state from rank 0."""
+
+    _saved_attr = "_saved_optimizer_state"
 
     def __init__(self, optimizer):
         super().__init__(optimizer)
@@ -139,6 +175,8 @@ class OptimizerStateHandler(StateHandler):
 class SamplerStateHandler(StateHandler):
     """:class:`ElasticSampler`: its ``state_dict()``; sync takes rank 0's epoch and processed count and the
     union of the indices every rank recorded, then reshards."""
+
+    _saved_attr = "_saved_sampler_state"
 
     def __init__(self, sampler):
         super().__init__(sampler)
@@ -162,6 +200,59 @@ class SamplerStateHandler(StateHandler):
 
     def reset(self):
         self.value.reset()
+
+
+class _NumpyTensor:
+    """A CPU tensor travelling as a NumPy array (pickle protocol 5 sends the array's memory out of band)."""
+
+    __slots__ = ("array", "dtype", "requires_grad")
+
+    def __init__(self, array, dtype, requires_grad):
+        self.array, self.dtype, self.requires_grad = array, dtype, requires_grad
+
+    def __getstate__(self):
+        return self.array, self.dtype, self.requires_grad
+
+    def __setstate__(self, state):
+        self.array, self.dtype, self.requires_grad = state
+
+
+def _to_numpy(value):
+    """``value`` with every CPU tensor NumPy can hold replaced by a :class:`_NumpyTensor` sharing its memory
+    (the snapshot is a private copy, so nothing changes it later); other tensors pickle as torch does."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+        if t.device.type == "cpu" and not t.is_sparse and t.dtype not in (torch.bfloat16,) and \
+                not t.is_complex() and not t.is_quantized:
+            return _NumpyTensor(t.contiguous().numpy(), str(t.dtype), bool(value.requires_grad))
+        return value
+    if isinstance(value, dict):
+        return _same_mapping(value, {k: _to_numpy(v) for k, v in value.items()})
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_to_numpy(v) for v in value)
+    return value
+
+
+def _same_mapping(original, items):
+    """``items`` as a mapping of ``original``'s type, keeping a state_dict's ``_metadata`` (module versions)."""
+    if type(original) is dict:
+        return items
+    out = type(original)(items)
+    metadata = getattr(original, "_metadata", None)
+    if metadata is not None:
+        out._metadata = metadata
+    return out
+
+
+def _from_numpy(value):
+    if isinstance(value, _NumpyTensor):
+        t = torch.from_numpy(value.array)
+        return t.requires_grad_(True) if value.requires_grad and t.is_floating_point() else t
+    if isinstance(value, dict):
+        return _same_mapping(value, {k: _from_numpy(v) for k, v in value.items()})
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_from_numpy(v) for v in value)
+    return value
 
 
 _handler_registry = [

@@ -1,0 +1,301 @@
+"""A rank's side of an elastic job started by ``perseusrun --host-discovery-script``.
+
+The launcher's driver starts each *generation* of the job with ``mpirun`` and tells the ranks, through
+``PERSEUS_ELASTIC_*`` variables (knobs ``elastic_*``), where it listens, which hosts this generation has and
+where the checkpoint keepers are. :class:`ElasticSession` is the rank's end of that arrangement:
+
+* a connection to the driver: ``hello``, a heartbeat every second, and the host-change notifications the
+  driver sends (handed to :data:`perseus.common.elastic.notification_manager`, so the next ``commit()`` raises
+  ``HostsUpdatedInterrupt`` on every rank);
+* the Gemini store (:class:`perseus.elastic.gemini.GeminiStore`): each ``commit()`` is copied to this host's
+  keeper and to the next hosts' on the ring; a rank of a later generation restores the newest commit from there;
+* leaving: when the job must be re-formed the rank reports why, makes sure its last commit has landed, and
+  exits; the driver starts the next generation.
+
+Nothing here runs in a job without an elastic launcher: :func:`launcher_attached` is False and
+:func:`session` returns None.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Optional
+
+from perseus.common.knobs import read_knob
+from perseus.elastic import wire
+
+__all__ = ["launcher_attached", "session", "ElasticSession", "EXIT_RESET", "parse_hosts", "parse_keepers"]
+
+log = logging.getLogger("perseus.elastic")
+
+#: Exit status of a rank that leaves so that the job can be re-formed after a failure.
+EXIT_RESET = 75
+_HEARTBEAT_S = 1.0
+_FLUSH_TIMEOUT_S = 30.0
+
+_session: Optional["ElasticSession"] = None
+_session_lock = threading.Lock()
+
+
+def launcher_attached() -> bool:
+    """True in a rank started by the elastic launcher (``PERSEUS_ELASTIC_DRIVER`` is set)."""
+    return bool(read_knob("elastic_driver")[0])
+
+
+def parse_hosts(text: str) -> list[tuple[str, int]]:
+    """``"h0:1,h1:2"`` -> ``[("h0", 1), ("h1", 2)]`` (the generation's hosts in rank order)."""
+    out = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        host, _, slots = item.rpartition(":")
+        out.append((host, int(slots)) if host else (item, 1))
+    return out
+
+
+def parse_keepers(text: str) -> dict[str, tuple[str, int]]:
+    """``"h0=10.0.0.1:4000,h1=..."`` -> ``{"h0": ("10.0.0.1", 4000), ...}``."""
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        host, _, addr = item.partition("=")
+        address, _, port = addr.rpartition(":")
+        out[host] = (address, int(port))
+    return out
+
+
+def host_of_rank(hosts: list[tuple[str, int]], rank: int) -> str:
+    """The host a rank runs on when ranks fill ``hosts`` slot by slot, in order (mpirun --map-by slot)."""
+    first = 0
+    for host, slots in hosts:
+        if rank < first + slots:
+            return host
+        first += slots
+    raise ValueError(f"rank {rank} is beyond the {first} slots of {hosts}")
+
+
+def session(rank: int, size: int) -> Optional["ElasticSession"]:
+    """This process's session with the elastic launcher, started on first use; None without a launcher.
+
+    Raises:
+        ConnectionError: the driver cannot be reached (the launcher is gone).
+    """
+    global _session
+    if not launcher_attached():
+        return None
+    with _session_lock:
+        if _session is None:
+            _session = ElasticSession(rank, size)
+        return _session
+
+
+class ElasticSession:
+    """The rank's connection to the elastic driver and its Gemini checkpoint store (see the module doc)."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+        self.generation = int(read_knob("elastic_generation")[0])
+        self.token = read_knob("elastic_token")[0]
+        self.hosts = parse_hosts(read_knob("elastic_hosts")[0])
+        self.host = host_of_rank(self.hosts, rank) if self.hosts else socket.gethostname()
+        self.version = 0
+        self._send_lock = threading.Lock()
+        self._closed = threading.Event()
+        address, _, port = read_knob("elastic_driver")[0].rpartition(":")
+        try:
+            self._sock = wire.connect(address, int(port), timeout=10.0)
+        except OSError as exc:
+            raise ConnectionError(f"perseus elastic: rank {rank} cannot reach the launcher's driver at "
+                                  f"{address}:{port}: {exc}; the launcher has probably stopped") from None
+        self._sock.settimeout(10.0)
+        self.send({"op": "hello", "token": self.token, "rank": rank, "size": size,
+                   "generation": self.generation, "host": self.host, "pid": os.getpid()})
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._install_sigterm()
+        self._store = self._make_store()
+        threading.Thread(target=self._heartbeat, name="perseus-elastic-heartbeat", daemon=True).start()
+        threading.Thread(target=self._receive, name="perseus-elastic-driver", daemon=True).start()
+
+    # -- the driver connection ------------------------------------------------------------------------------
+
+    def send(self, header: dict) -> bool:
+        """Send one message to the driver; False if the connection is gone (the driver then sees a drop)."""
+        with self._send_lock:
+            try:
+                wire.send_msg(self._sock, header)
+                return True
+            except OSError:
+                return False
+
+    def _heartbeat(self) -> None:
+        while not self._closed.wait(_HEARTBEAT_S):
+            if not self.send({"op": "heartbeat"}):
+                return
+
+    def _receive(self) -> None:
+        from perseus.common.elastic import notification_manager
+
+        while not self._closed.is_set():
+            try:
+                ready, _, _ = select.select([self._sock, self._wake_r], [], [], 1.0)
+            except (OSError, ValueError):
+                return
+            if self._wake_r in ready:
+                try:
+                    signals = self._wake_r.recv(64)
+                except OSError:
+                    signals = b""
+                if signal.SIGTERM in signals:
+                    # mpirun is tearing this generation down (another rank failed): say so, and go.
+                    self.send({"op": "exit", "reason": "terminated", "detail": "SIGTERM"})
+                    self._flush_std()
+                    os._exit(128 + signal.SIGTERM)
+            if self._sock in ready:
+                try:
+                    header, _ = wire.recv_msg(self._sock)
+                except (OSError, wire.WireError):
+                    return
+                if header.get("op") == "hosts_updated":
+                    notification_manager.handle_hosts_updated(float(header["timestamp"]), int(header["update"]))
+
+    def _install_sigterm(self) -> None:
+        """Let the receiver thread hear SIGTERM at once, whatever the main thread is doing (a signal's Python
+        handler only runs when the main thread next executes Python code)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            self._wake_w.setblocking(False)
+            previous_fd = signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
+            if previous_fd != -1:  # someone else (an event loop) owns the wake-up fd: leave it to them
+                signal.set_wakeup_fd(previous_fd)
+                return
+            if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+                signal.signal(signal.SIGTERM, lambda *_: None)  # the receiver thread acts on it
+        except (ValueError, OSError):
+            pass
+
+    # -- Gemini ------------------------------------------------------------------------------------------------
+
+    def _make_store(self):
+        from perseus.elastic.gemini import GeminiStore
+
+        keepers = parse_keepers(read_knob("elastic_keepers")[0])
+        ring = [h for h, _ in self.hosts] or [self.host]
+        return GeminiStore(
+            keepers, ring, self.host, self.rank, self.token, peers=int(read_knob("gemini_peers")[0]),
+            chunk_bytes=int(read_knob("gemini_chunk_bytes")[0]),
+            replication="sync" if read_knob("gemini_sync")[0] else "async", disk_dir=read_knob("gemini_disk_dir")[0],
+            disk_every=int(read_knob("gemini_disk_every")[0]),
+            on_durable=lambda v: self.send({"op": "durable", "version": int(v)}))
+
+    @property
+    def store(self):
+        return self._store
+
+    def commit(self, state) -> None:
+        """Hand the state's latest snapshot to the keepers as the next version (every rank, at every commit)."""
+        self.version += 1
+        self._store.put(self.version, state.snapshot_payload())
+
+    def restore(self, state, bcast_object) -> Optional[int]:
+        """Put the newest committed state back (a collective: every rank calls it at the start of a later
+        generation). Rank 0 finds the newest version the keepers (or the disk copy) hold and tells the others;
+        each rank loads its own copy of that version where one exists (else the lowest rank's), then
+        ``state.restore()``. Returns the version, or None when nothing was ever committed (the job then starts
+        from the state the script built).
+
+        Raises:
+            LookupError: a rank cannot fetch the version rank 0 found (no keeper holding it is reachable).
+        """
+        found = None
+        if self.rank == 0:
+            latest = self._store.latest()
+            if latest is not None:
+                version, owners = latest
+                found = (int(version), sorted(int(o) for o in owners))
+        found = bcast_object(found)
+        if found is None:
+            self.send({"op": "restored", "version": None, "source": "none", "seconds": 0.0})
+            if self.rank == 0:
+                log.warning("perseus elastic: generation %d starts from the script's initial state: no commit "
+                            "was found in the keepers", self.generation)
+            return None
+        version, owners = found
+        owner = self.rank if self.rank in owners else owners[0]
+        payload, source, seconds = self._store.get(version, owner)
+        state.load_snapshot_payload(payload)
+        state.restore()
+        self.version = version
+        self.send({"op": "restored", "version": version, "source": source, "seconds": float(seconds)})
+        if self.rank == 0:
+            log.warning("perseus elastic: generation %d restored commit %d from %s memory in %.3f s",
+                        self.generation, version, source, seconds)
+        return version
+
+    # -- leaving -----------------------------------------------------------------------------------------------
+
+    def report_done(self) -> None:
+        """The training function returned on this rank: its last commit is flushed and the driver told."""
+        self._store.flush(_FLUSH_TIMEOUT_S)
+        self.send({"op": "exit", "reason": "done", "detail": ""})
+
+    def report_error(self, error: BaseException) -> None:
+        """An exception from the user's code ends the job: tell the driver what it was (type, message and
+        where), so that it can say so and stop instead of re-forming the job around a bug."""
+        tail = "".join(traceback.format_exception(type(error), error, error.__traceback__)[-3:]).strip()
+        self.send({"op": "exit", "reason": "error", "detail": f"{type(error).__name__}: {error}\n{tail}"})
+
+    def leave_for_reset(self, error: BaseException, graceful: bool) -> None:
+        """Leave so that the driver re-forms the job; never returns.
+
+        ``graceful`` (hosts changed; every rank raised at the same commit and the engine still works): the last
+        commit is flushed, perseus and MPI are shut down and the process exits 0. Otherwise (a collective
+        failed, perhaps because a peer died) the last commit is flushed as far as it can be and the process
+        exits with :data:`EXIT_RESET` at once.
+        """
+        durable = self._store.flush(_FLUSH_TIMEOUT_S)
+        if not durable:
+            log.warning("perseus elastic: rank %d leaves with its last commit not fully copied", self.rank)
+        reason = "hosts changed" if graceful else f"{type(error).__name__}: {error}"
+        self.send({"op": "exit", "reason": "reset", "detail": reason})
+        code = EXIT_RESET
+        if graceful:
+            try:
+                from perseus.common.basics import _STATE
+
+                _STATE.shutdown()
+                from perseus.transport.mpi import load_mpi
+
+                mpi = load_mpi()
+                if mpi.Is_initialized() and not mpi.Is_finalized():
+                    mpi.Finalize()
+                code = 0
+            except Exception as exc:  # noqa: BLE001 - leaving anyway; the driver re-forms the job
+                log.warning("perseus elastic: clean shutdown before the re-form failed: %s", exc)
+        self.close()
+        self._flush_std()
+        os._exit(code)
+
+    def close(self) -> None:
+        self._closed.set()
+        try:
+            self._store.close()
+        except Exception:  # noqa: BLE001
+            pass
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    @staticmethod
+    def _flush_std() -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass

@@ -353,7 +353,7 @@ def _give_up(error: BaseException, resets: int, limit: int) -> BaseException:
     return new
 
 
-def run_fn(func, reset):
+def run_fn(func, reset, init_on=None):
     """Wrap ``func(state, *args, **kwargs)`` in the elastic retry loop; ``reset()`` restarts the framework.
 
     Each attempt syncs the state from rank 0 (unless the previous attempt ended in a hosts-removed interrupt),
@@ -361,13 +361,16 @@ def run_fn(func, reset):
     ``HostsUpdatedInterrupt`` it is kept. Then ``reset()`` and ``state.on_reset()`` run and the loop starts
     again. Any other exception propagates at once. After :func:`reset_limit` resets the next elastic error
     propagates, re-raised with a message explaining why.
+
+    Under the elastic launcher (``perseusrun --host-discovery-script``) the loop is :func:`_run_relaunched`
+    instead; ``init_on(comm)`` restarts the framework on a given communicator (the survivors' after a failure).
     """
 
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
         session = _launcher_session()
         if session is not None:
-            return _run_relaunched(session, func, state, args, kwargs)
+            return _run_relaunched(session, func, state, args, kwargs, init_on)
         notification_manager.init()
         limit = reset_limit()
         notification_manager.register_listener(state)
@@ -426,31 +429,44 @@ def _launcher_session():
     return worker.session(_STATE.rank(), _STATE.size())
 
 
-def _run_relaunched(session, func, state, args, kwargs):
+def _run_relaunched(session, func, state, args, kwargs, init_on):
     """One generation of a job under the elastic launcher.
 
     A later generation first restores the newest commit from the keepers (every rank, collectively) and runs
     the reset callbacks (``size()`` may have changed); then the state is synced from rank 0 and ``func`` runs.
-    Every ``commit()`` is copied to the keepers. When the job must be re-formed (``HorovodInternalError``: a
-    collective failed, perhaps because a peer died; ``HostsUpdatedInterrupt``: hosts were added or removed) the
-    rank flushes its last commit, tells the driver and exits; the driver starts the next generation, whose
-    ranks carry on from that commit. An exception from ``func`` itself is reported to the driver, which ends
-    the job, and propagates.
+    Every ``commit()`` is also copied to the keepers.
+
+    ``HorovodInternalError`` (a collective failed, perhaps because a rank died): every survivor restores its
+    last commit from its own memory and, where MPI can (ULFM), the survivors re-form the job among themselves
+    in process (``init_on(comm)`` restarts perseus on the shrunk communicator), run the reset callbacks, sync
+    from the new rank 0 and call ``func`` again. Where it cannot, the rank flushes its last commit, tells the
+    driver and exits; the driver starts a new generation, whose ranks restore from the keepers.
+    ``HostsUpdatedInterrupt`` (hosts added or removed): every rank flushes, tells the driver and exits at the
+    same commit; the driver starts the next generation on the new hosts. An exception from ``func`` itself is
+    reported to the driver, which ends the job, and propagates.
     """
+    from perseus.common.process_sets import global_process_set
+
     state._elastic_session = session
     notification_manager.register_listener(state)
     try:
         if session.generation > 0:
             session.restore(state, state._bcast_object)
             state.on_reset()
-        state.sync()
-        result = func(state, *args, **kwargs)
-    except HorovodInternalError as e:
-        log.warning("perseus elastic: rank %d: %s: %s; leaving so that the job is re-formed from the last commit",
-                    session.rank, type(e).__name__, e)
-        session.leave_for_reset(e, graceful=False)
-    except HostsUpdatedInterrupt as e:
-        session.leave_for_reset(e, graceful=True)
+        while True:
+            try:
+                state.sync()
+                result = func(state, *args, **kwargs)
+                break
+            except HorovodInternalError as e:
+                log.warning("perseus elastic: rank %d: %s: %s", session.rank, type(e).__name__, e)
+                state.restore()
+                if not (init_on is not None and session.in_process
+                        and session.recover_in_process(global_process_set.mpi_comm, init_on)):
+                    session.leave_for_reset(e, graceful=False)
+                state.on_reset()
+            except HostsUpdatedInterrupt as e:
+                session.leave_for_reset(e, graceful=True)
     except BaseException as e:
         if not isinstance(e, (KeyboardInterrupt, SystemExit)):
             session.report_error(e)

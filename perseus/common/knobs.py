@@ -325,6 +325,11 @@ KNOBS: tuple[Knob, ...] = (
     Knob("elastic_keepers", ("PERSEUS_ELASTIC_KEEPERS",), str, "",
          doc="Set by the elastic launcher: host=address:port of every running checkpoint keeper, "
              "comma-separated. Not for people to set."),
+    Knob("elastic_in_process", ("PERSEUS_ELASTIC_IN_PROCESS",), bool, True,
+         doc="Elastic jobs: when a rank dies, the survivors re-form the job among themselves without "
+             "restarting (MPI's fault-tolerance extension, ULFM: revoke, shrink, re-initialise), restoring their "
+             "last commit from their own memory, when the MPI supports it; otherwise, or when this is off, the "
+             "launcher starts the job again and the ranks restore from the keepers."),
     Knob("elastic_heartbeat_timeout", ("PERSEUS_ELASTIC_HEARTBEAT_TIMEOUT",), float, 10.0, unit="s",
          doc="Elastic launcher: a rank silent this long (stopped, or its host cut off) is taken as failed; its "
              "host is blacklisted and the job re-formed without it."),

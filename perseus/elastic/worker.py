@@ -115,6 +115,11 @@ class ElasticSession:
         self._sock.settimeout(10.0)
         self.send({"op": "hello", "token": self.token, "rank": rank, "size": size,
                    "generation": self.generation, "host": self.host, "pid": os.getpid()})
+        if self.in_process:
+            from perseus.transport.mpi import load_mpi
+
+            mpi = load_mpi()
+            mpi.COMM_WORLD.Set_errhandler(mpi.ERRORS_RETURN)  # a dead peer is an error to handle, not an abort
         self._wake_r, self._wake_w = socket.socketpair()
         self._install_sigterm()
         self._store = self._make_store()
@@ -160,8 +165,23 @@ class ElasticSession:
                     header, _ = wire.recv_msg(self._sock)
                 except (OSError, wire.WireError):
                     return
-                if header.get("op") == "hosts_updated":
+                op = header.get("op")
+                if op == "hosts_updated":
                     notification_manager.handle_hosts_updated(float(header["timestamp"]), int(header["update"]))
+                elif op == "abort":
+                    self._abort_engine(str(header.get("detail", "another rank failed")))
+
+    @staticmethod
+    def _abort_engine(detail: str) -> None:
+        """The driver saw a rank fail: fail this rank's pending collectives now (they would otherwise wait for
+        the dead rank until a timeout), so that the training function gets ``HorovodInternalError``."""
+        from perseus.common.basics import _STATE
+
+        try:
+            if _STATE.is_initialized():
+                _STATE.engine.abort(f"perseus elastic: {detail}")
+        except Exception as exc:  # noqa: BLE001 - the engine may be shutting down already
+            log.debug("abort after a failure elsewhere: %s", exc)
 
     def _install_sigterm(self) -> None:
         """Let the receiver thread hear SIGTERM at once, whatever the main thread is doing (a signal's Python
@@ -236,6 +256,60 @@ class ElasticSession:
             log.warning("perseus elastic: generation %d restored commit %d from %s memory in %.3f s",
                         self.generation, version, source, seconds)
         return version
+
+    # -- re-forming in process (ULFM) ---------------------------------------------------------------------------
+
+    @property
+    def in_process(self) -> bool:
+        """True when the launcher started this generation with MPI's fault-tolerance extension on and
+        in-process recovery is allowed (knob ``elastic_in_process``)."""
+        if not read_knob("elastic_in_process")[0]:
+            return False
+        from perseus.transport.mpi import load_mpi
+
+        return hasattr(load_mpi().Comm, "Shrink")
+
+    def recover_in_process(self, comm, init) -> bool:
+        """Re-form the job among the ranks still alive, without restarting them; True on success.
+
+        Every surviving rank calls this after ``HorovodInternalError``: perseus is shut down, ``comm`` (the
+        communicator perseus ran on) is revoked so that no survivor keeps waiting in it, and shrunk to the
+        ranks still alive (MPI agrees on the set); ``init(new_comm)`` starts perseus again. Ranks are numbered
+        anew in their old order. The driver is told, and decides whether the smaller job may go on. False (the
+        caller then leaves for a relaunch) when MPI cannot shrink the communicator.
+        """
+        from perseus.common.basics import _STATE
+
+        start = time.monotonic()
+        old_rank = self.rank
+        _STATE.shutdown()
+        try:
+            comm.Revoke()
+        except Exception:  # noqa: BLE001 - already revoked by another survivor, or nothing to revoke
+            pass
+        try:
+            new = comm.Shrink()
+        except Exception as exc:  # noqa: BLE001 - no ULFM at run time: relaunch instead
+            log.warning("perseus elastic: rank %d cannot re-form the job in process (%s); leaving for a relaunch",
+                        old_rank, exc)
+            return False
+        from perseus.transport.mpi import load_mpi
+
+        new.Set_errhandler(load_mpi().ERRORS_RETURN)
+        self.rank, self.size = new.Get_rank(), new.Get_size()
+        ring = []
+        for host in new.allgather(self.host):
+            if host not in ring:
+                ring.append(host)
+        self.version = new.bcast(self.version, root=0)
+        self._store.set_ring(ring, self.rank)
+        init(new)
+        seconds = time.monotonic() - start
+        self.send({"op": "recovered", "rank": self.rank, "size": self.size, "old_rank": old_rank,
+                   "seconds": seconds})
+        if self.rank == 0:
+            log.warning("perseus elastic: job re-formed in process on %d rank(s) in %.3f s", self.size, seconds)
+        return True
 
     # -- leaving -----------------------------------------------------------------------------------------------
 

@@ -64,10 +64,15 @@ def run(func):
     """Decorator running ``func(state, *args, **kwargs)`` in the elastic retry loop (see
     :func:`perseus.common.elastic.run_fn`): on ``HorovodInternalError`` every rank restores its last commit,
     perseus restarts, the state is synced from rank 0 and ``func`` runs again."""
-    return run_fn(func, _reset)
+    return run_fn(func, _reset, _init_on)
 
 
 def _reset():
     comm = global_process_set.mpi_comm
     shutdown()
+    init(comm=comm)
+
+
+def _init_on(comm):
+    """Start perseus on ``comm`` (the survivors' communicator after a rank failed in an elastic job)."""
     init(comm=comm)

@@ -40,7 +40,7 @@ def run(func):
 
     Process sets other than the global one do not survive a reset; re-create them in a reset callback.
     """
-    return run_fn(func, _reset)
+    return run_fn(func, _reset, _init_on)
 
 
 def _reset():
@@ -51,4 +51,9 @@ def _reset():
     """
     comm = global_process_set.mpi_comm
     shutdown()
+    init(comm=comm)
+
+
+def _init_on(comm):
+    """Start perseus on ``comm`` (the survivors' communicator after a rank failed in an elastic job)."""
     init(comm=comm)

@@ -1,0 +1,119 @@
+"""Unit tests for what an elastic rank hands to the checkpoint keepers: state payloads (perseus.torch.elastic,
+perseus.common.elastic) and the launcher variables a rank parses (perseus.elastic.worker). One process."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+import perseus.torch as hvd
+from perseus.common.elastic import ObjectState
+from perseus.elastic import worker
+from perseus.torch.elastic import ElasticSampler, TorchState
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def perseus_job():
+    hvd.init()
+    yield
+    hvd.shutdown()
+
+
+def travel(payload):
+    """What the keepers do to a payload: pickle protocol 5, arrays out of band, then back."""
+    buffers = []
+    data = pickle.dumps(payload, protocol=5, buffer_callback=buffers.append)
+    return pickle.loads(data, buffers=[bytearray(b.raw()) for b in buffers]), len(buffers)
+
+
+def make(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    sampler = ElasticSampler(list(range(20)), shuffle=True, seed=3)
+    return model, opt, sampler
+
+
+def test_torch_state_payload_round_trip_into_another_process_state():
+    model, opt, sampler = make(0)
+    sampler.record_batch(0, 3)
+    state = TorchState(model, opt, sampler=sampler, epoch=4, note={"a": [1, 2]})
+    state.commit()
+    payload, n_buffers = travel(state.snapshot_payload())
+    assert n_buffers >= 8  # the tensors travelled out of band
+
+    other_model, other_opt, other_sampler = make(1)
+    other = TorchState(other_model, other_opt, sampler=other_sampler, epoch=0, note=None)
+    other.load_snapshot_payload(payload)
+    other.restore()
+    for a, b in zip(model.state_dict().values(), other_model.state_dict().values()):
+        assert torch.equal(a, b)
+    assert other.epoch == 4 and other.note == {"a": [1, 2]}
+    assert other_opt.state_dict()["state"][0]["exp_avg"].equal(opt.state_dict()["state"][0]["exp_avg"])
+    assert other_sampler.state_dict() == sampler.state_dict()
+    # The optimizer still steps after the restore (its state tensors are real tensors again).
+    other_model(torch.randn(4, 8)).sum().backward()
+    other_opt.step()
+
+
+def test_payload_is_the_commit_not_later_changes():
+    model, opt, _ = make(0)
+    state = TorchState(model, opt, step=1)
+    state.commit()
+    payload = state.snapshot_payload()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    state.step = 2
+    restored, _ = travel(payload)
+    other = TorchState(*make(1)[:2], step=0)
+    other.load_snapshot_payload(restored)
+    other.restore()
+    assert other.step == 1
+    assert not torch.equal(next(other.model.parameters()), next(model.parameters()))
+
+
+def test_payload_keeps_bfloat16_and_state_dict_metadata():
+    model = torch.nn.Linear(3, 3).to(torch.bfloat16)
+    state = TorchState(model)
+    payload, _ = travel(state.snapshot_payload())
+    other = TorchState(torch.nn.Linear(3, 3).to(torch.bfloat16))
+    other.load_snapshot_payload(payload)
+    other.restore()
+    assert torch.equal(other.model.weight, model.weight)
+    assert hasattr(payload["handlers"]["model"], "_metadata")
+
+
+def test_missing_handled_attribute_is_a_clear_error():
+    model, opt, _ = make(0)
+    payload, _ = travel(TorchState(model).snapshot_payload())
+    with pytest.raises(ValueError, match="optimizer"):
+        TorchState(model, opt).load_snapshot_payload(payload)
+
+
+def test_object_state_payload():
+    s = ObjectState(bcast_object=lambda x: x, get_rank=lambda: 0, epoch=1, arr=np.arange(5))
+    s.commit()
+    payload, _ = travel(s.snapshot_payload())
+    t = ObjectState(bcast_object=lambda x: x, get_rank=lambda: 0, epoch=0, arr=None)
+    t.load_snapshot_payload(payload)
+    t.restore()
+    assert t.epoch == 1 and np.array_equal(t.arr, np.arange(5))
+
+
+def test_launcher_variables_parse():
+    hosts = worker.parse_hosts("h0:1,h1:2, h2:1")
+    assert hosts == [("h0", 1), ("h1", 2), ("h2", 1)]
+    assert [worker.host_of_rank(hosts, r) for r in range(4)] == ["h0", "h1", "h1", "h2"]
+    with pytest.raises(ValueError, match="rank 4"):
+        worker.host_of_rank(hosts, 4)
+    assert worker.parse_keepers("h0=10.0.0.1:4000,h1=node-b:51") == {"h0": ("10.0.0.1", 4000),
+                                                                     "h1": ("node-b", 51)}
+    assert not worker.launcher_attached()

@@ -1,0 +1,477 @@
+"""A rank's side of the Gemini checkpoint store: in-memory copies of each commit on this and other hosts.
+
+Gemini (SOSP'23) recovers from failures with checkpoints held in CPU memory: every commit is kept on the
+rank's own host and copied to a few other hosts, and after a failure the newest commit is fetched from the
+fastest place that still has it. Here the memory is the checkpoint keepers' (:mod:`perseus.elastic.keeper`,
+one process per host, so a copy survives its rank), and the order is: this process's own memory
+("memory"), its host's keeper ("local"), other hosts' keepers ("peer"), then an optional disk copy ("disk").
+
+Placement (:func:`placement`) is Gemini's Algorithm 6.1 (mixed placement): with m copies in all and N hosts,
+the hosts form N // m groups of m consecutive hosts and each host sends its commit to the other m - 1 members
+of its group; when m does not divide N the leftover hosts join the last group, where each host sends to the
+next m - 1 hosts of that group's ring. Every host sends and receives m - 1 copies, and when m divides N the
+probability that some copy of every host survives k failed hosts is the best any placement reaches
+(:func:`recovery_probability` computes it exactly, e.g. 0.9333 for N=16, m=2, k=2).
+
+:class:`GeminiStore.put` pickles the payload with protocol 5, its NumPy arrays out of band, so the arrays are
+sent from where they are, never copied; the payload must therefore not change after ``put`` (state
+snapshots never do). One background thread sends each version to every destination in chunks, destination
+after destination, then writes the disk copy when one is due. At most one version is in flight: ``put``
+first waits until the previous version is handled, so a rank never queues more than one commit (with
+replication "sync", ``put`` also waits for its own version). A keeper that cannot be reached is skipped (one
+warning per keeper, then a 10 s pause before it is tried again) and its copy is missing; sockets have
+timeouts, so a dead keeper never stops or fails the training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import math
+import os
+import pickle
+import re
+import socket
+import tempfile
+import threading
+import time
+from typing import Callable, Optional, Sequence, Union
+
+from perseus.elastic import wire
+
+__all__ = ["placement", "recovery_probability", "GeminiStore"]
+
+log = logging.getLogger("perseus.elastic")
+
+_DISK_MAGIC = b"PERSEUS-GEMINI-1\n"
+_DISK_NAME = re.compile(r"^gemini-v(\d+)-r(\d+)\.ckpt$")
+
+
+def placement(hosts: Sequence[str], replicas: int, *, strategy: str = "mixed") -> dict[str, list[str]]:
+    """For each host, the *other* hosts that receive copies of its commits (its own copy stays local).
+
+    ``replicas`` counts every copy, the local one included. ``strategy`` "mixed" is Gemini's Algorithm 6.1
+    (groups of ``replicas`` consecutive hosts, the leftovers in the last group, which uses a ring); "ring"
+    sends every host's copies to the next ``replicas - 1`` hosts of the whole ring (for comparisons). With
+    fewer hosts than replicas every host sends to all the others.
+
+    Raises:
+        ValueError: ``replicas`` < 1, a host named twice, or an unknown strategy.
+    """
+    hosts = list(hosts)
+    if replicas < 1:
+        raise ValueError(f"placement: replicas must be >= 1 (copies in all, the local one included), got {replicas}")
+    if len(set(hosts)) != len(hosts):
+        raise ValueError(f"placement: a host is named twice in {hosts}; pass each host once")
+    if strategy not in ("mixed", "ring"):
+        raise ValueError(f"placement: unknown strategy {strategy!r}; use 'mixed' or 'ring'")
+    n, m = len(hosts), replicas
+    if strategy == "ring" or n <= m:
+        groups = [hosts] if hosts else []
+    else:
+        groups = [hosts[i * m:(i + 1) * m] for i in range(n // m)]
+        groups[-1] = groups[-1] + hosts[(n // m) * m:]
+    out = {}
+    for group in groups:
+        size = len(group)
+        for i, host in enumerate(group):
+            out[host] = [group[(i + j) % size] for j in range(1, min(m, size))]
+    return out
+
+
+def recovery_probability(hosts_or_n: Union[int, Sequence[str]], replicas: int, failures: int, *,
+                         strategy: str = "mixed") -> float:
+    """The probability that every host's commit survives in some copy when ``failures`` hosts, all sets equally
+    likely, fail at once, with :func:`placement`'s copies; computed exactly over every failure set.
+
+    Raises:
+        ValueError: ``failures`` is negative or more than the number of hosts (or :func:`placement`'s errors).
+    """
+    hosts = [str(i) for i in range(hosts_or_n)] if isinstance(hosts_or_n, int) else list(hosts_or_n)
+    if not 0 <= failures <= len(hosts):
+        raise ValueError(f"recovery_probability: failures must be between 0 and {len(hosts)}, got {failures}")
+    index = {h: i for i, h in enumerate(hosts)}
+    holders = {frozenset([index[h]] + [index[d] for d in dests])
+               for h, dests in placement(hosts, replicas, strategy=strategy).items()}
+    lost = sum(1 for failed in itertools.combinations(range(len(hosts)), failures)
+               if any(s.issubset(failed) for s in holders))
+    return 1.0 - lost / math.comb(len(hosts), failures)
+
+
+class _Job:
+    """One version on its way to the keepers (and perhaps the disk)."""
+
+    def __init__(self, version: int, owner: int, parts: list, dests: list, disk: bool):
+        self.version, self.owner, self.parts, self.dests, self.disk = version, owner, parts, dests, disk
+        self.started = False
+        self.done = threading.Event()
+        self.stored: set[str] = set()
+        self.refused: set[str] = set()  # reachable keepers that did not store it
+
+
+class GeminiStore:
+    """Copies this rank's commits to the keepers and fetches them back (see the module doc).
+
+    ``keepers``: host -> (address, port) of every running keeper; ``ring``: the job's hosts in order; ``host``
+    and ``rank``: this rank's; ``peers``: how many other hosts receive a copy; ``replication``: "async" or
+    "sync"; ``disk_dir``/``disk_every``: rank 0 also writes every ``disk_every``-th version there;
+    ``on_durable(v)`` is called from the sender thread once every reachable destination stored version v;
+    ``quiet()``, when given, says whether the training's own collectives are off the network now: each chunk
+    waits for that, at most ``max_defer_s`` seconds.
+
+    Raises:
+        ValueError: an unknown ``replication``, or ``peers`` < 0, ``chunk_bytes`` < 1 or ``disk_every`` < 1.
+    """
+
+    CONNECT_TIMEOUT_S = 5.0
+    IO_TIMEOUT_S = 30.0
+    RETRY_AFTER_S = 10.0
+
+    def __init__(self, keepers: dict[str, tuple[str, int]], ring: list[str], host: str, rank: int, token: str, *,
+                 peers: int = 1, chunk_bytes: int = 4 << 20, replication: str = "async", disk_dir: str = "",
+                 disk_every: int = 100, on_durable: Optional[Callable[[int], None]] = None,
+                 quiet: Optional[Callable[[], bool]] = None, max_defer_s: float = 0.05):
+        if replication not in ("async", "sync"):
+            raise ValueError(f"GeminiStore: replication must be 'async' or 'sync', got {replication!r}")
+        if peers < 0 or chunk_bytes < 1 or disk_every < 1:
+            raise ValueError(f"GeminiStore: need peers >= 0, chunk_bytes >= 1 and disk_every >= 1; got peers={peers}, "
+                             f"chunk_bytes={chunk_bytes}, disk_every={disk_every}")
+        self.keepers = {h: (str(a), int(p)) for h, (a, p) in keepers.items()}
+        self.ring, self.host, self.rank, self.token = list(ring), host, int(rank), token
+        self.peers, self.chunk_bytes, self.replication = int(peers), int(chunk_bytes), replication
+        self.disk_dir, self.disk_every, self.on_durable = disk_dir, int(disk_every), on_durable
+        self.quiet, self.max_defer_s = quiet, float(max_defer_s)
+        self._cond = threading.Condition()
+        self._job: Optional[_Job] = None
+        self._memory: Optional[tuple[int, int, list]] = None  # (version, owner, parts) of the newest put
+        self._closed = False
+        self._send_conns: dict[str, socket.socket] = {}  # used by the sender thread only
+        self._query_conns: dict[str, socket.socket] = {}  # used by the training thread only
+        self._query_lock = threading.Lock()
+        self._down_until: dict[str, float] = {}
+        self._warned: set[str] = set()
+        self._thread = threading.Thread(target=self._sender, name="perseus-gemini-sender", daemon=True)
+        self._thread.start()
+
+    # -- the training thread's calls -----------------------------------------------------------------------------
+
+    def destinations(self) -> list[str]:
+        """The hosts whose keepers receive this rank's next version: its own host's, then its placement's."""
+        out = [self.host] if self.host in self.keepers else []
+        if self.peers and self.host in self.ring:
+            out += [h for h in placement(self.ring, self.peers + 1)[self.host] if h in self.keepers and h not in out]
+        return out
+
+    def put(self, version: int, payload) -> None:
+        """Make ``payload`` version ``version`` of this rank: kept in this process and sent to the keepers (in
+        the background with "async"; before returning with "sync"). Waits first for the previous version.
+
+        Raises:
+            TypeError: the payload cannot be pickled.
+            RuntimeError: the store is closed.
+        """
+        buffers: list[pickle.PickleBuffer] = []
+        try:
+            head = pickle.dumps(payload, protocol=5, buffer_callback=buffers.append)
+        except Exception as exc:  # noqa: BLE001 - pickling raises many types
+            raise TypeError(f"perseus elastic: commit {version} cannot be pickled ({exc}); keep only NumPy arrays and "
+                            f"plain Python objects in the state's payload") from exc
+        parts = [head] + [b.raw() for b in buffers]
+        with self._cond:
+            while self._job is not None and not self._job.done.is_set() and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                raise RuntimeError("perseus elastic: put() on a closed GeminiStore; create a new store")
+            disk = bool(self.disk_dir) and self.rank == 0 and version % self.disk_every == 0
+            job = _Job(int(version), self.rank, parts, self.destinations(), disk)
+            self._memory = (job.version, job.owner, parts)
+            self._job = job
+            self._cond.notify_all()
+        if self.replication == "sync":
+            job.done.wait()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the newest version to be handled; True if every destination (at
+        least one) stored it."""
+        with self._cond:
+            job = self._job
+        if job is None:
+            return True
+        if not job.done.wait(timeout):
+            return False
+        return bool(job.dests) and job.stored == set(job.dests)
+
+    def latest(self) -> Optional[tuple[int, list[int]]]:
+        """The newest version some keeper (or the disk copy, or this process) holds complete, with the sorted
+        owner ranks that have a complete copy of it anywhere; None when there is none. Unreachable keepers are
+        skipped."""
+        found: dict[int, set[int]] = {}
+        for host in self._keeper_order():
+            try:
+                reply, _ = self._query(host, {"op": "list"})
+            except OSError:
+                continue
+            for owner, version in reply.get("complete", {}).items():
+                found.setdefault(int(version), set()).add(int(owner))
+        if self._memory is not None:
+            found.setdefault(self._memory[0], set()).add(self._memory[1])
+        for version, owner in self._disk_files():
+            found.setdefault(version, set()).add(owner)
+        newest = max(found, default=None)
+        return None if newest is None else (newest, sorted(found[newest]))
+
+    def get(self, version: int, owners) -> tuple[object, str, float]:
+        """Version ``version`` of the payload of one of ``owners`` (a rank, or ranks in order of preference)
+        from the fastest place that has one: ``(payload, source, seconds)``, source one of "memory", "local"
+        (this host's keeper), "peer" (another host's keeper), "disk". Every owner is tried at a place before
+        the next, slower place is.
+
+        Raises:
+            LookupError: no place has that version (the message lists the places tried and why each failed).
+        """
+        owners = [int(owners)] if isinstance(owners, int) else [int(o) for o in owners]
+        start = time.monotonic()
+        memory = self._memory
+        if memory is not None and memory[0] == version and memory[1] in owners:
+            payload = pickle.loads(memory[2][0], buffers=[bytearray(p) for p in memory[2][1:]])  # own copy
+            return payload, "memory", time.monotonic() - start
+        tried = ["memory (holds " + (f"version {memory[0]} of rank {memory[1]})" if memory else "nothing)")]
+        for host in self._keeper_order():
+            for owner in owners:
+                try:
+                    reply, parts = self._query(host, {"op": "get", "version": int(version), "owner": owner})
+                except OSError as exc:
+                    tried.append(f"keeper {host} (unreachable: {exc})")
+                    break
+                if reply.get("op") != "data" or len(parts) != int(reply.get("parts", -1)) or not parts:
+                    tried.append(f"keeper {host} for rank {owner} ({reply.get('op')})")
+                    continue
+                source = "local" if host == self.host else "peer"
+                return pickle.loads(parts[0], buffers=parts[1:]), source, time.monotonic() - start
+        if self.disk_dir:
+            for owner in owners:
+                try:
+                    parts = _read_disk(_disk_path(self.disk_dir, version, owner))
+                    return pickle.loads(parts[0], buffers=parts[1:]), "disk", time.monotonic() - start
+                except (OSError, ValueError, KeyError) as exc:
+                    tried.append(f"disk ({exc!r})")
+        raise LookupError(f"perseus elastic: version {version} of rank(s) {owners} is in no reachable place (tried "
+                          f"{'; '.join(tried)}); restore an older version, or set PERSEUS_GEMINI_DISK_DIR")
+
+    def drop_above(self, version: int) -> None:
+        """Make every reachable keeper forget versions newer than ``version`` (the job rolled back to it, so
+        copies of later commits belong to a history that no longer exists). Unreachable keepers are skipped."""
+        for host in self._keeper_order():
+            try:
+                self._query(host, {"op": "drop_above", "version": int(version)})
+            except OSError:
+                continue
+
+    def set_ring(self, ring: list[str], rank: int) -> None:
+        """The job was re-formed: later versions are placed on ``ring`` and belong to rank ``rank``."""
+        with self._cond:
+            self.ring, self.rank = list(ring), int(rank)
+
+    def close(self) -> None:
+        """Stop the sender thread (waiting at most a second) and close every connection."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        for sock in list(self._send_conns.values()):
+            _shut(sock)
+        self._thread.join(1.0)
+        with self._query_lock:
+            for sock in self._query_conns.values():
+                _shut(sock)
+            self._query_conns.clear()
+
+    # -- connections ---------------------------------------------------------------------------------------------
+
+    def _keeper_order(self) -> list[str]:
+        """Own host's keeper first, then the others in ring order from this host on, then any not in the ring."""
+        ring = self.ring
+        at = ring.index(self.host) if self.host in ring else 0
+        order = [self.host] + ring[at + 1:] + ring[:at] + sorted(self.keepers)
+        return [h for i, h in enumerate(order) if h in self.keepers and h not in order[:i]]
+
+    def _open(self, host: str) -> socket.socket:
+        address, port = self.keepers[host]
+        sock = wire.connect(address, port, timeout=self.CONNECT_TIMEOUT_S)
+        try:
+            sock.settimeout(self.IO_TIMEOUT_S)
+            wire.send_msg(sock, {"op": "hello", "token": self.token})
+            reply, _ = wire.recv_msg(sock)
+            if reply.get("op") != "ok":
+                raise ConnectionRefusedError(f"keeper of {host} at {address}:{port} refused the hello: "
+                                             f"{reply.get('detail', reply)}")
+            return sock
+        except BaseException:
+            sock.close()
+            raise
+
+    def _exchange(self, conns: dict, host: str, talk: Callable[[socket.socket], object]):
+        """``talk(sock)`` on the kept connection to ``host``'s keeper, opened lazily and re-opened once."""
+        for attempt in (0, 1):
+            sock = conns.get(host)
+            kept = sock is not None
+            if not kept:
+                sock = conns[host] = self._open(host)
+            try:
+                return talk(sock)
+            except OSError:
+                conns.pop(host, None)
+                _shut(sock)
+                if not kept or attempt:
+                    raise
+
+    def _query(self, host: str, header: dict) -> tuple[dict, list[bytearray]]:
+        def talk(sock):
+            wire.send_msg(sock, header)
+            return wire.recv_msg(sock)
+
+        with self._query_lock:
+            return self._exchange(self._query_conns, host, talk)
+
+    # -- the sender thread ---------------------------------------------------------------------------------------
+
+    def _sender(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and (self._job is None or self._job.started):
+                    self._cond.wait()
+                if self._closed:
+                    if self._job is not None:
+                        self._job.done.set()
+                    return
+                job = self._job
+                job.started = True
+            try:
+                self._send(job)
+            except Exception as exc:  # noqa: BLE001 - the sender must outlive any surprise
+                log.warning("perseus elastic: copying commit %d failed: %s", job.version, exc)
+            finally:
+                with self._cond:
+                    job.done.set()
+                    self._cond.notify_all()
+
+    def _send(self, job: _Job) -> None:
+        for host in job.dests:
+            if self._closed or time.monotonic() < self._down_until.get(host, 0.0):
+                continue
+            try:
+                reply = self._exchange(self._send_conns, host, lambda sock: self._put_version(sock, job))
+            except OSError as exc:
+                self._down_until[host] = time.monotonic() + self.RETRY_AFTER_S
+                if host not in self._warned and not self._closed:
+                    self._warned.add(host)
+                    log.warning("perseus elastic: the checkpoint keeper of %s cannot be reached (%s); rank %d's "
+                                "commits go on without that copy", host, exc, job.owner)
+                continue
+            if host in self._warned:
+                self._warned.discard(host)
+                log.warning("perseus elastic: the checkpoint keeper of %s is reachable again", host)
+            if reply.get("op") == "stored":
+                job.stored.add(host)
+            else:
+                job.refused.add(host)
+                log.warning("perseus elastic: the keeper of %s did not store commit %d: %s", host, job.version,
+                            reply.get("detail", reply))
+        if job.stored and not job.refused and self.on_durable is not None and not self._closed:
+            try:
+                self.on_durable(job.version)
+            except Exception as exc:  # noqa: BLE001 - a callback's failure must not stop the copies
+                log.warning("perseus elastic: the durable-commit callback failed: %s", exc)
+        if job.disk and not self._closed:
+            try:
+                self._write_disk(job)
+            except OSError as exc:
+                log.warning("perseus elastic: writing commit %d to %s failed: %s", job.version, self.disk_dir, exc)
+
+    def _put_version(self, sock: socket.socket, job: _Job) -> dict:
+        views = [memoryview(p).cast("B") for p in job.parts]
+        sizes = [v.nbytes for v in views]
+        key = {"version": job.version, "owner": job.owner}
+        wire.send_msg(sock, dict(key, op="put_begin", nbytes_total=sum(sizes), parts=sizes))
+        for i, view in enumerate(views):
+            for offset in range(0, view.nbytes, self.chunk_bytes):
+                if self._closed:
+                    raise ConnectionAbortedError("the store was closed")
+                self._wait_for_gap()
+                wire.send_msg(sock, dict(key, op="put_chunk", part=i, offset=offset),
+                              [view[offset:offset + self.chunk_bytes]])
+        wire.send_msg(sock, dict(key, op="put_end"))
+        return wire.recv_msg(sock)[0]
+
+    def _wait_for_gap(self) -> None:
+        """Hold the next chunk until the training's own collectives leave the network idle (``quiet()``), at
+        most ``max_defer_s``: Gemini's interleaving of checkpoint traffic into the gaps of gradient traffic."""
+        if self.quiet is None:
+            return
+        deadline = time.monotonic() + self.max_defer_s
+        while not self._closed and time.monotonic() < deadline:
+            try:
+                if self.quiet():
+                    return
+            except Exception:  # noqa: BLE001 - no engine (shut down between generations): nothing to wait for
+                return
+            time.sleep(0.001)
+
+    # -- disk ----------------------------------------------------------------------------------------------------
+
+    def _disk_files(self) -> list[tuple[int, int]]:
+        if not self.disk_dir or not os.path.isdir(self.disk_dir):
+            return []
+        found = (_DISK_NAME.match(name) for name in os.listdir(self.disk_dir))
+        return [(int(m.group(1)), int(m.group(2))) for m in found if m]
+
+    def _write_disk(self, job: _Job) -> None:
+        os.makedirs(self.disk_dir, exist_ok=True)
+        views = [memoryview(p).cast("B") for p in job.parts]
+        header = json.dumps({"version": job.version, "owner": job.owner, "parts": [v.nbytes for v in views]}).encode()
+        fd, tmp = tempfile.mkstemp(prefix=".gemini-", suffix=".tmp", dir=self.disk_dir)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(_DISK_MAGIC + len(header).to_bytes(8, "big") + header)
+                for view in views:
+                    f.write(view)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, _disk_path(self.disk_dir, job.version, job.owner))
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        dir_fd = os.open(self.disk_dir, os.O_RDONLY)
+        with contextlib.suppress(OSError):
+            os.fsync(dir_fd)  # makes the rename durable; some file systems cannot sync a directory
+        os.close(dir_fd)
+        for version, owner in self._disk_files():  # older copies of this owner are superseded
+            if owner == job.owner and version < job.version:
+                os.unlink(_disk_path(self.disk_dir, version, owner))
+
+
+def _disk_path(directory: str, version: int, owner: int) -> str:
+    return os.path.join(directory, f"gemini-v{int(version):012d}-r{int(owner)}.ckpt")
+
+
+def _read_disk(path: str) -> list[bytearray]:
+    """The parts of a disk copy written by :meth:`GeminiStore._write_disk`. Raises OSError or ValueError."""
+    with open(path, "rb") as f:
+        if f.read(len(_DISK_MAGIC)) != _DISK_MAGIC:
+            raise ValueError(f"{path} is not a perseus Gemini checkpoint")
+        header = json.loads(f.read(int.from_bytes(f.read(8), "big")))
+        parts = []
+        for size in header["parts"]:
+            part = bytearray(int(size))
+            if f.readinto(part) != len(part):
+                raise ValueError(f"{path} is truncated")
+            parts.append(part)
+    return parts
+
+
+def _shut(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()

@@ -1,0 +1,390 @@
+"""The checkpoint keeper: one process per host that holds the ranks' committed state in host memory.
+
+Gemini (SOSP'23) keeps checkpoints for failure recovery in CPU memory, on the rank's own host and on a few
+other hosts, so that after a failure the newest commit comes back from memory instead of from disk. The
+elastic launcher starts one keeper per host with :func:`start_keeper`; every rank then copies each commit to
+its own host's keeper and to the keepers :func:`perseus.elastic.gemini.placement` names
+(:class:`perseus.elastic.gemini.GeminiStore`). A keeper outlives the ranks of a generation (a rank that dies
+or a job that is re-formed loses nothing), but not the job: it exits when its stdin reaches end of file, which
+happens when the launcher that started it (through a pipe or ``ssh``) is gone.
+
+Run as ``python -m perseus.elastic.keeper [--bind ADDR] [--port PORT]``. The first line of stdin is the job's
+token (so that it never shows in ``ps``); once listening the keeper prints one line ``PERSEUS_KEEPER_PORT
+<port>`` to stdout. It serves any number of TCP connections, one thread each, with the messages of
+:mod:`perseus.elastic.wire`. A connection starts with ``{"op": "hello", "token": T}`` (answered ``ok``, or
+``error`` and closed on a wrong token); then:
+
+* ``put_begin`` {version, owner, nbytes_total, parts: [sizes]}, ``put_chunk`` {version, owner, part, offset}
+  with one buffer, ..., ``put_end`` {version, owner}: a new version of the owner rank's state. Only
+  ``put_end`` is answered (``stored``, or ``error`` when bytes are missing), so that the chunks stream
+  without waiting. Each part is allocated once, at ``put_begin``, and the chunks are received straight into
+  it. The newest write wins: a completed put replaces the owner's complete version even when its number is
+  not higher (a job that rolled back to an earlier commit numbers its next commits again from there).
+* ``list`` -> {complete: {"<owner>": version}}; ``get`` {version, owner} -> ``data`` {version, owner, parts}
+  with the parts as the message's buffers, or ``missing``; ``drop_above`` {version} -> ``ok``: forgets every
+  version newer than that (a job that rolled back).
+
+Memory: per owner a keeper holds at most two versions, Gemini's two buffers: the newest complete one and one
+in progress (a newer ``put_begin`` of the same owner drops the older in-progress one; a completed version
+frees the previous complete one). A ``get`` being served keeps its version alive until it is sent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import hmac
+import json
+import logging
+import os
+import select
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Optional, Sequence
+
+from perseus.elastic.wire import MAX_HEADER_BYTES, WireError, send_msg
+
+__all__ = ["KeeperProcess", "start_keeper", "serve", "main", "PORT_LINE"]
+
+log = logging.getLogger("perseus.elastic")
+
+PORT_LINE = "PERSEUS_KEEPER_PORT"
+_DRAIN = 1 << 20
+
+
+class _Version:
+    """One version of one owner's state: its parts, and how many bytes of each have arrived."""
+
+    def __init__(self, version: int, sizes: Sequence[int]):
+        self.version = version
+        self.parts = [bytearray(int(n)) for n in sizes]
+        self.received = [0] * len(self.parts)
+        self.broken = ""
+
+    def complete(self) -> bool:
+        return not self.broken and all(got == len(p) for got, p in zip(self.received, self.parts))
+
+
+class _Store:
+    """Per owner rank: the newest complete version and at most one in progress."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.complete: dict[int, _Version] = {}
+        self.pending: dict[int, _Version] = {}
+
+    def newest(self, owner: int) -> int:
+        done = self.complete.get(owner)
+        return done.version if done is not None else -1
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    got, n = 0, view.nbytes
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise WireError(f"connection closed by the peer after {got} of {n} bytes")
+        got += k
+
+
+def _recv_header(sock: socket.socket) -> Optional[dict]:
+    """The next message's JSON header, its buffers left unread; None on a clean close between messages."""
+    raw = bytearray(8)
+    first = sock.recv_into(raw, 8)
+    if first == 0:
+        return None
+    _recv_into(sock, memoryview(raw)[first:])
+    n = int.from_bytes(raw, "big")
+    if n > MAX_HEADER_BYTES:
+        raise WireError(f"message header of {n} bytes is larger than {MAX_HEADER_BYTES}: not a perseus peer")
+    body = bytearray(n)
+    _recv_into(sock, memoryview(body))
+    try:
+        header = json.loads(bytes(body))
+    except ValueError as exc:
+        raise WireError(f"message header is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise WireError("message header is not a JSON object")
+    return header
+
+
+def _drain(sock: socket.socket, n: int) -> None:
+    scratch = memoryview(bytearray(min(n, _DRAIN) or 1))
+    while n > 0:
+        k = min(n, scratch.nbytes)
+        _recv_into(sock, scratch[:k])
+        n -= k
+
+
+class _Connection:
+    """One client: a hello with the token, then any number of requests, answered in order."""
+
+    def __init__(self, sock: socket.socket, store: _Store, token: str):
+        self.sock, self.store, self.token = sock, store, token
+
+    def run(self) -> None:
+        try:
+            hello = _recv_header(self.sock)
+            if hello is None:
+                return
+            _drain(self.sock, sum(int(k) for k in hello.get("nbytes", ())))
+            if hello.get("op") != "hello" or not hmac.compare_digest(str(hello.get("token", "")), self.token):
+                send_msg(self.sock, {"op": "error", "detail": "perseus keeper: wrong or missing job token in "
+                                                              "hello; connect with the job's own token"})
+                return
+            send_msg(self.sock, {"op": "ok"})
+            while True:
+                header = _recv_header(self.sock)
+                if header is None:
+                    return
+                self.handle(header)
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            log.debug("perseus keeper: connection ended: %s", exc)
+        finally:
+            self.sock.close()
+
+    def handle(self, h: dict) -> None:
+        op, store = h.get("op"), self.store
+        sizes = [int(k) for k in h.get("nbytes", ())]
+        if op == "put_chunk":
+            self.put_chunk(h, sizes)
+            return
+        _drain(self.sock, sum(sizes))
+        if op == "put_begin":
+            owner, version, parts = int(h["owner"]), int(h["version"]), [int(n) for n in h["parts"]]
+            if sum(parts) != int(h.get("nbytes_total", sum(parts))) or min(parts, default=0) < 0:
+                raise ValueError(f"put_begin of version {version}: part sizes {parts} do not add up")
+            with store.lock:
+                store.pending.pop(owner, None)  # free the older buffer before allocating the new one
+            entry = _Version(version, parts)  # allocated outside the lock: other owners go on meanwhile
+            with store.lock:
+                store.pending[owner] = entry
+        elif op == "put_end":
+            send_msg(self.sock, self.put_end(int(h["owner"]), int(h["version"])))
+        elif op == "list":
+            with store.lock:
+                complete = {str(o): v.version for o, v in store.complete.items()}
+            send_msg(self.sock, {"op": "list", "complete": complete})
+        elif op == "get":
+            owner, version = int(h["owner"]), int(h["version"])
+            with store.lock:
+                entry = store.complete.get(owner)
+            if entry is None or entry.version != version:
+                send_msg(self.sock, {"op": "missing", "version": version, "owner": owner})
+            else:
+                send_msg(self.sock, {"op": "data", "version": version, "owner": owner, "parts": len(entry.parts)},
+                         entry.parts)
+        elif op == "drop_above":
+            version = int(h["version"])
+            with store.lock:
+                for table in (store.complete, store.pending):
+                    for owner in [o for o, v in table.items() if v.version > version]:
+                        del table[owner]
+            send_msg(self.sock, {"op": "ok"})
+        else:
+            send_msg(self.sock, {"op": "error", "detail": f"perseus keeper: unknown op {op!r}; the rank and the "
+                                                          f"keeper must run the same perseus version"})
+
+    def put_chunk(self, h: dict, sizes: list[int]) -> None:
+        owner, version, part, offset = int(h["owner"]), int(h["version"]), int(h["part"]), int(h["offset"])
+        n = sum(sizes)
+        with self.store.lock:
+            entry = self.store.pending.get(owner)
+        if entry is None or entry.version != version:
+            _drain(self.sock, n)  # an ignored (old) version, or one another put_begin replaced
+            return
+        if len(sizes) != 1 or not 0 <= part < len(entry.parts) or offset < 0 or offset + n > len(entry.parts[part]):
+            entry.broken = f"chunk of {n} bytes at offset {offset} does not fit part {part}"
+            _drain(self.sock, n)
+            return
+        _recv_into(self.sock, memoryview(entry.parts[part])[offset:offset + n])
+        with self.store.lock:
+            entry.received[part] += n
+
+    def put_end(self, owner: int, version: int) -> dict:
+        store = self.store
+        with store.lock:
+            entry = store.pending.get(owner)
+            if entry is None or entry.version != version:
+                return {"op": "error", "detail": f"perseus keeper: version {version} of rank {owner} is not in "
+                                                 f"progress (a newer put replaced it); send it again"}
+            if not entry.complete():
+                del store.pending[owner]
+                missing = sum(len(p) for p in entry.parts) - sum(entry.received)
+                return {"op": "error", "detail": f"perseus keeper: version {version} of rank {owner} is "
+                                                 f"incomplete ({entry.broken or f'{missing} bytes missing'}); "
+                                                 f"send it again"}
+            del store.pending[owner]
+            store.complete[owner] = entry  # the previous complete version is freed here
+        return {"op": "stored", "version": version, "owner": owner}
+
+
+def serve(listener: socket.socket, token: str, stop: threading.Event) -> None:
+    """Accept connections on ``listener`` until ``stop`` is set, each served by its own thread."""
+    store = _Store()
+    listener.settimeout(0.5)
+    while not stop.is_set():
+        try:
+            sock, _ = listener.accept()
+        except socket.timeout:
+            continue
+        except OSError as exc:
+            if stop.is_set():
+                return
+            log.warning("perseus keeper: accept failed (%s); retrying", exc)  # e.g. out of file descriptors
+            time.sleep(0.1)
+            continue
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        threading.Thread(target=_Connection(sock, store, token).run, name="perseus-keeper-conn", daemon=True).start()
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise SystemExit(0)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The keeper process (see the module doc). Returns the exit status: 0 on stdin EOF or SIGTERM, 2 when no
+    token arrives on stdin or the address cannot be bound."""
+    parser = argparse.ArgumentParser(prog="python -m perseus.elastic.keeper", description=__doc__.split("\n")[0])
+    parser.add_argument("--bind", default="0.0.0.0", help="address to listen on (default: all)")
+    parser.add_argument("--port", type=int, default=0, help="port to listen on (default 0: any free port)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s perseus keeper: %(message)s")
+    token = sys.stdin.buffer.readline().decode(errors="replace").strip()
+    if not token:
+        print("perseus keeper: no job token on the first line of stdin; start keepers with "
+              "perseus.elastic.keeper.start_keeper", file=sys.stderr)
+        return 2
+    try:
+        listener = socket.create_server((args.bind, args.port), backlog=128)
+    except OSError as exc:
+        print(f"perseus keeper: cannot listen on {args.bind}:{args.port}: {exc}; pick another --port",
+              file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    threading.Thread(target=serve, args=(listener, token, stop), name="perseus-keeper", daemon=True).start()
+    print(f"{PORT_LINE} {listener.getsockname()[1]}", flush=True)
+    try:
+        while sys.stdin.buffer.read1(65536):
+            pass
+    except (SystemExit, KeyboardInterrupt):
+        pass
+    stop.set()
+    listener.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # connection threads may be blocked in recv; nothing of theirs needs to outlive the job
+
+
+class KeeperProcess:
+    """A keeper started by :func:`start_keeper`: its ``host``, ``port`` and process (``proc``, the local
+    process or the ``ssh`` client)."""
+
+    def __init__(self, host: str, port: int, proc: subprocess.Popen, stderr_tail: collections.deque):
+        self.host, self.port, self.proc = host, port, proc
+        self._stderr_tail = stderr_tail
+
+    def alive(self) -> bool:
+        """True while the keeper (or the ssh connection to it) is running."""
+        return self.proc.poll() is None
+
+    def stderr_tail(self) -> str:
+        """The last lines the keeper wrote to stderr."""
+        return "".join(self._stderr_tail).strip()
+
+    def stop(self) -> None:
+        """Close the keeper's stdin (it then exits), wait up to 5 s, then kill it."""
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(5.0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __repr__(self) -> str:
+        return f"KeeperProcess(host={self.host!r}, port={self.port}, pid={self.proc.pid}, alive={self.alive()})"
+
+
+def _drain_stderr(stream, tail: collections.deque) -> None:
+    for line in iter(stream.readline, b""):
+        tail.append(line.decode(errors="replace"))
+    stream.close()
+
+
+def start_keeper(host: str, token: str, *, python: str = sys.executable, ssh_args: Sequence[str] = (),
+                 local: bool, timeout: float = 20.0, bind: str = "0.0.0.0", port: int = 0) -> KeeperProcess:
+    """Start the keeper of ``host``: a child process (``local``) or one reached with ``ssh -o BatchMode=yes
+    [ssh_args] host``. The token goes to its stdin, which stays open: closing it (:meth:`KeeperProcess.stop`,
+    or this process ending) makes the keeper exit.
+
+    Raises:
+        RuntimeError: the keeper did not report its port within ``timeout`` seconds (it is killed); the
+            message names the host and ends with what the keeper wrote to stderr.
+    """
+    module = [python, "-m", "perseus.elastic.keeper", "--bind", bind, "--port", str(int(port))]
+    if local:
+        env = dict(os.environ)
+        here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        if here not in paths:  # the keeper runs the same perseus as its launcher
+            env["PYTHONPATH"] = os.pathsep.join(paths + [here])
+        cmd = module
+    else:
+        env = None
+        remote = ["exec"]
+        if os.environ.get("PYTHONPATH"):
+            remote += ["env", "PYTHONPATH=" + os.environ["PYTHONPATH"]]
+        cmd = ["ssh", "-o", "BatchMode=yes", *ssh_args, host, " ".join(shlex.quote(a) for a in remote + module)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            start_new_session=True)
+    tail: collections.deque = collections.deque(maxlen=20)
+    threading.Thread(target=_drain_stderr, args=(proc.stderr, tail), name="perseus-keeper-stderr",
+                     daemon=True).start()
+    keeper = KeeperProcess(host, 0, proc, tail)
+    try:
+        proc.stdin.write(token.encode() + b"\n")
+        proc.stdin.flush()
+        keeper.port = _read_port(proc, timeout)
+    except (OSError, RuntimeError) as exc:
+        proc.kill()
+        proc.wait()
+        time.sleep(0.05)  # let the stderr reader take the last lines
+        raise RuntimeError(f"perseus: the checkpoint keeper on {host} did not start ({exc}); check that "
+                           f"{python} can import perseus there. Its stderr: {keeper.stderr_tail() or '(empty)'}"
+                           ) from None
+    return keeper
+
+
+def _read_port(proc: subprocess.Popen, timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+    fd, data = proc.stdout.fileno(), b""
+    while b"\n" not in data:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RuntimeError(f"no {PORT_LINE} line within {timeout:g} s")
+        ready, _, _ = select.select([fd], [], [], left)
+        if ready:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                raise RuntimeError(f"it exited with status {proc.wait()} before reporting its port")
+            data += chunk
+    line = data.split(b"\n", 1)[0].decode(errors="replace").split()
+    if len(line) != 2 or line[0] != PORT_LINE or not line[1].isdigit():
+        raise RuntimeError(f"unexpected first line {data[:200]!r}")
+    return int(line[1])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -75,6 +75,7 @@ Request* HandleTable::new_request(Handle* h) {
   }
   h->requests.push_back(r);
   r->handle = h;
+  open_requests_.fetch_add(1, std::memory_order_relaxed);
   return r;
 }
 
@@ -108,6 +109,7 @@ void HandleTable::clear() {
 
 void HandleTable::finish_request(Request* r, const Error* error) {
   if (r->finished.exchange(true, std::memory_order_acq_rel)) return;
+  open_requests_.fetch_sub(1, std::memory_order_relaxed);
   Handle* h = r->handle;
   if (error != nullptr && *error) {
     std::lock_guard<std::mutex> lock(h->mu);

@@ -109,6 +109,8 @@ class HandleTable {
   void finish_request(Request* r, const Error* error);  // exactly once per request; later calls ignored
   void release_engine(Request* r);                      // the engine will not touch r's memory again
   static void wait(Handle* h, double timeout_s, bool* timed_out);  // no GIL held by the caller
+  // Requests submitted and not yet finished (relaxed; for "is the network quiet now?" questions).
+  int64_t open_requests() const { return open_requests_.load(std::memory_order_relaxed); }
   void set_join_result(Handle* h, int64_t last_rank, const Error* error);
 
  private:
@@ -119,6 +121,7 @@ class HandleTable {
   std::mutex mu_;
   int64_t next_id_ = 0;
   std::unordered_map<int64_t, Handle*> live_;
+  std::atomic<int64_t> open_requests_{0};
   std::vector<Handle*> free_handles_;
 };
 

@@ -513,6 +513,7 @@ class PyEngine {
   }
 
   void clear_handles() { engine_->handles().clear(); }
+  int64_t open_requests() { return engine_->handles().open_requests(); }
   bool clean() const { return engine_->clean(); }
   py::object failed() {
     Error e = engine_->failed();
@@ -594,6 +595,7 @@ PYBIND11_MODULE(_core, m) {
       .def("poll", &PyEngine::poll)
       .def("on_done", &PyEngine::on_done)
       .def("clear_handles", &PyEngine::clear_handles)
+      .def("open_requests", &PyEngine::open_requests)
       .def_property_readonly("clean", &PyEngine::clean)
       .def("failed", &PyEngine::failed)
       .def("set_timeline", &PyEngine::set_timeline)

@@ -135,6 +135,11 @@ class Engine:
         """
         return self._native.wire_bytes(ps_id)
 
+    def open_requests(self) -> int:
+        """Collective requests submitted on this rank and not finished yet, over every process set: 0 when
+        perseus has nothing on the network. Reads a relaxed atomic counter; never waits for the engine."""
+        return self._native.open_requests()
+
     def join(self, ps_id: int = 0) -> int:
         return self._native.join(ps_id)
 

@@ -117,3 +117,96 @@ def test_launcher_variables_parse():
     assert worker.parse_keepers("h0=10.0.0.1:4000,h1=node-b:51") == {"h0": ("10.0.0.1", 4000),
                                                                      "h1": ("node-b", 51)}
     assert not worker.launcher_attached()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Background snapshots (perseus.torch.elastic.snapshot)
+# ---------------------------------------------------------------------------------------------------------
+
+def _values(model, opt):
+    return ([t.clone() for t in model.state_dict().values()],
+            [t.clone() for s in opt.state_dict()["state"].values() for t in s.values() if torch.is_tensor(t)])
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_snapshot_is_the_state_at_commit_even_when_steps_follow_at_once(monkeypatch, mode):
+    monkeypatch.setenv("PERSEUS_ELASTIC_SNAPSHOT", mode)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.BatchNorm1d(512), torch.nn.Linear(512, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = TorchState(model, opt, step=0)
+
+    def train(n):
+        for _ in range(n):
+            opt.zero_grad()
+            model(torch.randn(16, 256)).square().mean().backward()
+            opt.step()
+
+    train(2)
+    state.step = 2
+    state.commit()
+    want = _values(model, opt)
+    train(3)  # step() waits for the background copy before it changes anything
+    state.step = 5
+    payload, _ = travel(state.snapshot_payload())
+    state.restore()
+    got = _values(model, opt)
+    for a, b in zip(want[0] + want[1], got[0] + got[1]):
+        assert torch.equal(a, b)
+    assert state.step == 2
+    other_model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.BatchNorm1d(512), torch.nn.Linear(512, 8))
+    other_opt = torch.optim.SGD(other_model.parameters(), lr=0.1, momentum=0.9)
+    other = TorchState(other_model, other_opt, step=0)
+    other.load_snapshot_payload(payload)
+    other.restore()
+    for a, b in zip(want[0], other_model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_snapshot_buffers_are_reused_every_other_commit():
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.Adam(model.parameters())
+    state = TorchState(model, opt)
+    seen = []
+    for _ in range(4):
+        model(torch.randn(2, 64)).sum().backward()
+        opt.step()
+        state.commit()
+        state._wait_snapshot()
+        seen.append(state._handlers["model"]._saved_model_state["weight"].data_ptr())
+    assert seen[0] == seen[2] and seen[1] == seen[3] and seen[0] != seen[1]
+
+
+def test_a_handler_written_for_horovods_save_still_works():
+    from perseus.torch.elastic import state as state_mod
+
+    class Box:
+        def __init__(self):
+            self.n = 1
+
+    class BoxHandler(state_mod.StateHandler):
+        def __init__(self, value):
+            super().__init__(value)
+            self.save()
+
+        def save(self):
+            self.saved = self.value.n
+
+        def restore(self):
+            self.value.n = self.saved
+
+        def sync(self):
+            pass
+
+    registry = state_mod.get_handler_registry()
+    state_mod.set_handler_registry(registry + [(Box, BoxHandler)])
+    try:
+        box = Box()
+        state = TorchState(box=box)
+        box.n = 5
+        state.commit()
+        box.n = 9
+        state.restore()
+        assert box.n == 5
+    finally:
+        state_mod.set_handler_registry(registry)

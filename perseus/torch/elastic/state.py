@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 
 from perseus.common.elastic import ObjectState, _check_attribute_names
+from perseus.common.knobs import read_knob
+from perseus.torch.elastic.snapshot import Snapshotter
 from perseus.torch.elastic.sampler import ElasticSampler
 from perseus.torch.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                                      broadcast_parameters)
@@ -35,22 +38,60 @@ class TorchState(ObjectState):
     def __init__(self, model=None, optimizer=None, **kwargs):
         kwargs.update(model=model, optimizer=optimizer)
         _check_attribute_names(type(self), kwargs)
+        self._snapshotter = Snapshotter()
+        self._hooked = set()
         self._handlers, plain = _get_handlers(kwargs)
         for name, handler in self._handlers.items():
             setattr(self, name, handler.value)
         super().__init__(bcast_object=broadcast_object, get_rank=rank, **plain)
 
     def save(self):
-        for handler in self._handlers.values():
-            handler.save()
+        """Snapshot the state: tensors only an optimizer of the state changes are copied in the background
+        (its ``step()`` waits for the copy), the rest at once; buffers are reused from commit to commit (see
+        :mod:`perseus.torch.elastic.snapshot`)."""
+        copier = self._snapshotter.begin()
+        background = self._background_tensors()
+        deferred = (lambda t: t.data_ptr() in background) if background else (lambda t: False)
+        for name, handler in self._handlers.items():
+            if "copier" in inspect.signature(handler.save).parameters:
+                handler.save(copier.scoped(name), deferred)
+            else:  # a handler of the program's own, written for Horovod's save()
+                handler.save()
         super().save()
+        self._snapshotter.launch(copier)
+
+    def _background_tensors(self) -> set:
+        """The storage addresses of the tensors the background copy may take: the parameters and state of the
+        state's optimizers (none with PERSEUS_ELASTIC_SNAPSHOT=sync or a DeAR optimizer)."""
+        optimizers = [h.value for h in self._handlers.values() if isinstance(h, OptimizerStateHandler)]
+        if not optimizers or read_knob("elastic_snapshot")[0] != "async" or \
+                any(hasattr(o, "_dear_apply") for o in optimizers):
+            return set()
+        out = set()
+        for opt in optimizers:
+            if id(opt) not in self._hooked:
+                opt.register_step_pre_hook(lambda *_: self._snapshotter.wait_copied())
+                self._hooked.add(id(opt))
+            for group in opt.param_groups:
+                out.update(p.data_ptr() for p in group["params"])
+            for per_param in opt.state.values():
+                out.update(v.data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor))
+        return out
+
+    def _after_snapshot(self, fn):
+        self._snapshotter.after(fn)
+
+    def _wait_snapshot(self):
+        self._snapshotter.wait()
 
     def restore(self):
+        self._snapshotter.wait()
         for handler in self._handlers.values():
             handler.restore()
         super().restore()
 
     def sync(self):
+        self._snapshotter.wait()
         for handler in self._handlers.values():
             handler.sync()
         super().sync()
@@ -62,10 +103,12 @@ class TorchState(ObjectState):
 
     def snapshot_payload(self):
         """The last commit with every tensor as a NumPy array (sent to the keepers without a copy)."""
+        self._snapshotter.wait_copied()
         return {"objects": _to_numpy(self._saved_state),
                 "handlers": {name: _to_numpy(h.payload()) for name, h in self._handlers.items()}}
 
     def load_snapshot_payload(self, payload):
+        self._snapshotter.wait()
         handlers = payload.get("handlers", {})
         missing = sorted(set(self._handlers) - set(handlers))
         if missing:
@@ -96,7 +139,9 @@ class StateHandler:
     def __init__(self, value):
         self.value = value
 
-    def save(self):
+    def save(self, copier=None, deferred=None):
+        """Snapshot the value: deep copies, or (``copier``) copies into reused buffers, in the background for
+        the tensors ``deferred(t)`` allows."""
         raise NotImplementedError()
 
     def restore(self):
@@ -139,8 +184,11 @@ class ModelStateHandler(StateHandler):
         super().__init__(model)
         self.save()
 
-    def save(self):
-        self._saved_model_state = copy.deepcopy(self.value.state_dict())
+    def save(self, copier=None, deferred=None):
+        if copier is None:
+            self._saved_model_state = copy.deepcopy(self.value.state_dict())
+        else:
+            self._saved_model_state = copier.tree("state", self.value.state_dict(), deferred)
 
     def restore(self):
         self.value.load_state_dict(self._saved_model_state)  # copies into the parameters: no aliasing
@@ -159,8 +207,11 @@ class OptimizerStateHandler(StateHandler):
         super().__init__(optimizer)
         self.save()
 
-    def save(self):
-        self._saved_optimizer_state = copy.deepcopy(self.value.state_dict())
+    def save(self, copier=None, deferred=None):
+        if copier is None:
+            self._saved_optimizer_state = copy.deepcopy(self.value.state_dict())
+        else:
+            self._saved_optimizer_state = copier.tree("state", self.value.state_dict(), deferred)
 
     def restore(self):
         # load_state_dict may keep the given tensors as the optimizer's state; give it a copy so later steps
@@ -182,7 +233,7 @@ class SamplerStateHandler(StateHandler):
         super().__init__(sampler)
         self.save()
 
-    def save(self):
+    def save(self, copier=None, deferred=None):
         self._saved_sampler_state = copy.deepcopy(self.value.state_dict())
 
     def restore(self):

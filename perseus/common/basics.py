@@ -117,6 +117,10 @@ class PerseusBasics:
                 _install_abort_hook(MPI)
             for ps in process_sets or ():
                 self._register(ps if isinstance(ps, ProcessSet) else ProcessSet(ps))
+        from perseus.elastic import worker
+
+        if worker.launcher_attached():  # report to the elastic launcher's driver from the start
+            worker.session(rank, size)
 
     @staticmethod
     def _world_comm(MPI, comm):

@@ -188,6 +188,14 @@ class State:
             session.commit(self)
         self.check_host_updates()
 
+    def _after_snapshot(self, fn) -> None:
+        """Run ``fn()`` once the snapshot :meth:`save` just took is complete: here at once; states that copy
+        in the background (``TorchState``) run it after the copy, on their copying thread."""
+        fn()
+
+    def _wait_snapshot(self) -> None:
+        """Wait until the last snapshot (and what :meth:`_after_snapshot` queued) is complete."""
+
     def check_host_updates(self) -> None:
         """Raise ``HostsUpdatedInterrupt`` on every rank if rank 0 has been told that hosts changed.
 

@@ -333,13 +333,22 @@ KNOBS: tuple[Knob, ...] = (
     Knob("elastic_heartbeat_timeout", ("PERSEUS_ELASTIC_HEARTBEAT_TIMEOUT",), float, 10.0, unit="s",
          doc="Elastic launcher: a rank silent this long (stopped, or its host cut off) is taken as failed; its "
              "host is blacklisted and the job re-formed without it."),
+    Knob("elastic_snapshot", ("PERSEUS_ELASTIC_SNAPSHOT",), str, "async", choices=("async", "sync"),
+         doc="TorchState.commit(): 'async' copies the tensors only an optimizer of the state changes (its "
+             "parameters and state) on a background thread while training goes on, the optimizer's step() "
+             "waiting for the copy; 'sync' copies everything before commit() returns. Buffers are reused from "
+             "commit to commit either way."),
     Knob("gemini_peers", ("PERSEUS_GEMINI_PEERS",), int, 1, unit="hosts",
          doc="Elastic jobs: besides the copy in its own host's keeper, each rank's commit is copied to this "
              "many other hosts' keepers (the next ones on the ring of hosts), so the state survives the loss "
              "of that many hosts. 0: local copy only."),
-    Knob("gemini_chunk_bytes", ("PERSEUS_GEMINI_CHUNK_BYTES",), int, 4 << 20, unit="bytes",
+    Knob("gemini_chunk_bytes", ("PERSEUS_GEMINI_CHUNK_BYTES",), int, 1 << 20, unit="bytes",
          doc="Elastic jobs: commits travel to the keepers in chunks of this size, sent by a background thread "
-             "between the training's own traffic."),
+             "when the training's own collectives leave the network idle (each chunk waits at most "
+             "PERSEUS_GEMINI_MAX_DEFER_MS for such a gap)."),
+    Knob("gemini_max_defer_ms", ("PERSEUS_GEMINI_MAX_DEFER_MS",), float, 50.0, unit="ms",
+         doc="Elastic jobs: the longest a chunk of a commit's copy waits for a gap in the training's own "
+             "traffic before it is sent anyway. 0: send at once."),
     Knob("gemini_sync", ("PERSEUS_GEMINI_SYNC",), bool, False,
          doc="Elastic jobs: commit() returns only once every copy of the commit is stored in the keepers. Off "
              "(the default): commit() returns once the state is snapshotted in memory, the copies travel in the "

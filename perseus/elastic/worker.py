@@ -18,6 +18,7 @@ Nothing here runs in a job without an elastic launcher: :func:`launcher_attached
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import select
@@ -39,7 +40,8 @@ log = logging.getLogger("perseus.elastic")
 #: Exit status of a rank that leaves so that the job can be re-formed after a failure.
 EXIT_RESET = 75
 _HEARTBEAT_S = 1.0
-_FLUSH_TIMEOUT_S = 30.0
+_FLUSH_TIMEOUT_S = 30.0        # a rank that finished waits this long for its last commit's copies
+_LEAVE_FLUSH_TIMEOUT_S = 10.0   # a rank leaving for a re-form waits this long (a keeper may be cut off)
 
 _session: Optional["ElasticSession"] = None
 _session_lock = threading.Lock()
@@ -79,6 +81,14 @@ def host_of_rank(hosts: list[tuple[str, int]], rank: int) -> str:
     raise ValueError(f"rank {rank} is beyond the {first} slots of {hosts}")
 
 
+def _network_quiet() -> bool:
+    """True when this rank has no collective on the network (the Gemini copies then go)."""
+    from perseus.common.basics import _STATE
+
+    engine = _STATE._engine
+    return engine is None or engine.open_requests() == 0
+
+
 def session(rank: int, size: int) -> Optional["ElasticSession"]:
     """This process's session with the elastic launcher, started on first use; None without a launcher.
 
@@ -104,6 +114,10 @@ class ElasticSession:
         self.hosts = parse_hosts(read_knob("elastic_hosts")[0])
         self.host = host_of_rank(self.hosts, rank) if self.hosts else socket.gethostname()
         self.version = 0
+        self.state = None               # the state being committed (set by its first commit)
+        self.episode = 0                # in-process recoveries done (the driver numbers its aborts alike)
+        self.force_relaunch = False     # the driver asked for a relaunch rather than an in-process recovery
+        self.recovered_in_process = False
         self._send_lock = threading.Lock()
         self._closed = threading.Event()
         address, _, port = read_knob("elastic_driver")[0].rpartition(":")
@@ -125,6 +139,13 @@ class ElasticSession:
         self._store = self._make_store()
         threading.Thread(target=self._heartbeat, name="perseus-elastic-heartbeat", daemon=True).start()
         threading.Thread(target=self._receive, name="perseus-elastic-driver", daemon=True).start()
+        atexit.register(self._at_exit)
+
+    def _at_exit(self) -> None:
+        """The interpreter is exiting: output flushed, then the driver told (it may end mpirun should MPI's
+        finalisation hang after an in-process recovery)."""
+        self._flush_std()
+        self.send({"op": "bye"})
 
     # -- the driver connection ------------------------------------------------------------------------------
 
@@ -169,6 +190,10 @@ class ElasticSession:
                 if op == "hosts_updated":
                     notification_manager.handle_hosts_updated(float(header["timestamp"]), int(header["update"]))
                 elif op == "abort":
+                    if header.get("relaunch"):
+                        self.force_relaunch = True  # leave for the next generation, whatever happened before
+                    elif int(header.get("episode", 0)) < self.episode:
+                        continue  # a failure this rank has already recovered from in process
                     self._abort_engine(str(header.get("detail", "another rank failed")))
 
     @staticmethod
@@ -211,51 +236,62 @@ class ElasticSession:
             chunk_bytes=int(read_knob("gemini_chunk_bytes")[0]),
             replication="sync" if read_knob("gemini_sync")[0] else "async", disk_dir=read_knob("gemini_disk_dir")[0],
             disk_every=int(read_knob("gemini_disk_every")[0]),
-            on_durable=lambda v: self.send({"op": "durable", "version": int(v)}))
+            on_durable=lambda v: self.send({"op": "durable", "version": int(v)}), quiet=_network_quiet,
+            max_defer_s=float(read_knob("gemini_max_defer_ms")[0]) / 1000.0)
 
     @property
     def store(self):
         return self._store
 
     def commit(self, state) -> None:
-        """Hand the state's latest snapshot to the keepers as the next version (every rank, at every commit)."""
+        """Hand the state's latest snapshot to the keepers as the next version (every rank, at every commit),
+        once the snapshot is complete (a ``TorchState`` copies its tensors in the background)."""
         self.version += 1
-        self._store.put(self.version, state.snapshot_payload())
+        version = self.version
+        self.state = state
+        state._after_snapshot(lambda: self._store.put(version, state.snapshot_payload()))
+
+    def _settle(self) -> None:
+        """Wait for the state's snapshot in progress and its hand-over to the store."""
+        state = getattr(self, "state", None)
+        if state is not None:
+            try:
+                state._wait_snapshot()
+            except Exception as exc:  # noqa: BLE001 - leaving anyway
+                log.warning("perseus elastic: the last snapshot did not complete: %s", exc)
 
     def restore(self, state, bcast_object) -> Optional[int]:
-        """Put the newest committed state back (a collective: every rank calls it at the start of a later
-        generation). Rank 0 finds the newest version the keepers (or the disk copy) hold and tells the others;
-        each rank loads its own copy of that version where one exists (else the lowest rank's), then
-        ``state.restore()``. Returns the version, or None when nothing was ever committed (the job then starts
-        from the state the script built).
+        """Put the newest committed state back at the start of a later generation (a collective: every rank
+        calls it). Rank 0 finds the newest version the keepers (or the disk copy) hold, fetches one copy of it
+        from the fastest place (this host's keeper, another host's, the disk) and loads it; the other ranks
+        receive it through the ``state.sync()`` that follows (in data-parallel training every rank commits the
+        same state). Returns the version, or None when nothing was ever committed (the job then starts from the
+        state the script built).
 
         Raises:
-            LookupError: a rank cannot fetch the version rank 0 found (no keeper holding it is reachable).
+            LookupError: rank 0 cannot fetch the version it found (no place holding it is reachable any more).
         """
         found = None
         if self.rank == 0:
             latest = self._store.latest()
             if latest is not None:
                 version, owners = latest
-                found = (int(version), sorted(int(o) for o in owners))
-        found = bcast_object(found)
-        if found is None:
-            self.send({"op": "restored", "version": None, "source": "none", "seconds": 0.0})
-            if self.rank == 0:
+                found = int(version)
+                payload, source, seconds = self._store.get(version, owners)
+                state.load_snapshot_payload(payload)
+                state.restore()
+                self._store.drop_above(version)
+                log.warning("perseus elastic: generation %d restored commit %d (%s copy) in %.3f s",
+                            self.generation, version, source, seconds)
+                self.send({"op": "restored", "version": version, "source": source, "seconds": float(seconds)})
+            else:
                 log.warning("perseus elastic: generation %d starts from the script's initial state: no commit "
                             "was found in the keepers", self.generation)
-            return None
-        version, owners = found
-        owner = self.rank if self.rank in owners else owners[0]
-        payload, source, seconds = self._store.get(version, owner)
-        state.load_snapshot_payload(payload)
-        state.restore()
-        self.version = version
-        self.send({"op": "restored", "version": version, "source": source, "seconds": float(seconds)})
-        if self.rank == 0:
-            log.warning("perseus elastic: generation %d restored commit %d from %s memory in %.3f s",
-                        self.generation, version, source, seconds)
-        return version
+                self.send({"op": "restored", "version": None, "source": "none", "seconds": 0.0})
+        found = bcast_object([found])[0]  # a list on every rank: the broadcast's name follows the object's type
+        if found is not None:
+            self.version = found
+        return found
 
     # -- re-forming in process (ULFM) ---------------------------------------------------------------------------
 
@@ -263,7 +299,7 @@ class ElasticSession:
     def in_process(self) -> bool:
         """True when the launcher started this generation with MPI's fault-tolerance extension on and
         in-process recovery is allowed (knob ``elastic_in_process``)."""
-        if not read_knob("elastic_in_process")[0]:
+        if not read_knob("elastic_in_process")[0] or self.force_relaunch:
             return False
         from perseus.transport.mpi import load_mpi
 
@@ -303,6 +339,10 @@ class ElasticSession:
                 ring.append(host)
         self.version = new.bcast(self.version, root=0)
         self._store.set_ring(ring, self.rank)
+        if self.rank == 0:  # copies of commits after the one every rank went back to belong to no history now
+            self._store.drop_above(self.version)
+        self.episode += 1
+        self.recovered_in_process = True
         init(new)
         seconds = time.monotonic() - start
         self.send({"op": "recovered", "rank": self.rank, "size": self.size, "old_rank": old_rank,
@@ -315,6 +355,7 @@ class ElasticSession:
 
     def report_done(self) -> None:
         """The training function returned on this rank: its last commit is flushed and the driver told."""
+        self._settle()
         self._store.flush(_FLUSH_TIMEOUT_S)
         self.send({"op": "exit", "reason": "done", "detail": ""})
 
@@ -332,13 +373,23 @@ class ElasticSession:
         failed, perhaps because a peer died) the last commit is flushed as far as it can be and the process
         exits with :data:`EXIT_RESET` at once.
         """
-        durable = self._store.flush(_FLUSH_TIMEOUT_S)
+        self._settle()
+        durable = self._store.flush(_LEAVE_FLUSH_TIMEOUT_S)
         if not durable:
             log.warning("perseus elastic: rank %d leaves with its last commit not fully copied", self.rank)
         reason = "hosts changed" if graceful else f"{type(error).__name__}: {error}"
         self.send({"op": "exit", "reason": "reset", "detail": reason})
         code = EXIT_RESET
-        if graceful:
+        if graceful and self.recovered_in_process:
+            # MPI_Finalize can wait for ever on a job that lost a process: leave without it.
+            try:
+                from perseus.common.basics import _STATE
+
+                _STATE.shutdown()
+                code = 0
+            except Exception as exc:  # noqa: BLE001
+                log.warning("perseus elastic: shutdown before the re-form failed: %s", exc)
+        elif graceful:
             try:
                 from perseus.common.basics import _STATE
 

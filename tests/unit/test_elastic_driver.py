@@ -1,0 +1,154 @@
+"""Unit tests for the elastic launcher's pieces that need no cluster: the discovery script's output, the
+blacklist with its cool-down, the choice of a generation's hosts, and the driver against a fake mpirun."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from perseus.elastic import wire
+from perseus.elastic.discovery import Blacklist, DiscoveryError, HostDiscovery, parse_discovery_output
+from perseus.elastic.driver import ElasticDriver, JobFailed
+from perseus.runner.hosts import HostSlots
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_discovery_lines():
+    assert parse_discovery_output("a:2\nb\n\n# c:9\nd:4  # comment\n", None) == [
+        HostSlots("a", 2), HostSlots("b", 1), HostSlots("d", 4)]
+    assert parse_discovery_output("a:8\nb\n", 2) == [HostSlots("a", 2), HostSlots("b", 2)]
+    assert parse_discovery_output("a:1\na:3\n", None) == [HostSlots("a", 1)]
+    assert parse_discovery_output("", None) == []
+
+
+@pytest.mark.parametrize("text", ["a:0\n", "a b\n", "a:x\n", "this is :: not a host line\n", "a:1:2\n"])
+def test_discovery_garbage_is_named(text):
+    with pytest.raises(DiscoveryError, match="is not a host line"):
+        parse_discovery_output(text, None)
+
+
+def script(tmp_path, body):
+    path = tmp_path / "discover.sh"
+    path.write_text("#!/bin/sh\n" + textwrap.dedent(body))
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def test_discovery_script_failures_say_why(tmp_path):
+    d = HostDiscovery(script(tmp_path, "echo backend unavailable >&2; exit 3\n"))
+    with pytest.raises(DiscoveryError, match="exited with status 3: backend unavailable"):
+        d.run()
+    assert d.last is None
+    d = HostDiscovery(script(tmp_path, "sleep 5\n"), timeout=0.5)
+    with pytest.raises(DiscoveryError, match="did not finish within 0.5 s"):
+        d.run()
+    d = HostDiscovery(script(tmp_path, "echo a:2; echo b:1\n"))
+    assert d.run() == [HostSlots("a", 2), HostSlots("b", 1)] == d.last
+
+
+def test_blacklist_forever_and_with_cooldown():
+    now = [0.0]
+    forever = Blacklist(None, clock=lambda: now[0])
+    assert forever.add("a") == float("inf")
+    now[0] = 1e9
+    assert forever.blocked("a") and not forever.blocked("b")
+    cool = Blacklist((2.0, 4.0), clock=lambda: now[0])
+    first = cool.add("a")
+    assert 2.0 <= first <= 4.0 and cool.blocked("a")
+    now[0] += first + 0.01
+    assert not cool.blocked("a")
+    assert cool.add("a") <= 4.0 and cool.failures("a") == 2
+    assert cool.usable([HostSlots("a", 1), HostSlots("b", 1)]) == [HostSlots("b", 1)]
+    with pytest.raises(ValueError, match="LO <= HI"):
+        Blacklist((5, 1))
+
+
+def make_driver(tmp_path, hosts="a:1\nb:1\n", **kw):
+    args = dict(start=None, discovery=HostDiscovery(script(tmp_path, f"printf '{hosts}'\n")), np_=2, min_np=1,
+                max_np=None, reset_limit=None, blacklist=Blacklist(), elastic_timeout=2.0, heartbeat_timeout=5.0,
+                in_process=False, driver_address="127.0.0.1")
+    args.update(kw)
+    return ElasticDriver(**args)
+
+
+def test_choose_keeps_previous_hosts_first_and_caps_max_np(tmp_path):
+    d = make_driver(tmp_path, max_np=3)
+    usable = [HostSlots("a", 2), HostSlots("b", 2), HostSlots("c", 2)]
+    assert d._choose(usable, [HostSlots("c", 2)]) == [HostSlots("c", 2), HostSlots("a", 1)]
+    d.max_np = None
+    assert d._choose(usable, []) == usable
+
+
+def test_too_few_hosts_fails_naming_min_np(tmp_path):
+    d = make_driver(tmp_path, hosts="a:1\n", np_=2, min_np=2, elastic_timeout=1.0)
+    d._discovered = [HostSlots("a", 1)]
+    with pytest.raises(JobFailed, match="fewer than --min-np 2"):
+        d._wait_for_hosts(2, [])
+    d._discovered = None
+    d._discovery_error = "exited with status 1: down"
+    with pytest.raises(JobFailed, match="host discovery unavailable .*down"):
+        d._wait_for_hosts(2, [])
+
+
+FAKE_RANK = textwrap.dedent("""
+    import os, socket, sys, time
+    sys.path.insert(0, {repo!r})
+    from perseus.elastic import wire
+    addr, _, port = os.environ["PERSEUS_ELASTIC_DRIVER"].rpartition(":")
+    s = wire.connect(addr, int(port), 5)
+    rank = int(sys.argv[1])
+    wire.send_msg(s, dict(op="hello", token=os.environ["PERSEUS_ELASTIC_TOKEN"], rank=rank, size=2,
+                          generation=int(os.environ["PERSEUS_ELASTIC_GENERATION"]), host="localhost",
+                          pid=os.getpid()))
+    mode = os.environ["FAKE_MODE"]
+    if mode == "error" and rank == 1:
+        wire.send_msg(s, dict(op="exit", reason="error", detail="ValueError: boom"))
+        time.sleep(30)
+    wire.send_msg(s, dict(op="heartbeat"))
+    wire.send_msg(s, dict(op="exit", reason="done", detail=""))
+    wire.send_msg(s, dict(op="bye"))
+""")
+
+
+def fake_start(tmp_path, mode):
+    code = tmp_path / "rank.py"
+    code.write_text(FAKE_RANK.format(repo=os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
+
+    def start(hosts, np_, env):
+        cmd = " & ".join(f"{sys.executable} {code} {r}" for r in range(np_)) + " & wait"
+        return subprocess.Popen(["sh", "-c", cmd], env={**os.environ, **env, "FAKE_MODE": mode},
+                                start_new_session=True)
+    return start
+
+
+def test_driver_finishes_when_every_rank_is_done(tmp_path, capsys):
+    d = make_driver(tmp_path, start=fake_start(tmp_path, "done"))
+    assert d.run() == 0
+    assert "the job finished after 0 re-form(s)" in capsys.readouterr().err
+
+
+def test_driver_stops_on_an_error_in_the_training_code(tmp_path, capsys):
+    d = make_driver(tmp_path, start=fake_start(tmp_path, "error"))
+    assert d.run() == 1
+    err = capsys.readouterr().err
+    assert "rank 1 on localhost raised ValueError: boom" in err and "not retried" in err
+
+
+def test_wrong_token_is_refused(tmp_path):
+    from perseus.elastic.ranks import RankServer
+
+    server = RankServer("secret", bind="127.0.0.1")
+    try:
+        sock = wire.connect("127.0.0.1", server.port, 5)
+        wire.send_msg(sock, {"op": "hello", "token": "guess", "rank": 0})
+        sock.settimeout(5)
+        assert sock.recv(1) == b""  # closed
+        assert server.events.empty()
+    finally:
+        server.close()

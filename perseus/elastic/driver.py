@@ -74,7 +74,8 @@ class _Generation:
         self.np = sum(h.slots for h in hosts)
         self.links: list[RankLink] = []
         self.started = time.monotonic()
-        self.episode = 0                      # in-process recoveries asked of the ranks
+        self.episode = 0                      # in-process recoveries asked of the ranks, or reported by them
+        self.counted = 0                      # recoveries counted against --reset-limit
         self.recovering_since: Optional[float] = None
         self.recovered: set[int] = set()
         self.notified: Optional[tuple] = None   # the host set the ranks were last told about
@@ -360,6 +361,11 @@ class ElasticDriver:
                     f"{float(header.get('seconds', 0)):.3f} s")
         elif op == "recovered":
             link.rank, link.size = int(header["rank"]), int(header["size"])
+            episode = int(header.get("episode", gen.episode))
+            if episode > gen.counted:  # the ranks re-formed by themselves: a collective failed on every rank
+                gen.counted = gen.episode = episode
+                gen.recovering_since = gen.recovering_since or time.monotonic()
+                self._count_reset("a collective failed on every rank")
             gen.recovered.add(id(link))
             if gen.recovering_since is not None and len(gen.recovered) >= len(gen.live()):
                 say(f"the job re-formed in process on {link.size} rank(s) in "
@@ -367,10 +373,11 @@ class ElasticDriver:
                 gen.recovering_since = None
 
     def _on_death(self, gen: _Generation, link: RankLink) -> None:
+        if gen.leaving is not None:  # the generation is stopping: MPI may take the survivors down with it
+            say(f"{link} ended while generation {gen.number} was stopping")
+            return
         say(f"{link} died: its connection closed without a report")
         self._blacklist(link.host)
-        if gen.leaving is not None:
-            return
         live = gen.live()
         same_host = [l for l in live if l.host == link.host]
         if len(live) < self.min_np:
@@ -384,6 +391,7 @@ class ElasticDriver:
             self.server.send(other, {"op": "abort", "relaunch": False, "episode": gen.episode,
                                      "detail": f"{link} died"})
         gen.episode += 1
+        gen.counted = gen.episode
         gen.hosts = [h for h in gen.hosts if h.host != link.host]
         gen.notified = self._host_key(gen.hosts)
 

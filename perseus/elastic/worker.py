@@ -129,11 +129,10 @@ class ElasticSession:
         self._sock.settimeout(10.0)
         self.send({"op": "hello", "token": self.token, "rank": rank, "size": size,
                    "generation": self.generation, "host": self.host, "pid": os.getpid()})
-        if self.in_process:
-            from perseus.transport.mpi import load_mpi
+        from perseus.transport.mpi import load_mpi
 
-            mpi = load_mpi()
-            mpi.COMM_WORLD.Set_errhandler(mpi.ERRORS_RETURN)  # a dead peer is an error to handle, not an abort
+        mpi = load_mpi()
+        mpi.COMM_WORLD.Set_errhandler(mpi.ERRORS_RETURN)  # a dead peer is an error to handle, not an abort
         self._wake_r, self._wake_w = socket.socketpair()
         self._install_sigterm()
         self._store = self._make_store()
@@ -346,7 +345,7 @@ class ElasticSession:
         init(new)
         seconds = time.monotonic() - start
         self.send({"op": "recovered", "rank": self.rank, "size": self.size, "old_rank": old_rank,
-                   "seconds": seconds})
+                   "seconds": seconds, "episode": self.episode})
         if self.rank == 0:
             log.warning("perseus elastic: job re-formed in process on %d rank(s) in %.3f s", self.size, seconds)
         return True

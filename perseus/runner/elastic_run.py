@@ -135,7 +135,9 @@ def launch_elastic(args: argparse.Namespace, settings: dict[str, str], mpi_args:
         launcher_env["PATH"] = mpi_run.rank_path(path)
     as_root = hasattr(os, "geteuid") and os.geteuid() == 0
     has_prefix = any(a == "--prefix" or a.startswith("--prefix=") for a in mpi_args)
-    extra_mpi = list(mpi_args) + (["--with-ft", "ulfm"] if in_process else [])
+    # ULFM on whenever the MPI has it: survivors of a failure then get an error they can act on (re-form in
+    # process, or flush their commit and leave) instead of being killed with the job.
+    extra_mpi = list(mpi_args) + (["--with-ft", "ulfm"] if ulfm else [])
 
     def start(hosts: list[hostlib.HostSlots], np_: int, elastic_env: dict) -> subprocess.Popen:
         job_env = {**launcher_env, **elastic_env}

@@ -12,9 +12,10 @@ kills itself with SIGKILL; the job must go on on the surviving host. Methods:
              after the failure the job is started again (as a scheduler would, at once) on the good host and
              loads the checkpoint (torch.load) -- the usual way without an elastic launcher
 
-Recovery time = (end of the first step completed after the failure) - (moment of the kill) - (one normal step),
-i.e. the time lost to the failure. Also reported: the time to get the state back (restore), and the normal step
-time with the commit (or the disk save) after every step. Rounds interleave the methods; medians and ratios.
+Recovery time = (the moment training resumes from the restored state) - (the moment of the kill). Also
+reported: the time lost to the failure (end of the first step after it, less the kill time and that step's
+own duration), the time to get the state back (restore), and the normal step time with the commit (or the
+disk save) after every step. Rounds interleave the methods; medians and ratios.
 
     tools/emulated_cluster.sh up 2 0 0 1
     python benchmarks/elastic_recovery.py --state-mb 128 --rounds 3 --json benchmarks/results/elastic.jsonl
@@ -145,8 +146,8 @@ def run_once(method, args, root):
         code = _launcher(args, ["-np", "2", "-H", f"{hosts[0]}:1,{hosts[1]}:1", "--network-interface",
                                 "perseus0"], command, env, out, 600)
         # The scheduler starts the job again at once, on the host that is still good.
-        code = _launcher(args, ["-np", "1", "-H", f"{hosts[0]}:1", "--network-interface", "perseus0"], command,
-                         dict(env, BENCH_RESTART="1"), out, 600)
+        code = _launcher(args, ["-np", "1", "-H", f"{hosts[0]}:1", "--network-interface", "perseus0",
+                                "--mpi-args", "-x BENCH_RESTART"], command, dict(env, BENCH_RESTART="1"), out, 600)
     else:
         if method == "relaunch":
             env["PERSEUS_ELASTIC_IN_PROCESS"] = "0"
@@ -161,9 +162,13 @@ def run_once(method, args, root):
     ev = _events(out)
     kill = next(e for e in ev if e["kind"] == "kill")
     before = [e for e in ev if e["kind"] == "step" and e["t"] < kill["t"] and e["rank"] == 0]
-    after = [e for e in ev if e["kind"] == "step" and e["t"] > kill["t"] and e["rank"] == 0]
+    after = [e for e in ev if e["kind"] == "step" and e["t"] > kill["t"] and e["rank"] == 0
+             and e["step"] > kill["step"]]
     normal = statistics.median(e["t"] - p["t"] for p, e in zip(before[1:], before[2:]))
     restored = [e for e in ev if e["kind"] == "restored" and e["t"] > kill["t"] and e["rank"] == 0]
+    if not restored:
+        raise RuntimeError(f"{method}: no restore after the kill; see {out}")
+    after_step = after[1]["t"] - after[0]["t"] if len(after) > 1 else normal
     restore_s = restored[0].get("seconds") if restored else None
     log_path = os.path.join(out, "launcher.log")
     if restore_s is None and os.path.exists(log_path):
@@ -174,7 +179,8 @@ def run_once(method, args, root):
                         restore_s = float(line.rsplit(" in ", 1)[1].split()[0])
                     except ValueError:
                         pass
-    return dict(method=method, recovery_s=after[0]["t"] - kill["t"] - normal, step_s=normal,
+    return dict(method=method, recovery_s=restored[0]["t"] - kill["t"],
+                lost_s=after[0]["t"] - kill["t"] - after_step, step_s=normal,
                 commit_s=statistics.median(e["commit"] for e in before[1:]), restore_s=restore_s,
                 resumed_step=restored[0]["step"] if restored else None, killed_at=kill["step"])
 
@@ -207,15 +213,17 @@ def main():
                     f.write(json.dumps(dict(bench="elastic_recovery", round=r, state_mb=args.state_mb, **res))
                             + "\n")
     med = {m: {k: statistics.median(x[k] for x in results[m] if x[k] is not None)
-               for k in ("recovery_s", "step_s", "commit_s")} for m in methods}
+               for k in ("recovery_s", "lost_s", "step_s", "commit_s")} for m in methods}
     print(f"\nstate {args.state_mb:g} MB, kill -9 of rank 1 at step {args.kill_step}, medians of {args.rounds}")
-    print(f"{'method':10s} {'recovery s':>11s} {'step s':>8s} {'commit s':>9s}")
+    print(f"{'method':10s} {'recovery s':>11s} {'lost s':>8s} {'step s':>8s} {'commit s':>9s}")
     for m in methods:
-        print(f"{m:10s} {med[m]['recovery_s']:11.3f} {med[m]['step_s']:8.3f} {med[m]['commit_s']:9.3f}")
+        print(f"{m:10s} {med[m]['recovery_s']:11.3f} {med[m]['lost_s']:8.3f} {med[m]['step_s']:8.3f} "
+              f"{med[m]['commit_s']:9.3f}")
     if "disk" in med:
         for m in methods:
             if m != "disk":
-                print(f"disk / {m}: recovery {med['disk']['recovery_s'] / med[m]['recovery_s']:.1f}x")
+                print(f"disk / {m}: recovery {med['disk']['recovery_s'] / med[m]['recovery_s']:.1f}x, "
+                      f"time lost {med['disk']['lost_s'] / med[m]['lost_s']:.1f}x")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,10 @@ called, giving back the same variables; everything that treats it as a list is u
 Its Keras examples call ``model.compile(..., experimental_run_tf_function=False)``, an argument Keras 2 had
 already made a no-op and Keras 3 rejects; :func:`accept_compile_run_tf_function` lets Keras 3's ``compile``
 accept and ignore it, as tf-keras 2 does.
+
+Its elastic examples rescale the learning rate after a reset with ``opt.lr.assign(...)``; Keras 3 spells it
+``learning_rate`` only. :func:`allow_optimizer_lr` adds ``lr`` to Keras 3 optimizers as another name for
+``learning_rate`` (reading, assigning to the attribute, and ``.assign`` on the variable it returns).
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from __future__ import annotations
 import functools
 import inspect
 
-__all__ = ["CallableVariableList", "allow_optimizer_variables_call", "accept_compile_run_tf_function"]
+__all__ = ["CallableVariableList", "allow_optimizer_variables_call", "accept_compile_run_tf_function",
+           "allow_optimizer_lr"]
 
 
 class CallableVariableList(list):
@@ -83,4 +88,26 @@ def accept_compile_run_tf_function(keras_module) -> bool:
 
     compile._perseus_keras2 = True
     setattr(owner, "compile", compile)
+    return True
+
+
+def allow_optimizer_lr(keras_module) -> bool:
+    """Give Keras 3 optimizers of ``keras_module`` Keras 2's ``lr``: the same as ``learning_rate``. Idempotent;
+    does nothing where ``lr`` exists already (Keras 2). Returns True when optimizers have ``lr`` now."""
+    try:
+        base = keras_module.optimizers.Optimizer
+    except AttributeError:
+        return False
+    if hasattr(base, "lr"):
+        return True
+    if not isinstance(getattr(base, "learning_rate", None), property):
+        return False
+
+    def get(self):
+        return self.learning_rate
+
+    def put(self, value):
+        self.learning_rate = value
+
+    base.lr = property(get, put, doc="Keras 2's name of ``learning_rate`` (added by perseus).")
     return True

@@ -338,10 +338,11 @@ KNOBS: tuple[Knob, ...] = (
              "parameters and state) on a background thread while training goes on, the optimizer's step() "
              "waiting for the copy; 'sync' copies everything before commit() returns. Buffers are reused from "
              "commit to commit either way."),
-    Knob("gemini_peers", ("PERSEUS_GEMINI_PEERS",), int, 1, unit="hosts",
-         doc="Elastic jobs: besides the copy in its own host's keeper, each rank's commit is copied to this "
-             "many other hosts' keepers (the next ones on the ring of hosts), so the state survives the loss "
-             "of that many hosts. 0: local copy only."),
+    Knob("gemini_peers", ("PERSEUS_GEMINI_PEERS",), int, 0, unit="hosts",
+         doc="Elastic jobs: besides the copy in its own host's keeper, each rank's commit is also sent to this "
+             "many other hosts' keepers, placed by Gemini's mixed strategy. 0 (the default): none, because in "
+             "data-parallel training every rank commits the same state, so each host's keeper already holds "
+             "a copy of it: a job on H hosts keeps H copies in H hosts' memory without sending any."),
     Knob("gemini_chunk_bytes", ("PERSEUS_GEMINI_CHUNK_BYTES",), int, 1 << 20, unit="bytes",
          doc="Elastic jobs: commits travel to the keepers in chunks of this size, sent by a background thread "
              "when the training's own collectives leave the network idle (each chunk waits at most "

@@ -143,6 +143,7 @@ class GeminiStore:
         self.peers, self.chunk_bytes, self.replication = int(peers), int(chunk_bytes), replication
         self.disk_dir, self.disk_every, self.on_durable = disk_dir, int(disk_every), on_durable
         self.quiet, self.max_defer_s = quiet, float(max_defer_s)
+        self._urgent = False  # someone waits for the version in flight: send without waiting for gaps
         self._cond = threading.Condition()
         self._job: Optional[_Job] = None
         self._memory: Optional[tuple[int, int, list]] = None  # (version, owner, parts) of the newest put
@@ -185,6 +186,7 @@ class GeminiStore:
             if self._closed:
                 raise RuntimeError("perseus elastic: put() on a closed GeminiStore; create a new store")
             disk = bool(self.disk_dir) and self.rank == 0 and version % self.disk_every == 0
+            self._urgent = False
             job = _Job(int(version), self.rank, parts, self.destinations(), disk)
             self._memory = (job.version, job.owner, parts)
             self._job = job
@@ -199,6 +201,7 @@ class GeminiStore:
             job = self._job
         if job is None:
             return True
+        self.hurry()
         if not job.done.wait(timeout):
             return False
         return bool(job.dests) and job.stored == set(job.dests)
@@ -404,13 +407,18 @@ class GeminiStore:
         wire.send_msg(sock, dict(key, op="put_end"))
         return wire.recv_msg(sock)[0]
 
+    def hurry(self) -> None:
+        """The training waits for the version in flight (its next commit, a flush, a failure): send the rest of
+        it without waiting for gaps."""
+        self._urgent = True
+
     def _wait_for_gap(self) -> None:
         """Hold the next chunk until the training's own collectives leave the network idle (``quiet()``), at
         most ``max_defer_s``: Gemini's interleaving of checkpoint traffic into the gaps of gradient traffic."""
         if self.quiet is None:
             return
         deadline = time.monotonic() + self.max_defer_s
-        while not self._closed and time.monotonic() < deadline:
+        while not self._closed and not self._urgent and time.monotonic() < deadline:
             try:
                 if self.quiet():
                     return

@@ -251,7 +251,10 @@ class ElasticSession:
         state._after_snapshot(lambda: self._store.put(version, state.snapshot_payload()))
 
     def _settle(self) -> None:
-        """Wait for the state's snapshot in progress and its hand-over to the store."""
+        """Wait for the state's snapshot in progress and its hand-over to the store; copies still travelling
+        go at once, without waiting for gaps in the training's traffic (there is no more training here)."""
+        self._store.max_defer_s = 0.0
+        self._store.hurry()
         state = getattr(self, "state", None)
         if state is not None:
             try:

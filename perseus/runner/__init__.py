@@ -41,7 +41,8 @@ def run(func: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, 
             first one's traceback; its exception is chained when it could be transported) or ended without a
             result (crash, kill, launch error).
         NotImplementedError: elastic arguments (``min_np``/``max_np``/``host_discovery_script``,
-            ``reset_limit``, ``cooldown_range``, ``slots``) and ``use_gloo=True``: not supported yet.
+            ``reset_limit``, ``cooldown_range``, ``slots``; ``perseusrun --host-discovery-script`` runs elastic jobs)
+            and ``use_gloo=True``: not supported.
         ValueError: ``np`` and ``num_proc`` disagree, or fewer than 1 process.
     """
     from perseus.runner import run_func
@@ -57,8 +58,9 @@ def run(func: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, 
                "cooldown_range": cooldown_range, "slots": slots}
     given = [k for k, v in elastic.items() if v is not None]
     if given:
-        raise NotImplementedError(f"perseus.run: elastic launching ({', '.join(given)}) is not supported yet; "
-                                  "run a fixed number of processes (np=..., hosts=...)")
+        raise NotImplementedError(f"perseus.run: elastic launching ({', '.join(given)}) is not supported by "
+                                  "perseus.run; run a fixed number of processes (np=..., hosts=...), or start an "
+                                  "elastic job with perseusrun --host-discovery-script (docs/elastic.md)")
     if use_gloo:
         raise NotImplementedError("perseus.run: use_gloo=True: perseus launches with MPI only; leave use_gloo unset")
     nics = list(network_interfaces or [])

@@ -11,7 +11,8 @@ objects and ``BroadcastGlobalVariablesHook`` (TF1 sessions) are not supported. `
 
 import tensorflow as tf
 
-from perseus._keras.keras2_api import accept_compile_run_tf_function, allow_optimizer_variables_call
+from perseus._keras.keras2_api import (accept_compile_run_tf_function, allow_optimizer_lr,
+                                       allow_optimizer_variables_call)
 from perseus.common.api import wire_bytes
 from perseus.common.exceptions import HorovodInternalError, PerseusInternalError
 from perseus.common.reduce_ops import reject_adasum
@@ -51,10 +52,11 @@ __all__ = [
 ]
 
 
-# Horovod's TF2 examples call optimizer.variables() and compile(experimental_run_tf_function=False), Keras 2
-# spellings that Keras 3 rejects.
+# Horovod's TF2 examples call optimizer.variables(), compile(experimental_run_tf_function=False) and opt.lr,
+# Keras 2 spellings that Keras 3 rejects.
 allow_optimizer_variables_call(tf.keras)
 accept_compile_run_tf_function(tf.keras)
+allow_optimizer_lr(tf.keras)
 util.keep_autograph_out_of_perseus()
 
 

@@ -7,9 +7,13 @@ elastic launcher yet). TF1 sessions are not supported.
 
 from __future__ import annotations
 
+import functools
+import re
+
 import tensorflow as tf
 
 from perseus.common.elastic import ObjectState, run_fn
+from perseus.common.exceptions import HorovodInternalError
 from perseus.common.process_sets import global_process_set
 from perseus._keras.elastic import KerasState as TensorFlowKerasState
 from perseus.tensorflow.functions import broadcast_object, broadcast_variables
@@ -60,11 +64,28 @@ class TensorFlowState(ObjectState):
         super().sync()
 
 
+# A perseus collective's failure as it surfaces from a TF graph (tf.function, Keras fit): the message of the
+# py_function's RuntimeError, or the guard that reports a cross-rank mismatch.
+_GRAPH_FAILURE = re.compile(r"perseus\.[a-z_]+\(|perseus_collective_failed")
+
+
 def run(func):
     """Decorator running ``func(state, *args, **kwargs)`` in the elastic retry loop (see
     :func:`perseus.common.elastic.run_fn`): on ``HorovodInternalError`` every rank restores its last commit,
-    perseus restarts, the state is synced from rank 0 and ``func`` runs again."""
-    return run_fn(func, _reset, _init_on)
+    perseus restarts, the state is synced from rank 0 and ``func`` runs again. A perseus collective that
+    failed inside a TF graph reaches Python as a ``tf.errors.OpError`` (``UnknownError``,
+    ``FailedPreconditionError``); such errors count as ``HorovodInternalError`` here, as with Horovod."""
+
+    @functools.wraps(func)
+    def graph_errors_are_internal(state, *args, **kwargs):
+        try:
+            return func(state, *args, **kwargs)
+        except tf.errors.OpError as exc:
+            if isinstance(exc, HorovodInternalError) or not _GRAPH_FAILURE.search(str(exc.message)):
+                raise
+            raise HorovodInternalError(exc.message) from exc
+
+    return run_fn(graph_errors_are_internal, _reset, _init_on)
 
 
 def _reset():

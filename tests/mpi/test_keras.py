@@ -335,3 +335,12 @@ def test_compile_accepts_keras2_run_tf_function_argument():
     assert_same_on_all_ranks(flat(model))
     with pytest.raises(TypeError, match="no_such_argument"):
         model.compile(optimizer="sgd", loss="mse", no_such_argument=True)
+
+
+def test_optimizer_lr_is_keras2s_name_of_learning_rate():
+    # Horovod's elastic examples rescale the rate after a reset with opt.lr.assign(...), a Keras 2 spelling.
+    opt = keras.optimizers.SGD(0.1)
+    opt.lr.assign(0.25)
+    assert float(opt.learning_rate) == pytest.approx(0.25) and float(opt.lr) == pytest.approx(0.25)
+    opt.lr = 0.5
+    assert float(opt.learning_rate) == pytest.approx(0.5)

@@ -87,8 +87,13 @@ class Snapshotter:
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
 
-    def begin(self) -> Copier:
-        """Wait for everything queued, then hand out the pool not used by the previous snapshot."""
+    def begin(self, hurry: Optional[Callable[[], None]] = None) -> Copier:
+        """Wait for everything queued (calling ``hurry()`` first if that means waiting), then hand out the
+        pool not used by the previous snapshot."""
+        with self._cond:
+            waiting = bool(self._queue) or self._busy
+        if waiting and hurry is not None:
+            hurry()
         self.wait()
         self._slot ^= 1
         return Copier(self._pools[self._slot])

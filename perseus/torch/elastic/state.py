@@ -49,7 +49,7 @@ class TorchState(ObjectState):
         """Snapshot the state: tensors only an optimizer of the state changes are copied in the background
         (its ``step()`` waits for the copy), the rest at once; buffers are reused from commit to commit (see
         :mod:`perseus.torch.elastic.snapshot`)."""
-        copier = self._snapshotter.begin()
+        copier = self._snapshotter.begin(self._hurry)
         background = self._background_tensors()
         deferred = (lambda t: t.data_ptr() in background) if background else (lambda t: False)
         for name, handler in self._handlers.items():
@@ -78,6 +78,11 @@ class TorchState(ObjectState):
                 out.update(v.data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor))
         return out
 
+    def _hurry(self):
+        session = getattr(self, "_elastic_session", None)
+        if session is not None:
+            session.store.hurry()
+
     def _after_snapshot(self, fn):
         self._snapshotter.after(fn)
 
@@ -85,13 +90,13 @@ class TorchState(ObjectState):
         self._snapshotter.wait()
 
     def restore(self):
-        self._snapshotter.wait()
+        self._snapshotter.wait_copied()  # the snapshot is complete; its copy to the keepers may go on
         for handler in self._handlers.values():
             handler.restore()
         super().restore()
 
     def sync(self):
-        self._snapshotter.wait()
+        self._snapshotter.wait_copied()
         for handler in self._handlers.values():
             handler.sync()
         super().sync()

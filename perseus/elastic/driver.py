@@ -362,11 +362,15 @@ class ElasticDriver:
         elif op == "recovered":
             link.rank, link.size = int(header["rank"]), int(header["size"])
             episode = int(header.get("episode", gen.episode))
-            if episode > gen.counted:  # the ranks re-formed by themselves: a collective failed on every rank
+            if episode > gen.counted and gen.leaving is None:  # re-formed by themselves: a collective failed
                 gen.counted = gen.episode = episode
                 gen.recovering_since = gen.recovering_since or time.monotonic()
                 self._count_reset("a collective failed on every rank")
             gen.recovered.add(id(link))
+            if link.size < self.min_np and gen.leaving is None:
+                say(f"the job re-formed on {link.size} rank(s), fewer than --min-np {self.min_np}: stopping this "
+                    f"generation")
+                self._leave(gen, "fewer ranks than --min-np")
             if gen.recovering_since is not None and len(gen.recovered) >= len(gen.live()):
                 say(f"the job re-formed in process on {link.size} rank(s) in "
                     f"{time.monotonic() - gen.recovering_since:.2f} s")

@@ -132,7 +132,7 @@ class GeminiStore:
     def __init__(self, keepers: dict[str, tuple[str, int]], ring: list[str], host: str, rank: int, token: str, *,
                  peers: int = 1, chunk_bytes: int = 4 << 20, replication: str = "async", disk_dir: str = "",
                  disk_every: int = 100, on_durable: Optional[Callable[[int], None]] = None,
-                 quiet: Optional[Callable[[], bool]] = None, max_defer_s: float = 0.05):
+                 quiet: Optional[Callable[[], bool]] = None, max_defer_s: float = 0.05, arena=None):
         if replication not in ("async", "sync"):
             raise ValueError(f"GeminiStore: replication must be 'async' or 'sync', got {replication!r}")
         if peers < 0 or chunk_bytes < 1 or disk_every < 1:
@@ -143,6 +143,8 @@ class GeminiStore:
         self.peers, self.chunk_bytes, self.replication = int(peers), int(chunk_bytes), replication
         self.disk_dir, self.disk_every, self.on_durable = disk_dir, int(disk_every), on_durable
         self.quiet, self.max_defer_s = quiet, float(max_defer_s)
+        self.arena = arena  # a perseus.elastic.shm.SharedArena: this host's keeper maps its files
+        self._local_conns: dict[str, socket.socket] = {}  # used by put()'s caller only
         self._urgent = False  # someone waits for the version in flight: send without waiting for gaps
         self._cond = threading.Condition()
         self._job: Optional[_Job] = None
@@ -189,6 +191,9 @@ class GeminiStore:
             self._urgent = False
             job = _Job(int(version), self.rank, parts, self.destinations(), disk)
             self._memory = (job.version, job.owner, parts)
+        if self.arena is not None and self.host in job.dests:
+            self._put_local(job)  # before the job is published: the sender thread then skips this host
+        with self._cond:
             self._job = job
             self._cond.notify_all()
         if self.replication == "sync":
@@ -282,7 +287,7 @@ class GeminiStore:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        for sock in list(self._send_conns.values()):
+        for sock in list(self._send_conns.values()) + list(self._local_conns.values()):
             _shut(sock)
         self._thread.join(1.0)
         with self._query_lock:
@@ -359,8 +364,44 @@ class GeminiStore:
                     job.done.set()
                     self._cond.notify_all()
 
+    def _put_local(self, job: _Job) -> None:
+        """Hand the version to this host's keeper by naming the shared-memory files its large parts lie in
+        (nothing is copied); parts outside the arena travel with the message. Synchronous: the snapshot buffers
+        of the version before may be reused as soon as this returns. On failure the sender thread sends the
+        parts themselves."""
+        host = self.host
+        if time.monotonic() < self._down_until.get(host, 0.0):
+            return
+        descs, inline = [], []
+        for i, part in enumerate(job.parts):
+            where = self.arena.locate(part) if i else None
+            if where is None:
+                descs.append({"inline": len(inline)})
+                inline.append(part)
+            else:
+                descs.append({"file": where[0], "offset": where[1], "nbytes": where[2]})
+        header = {"op": "put_files", "version": job.version, "owner": job.owner, "parts": descs}
+
+        def talk(sock):
+            wire.send_msg(sock, header, inline)
+            return wire.recv_msg(sock)[0]
+
+        try:
+            reply = self._exchange(self._local_conns, host, talk)
+        except OSError as exc:
+            self._down_until[host] = time.monotonic() + self.RETRY_AFTER_S
+            log.warning("perseus elastic: the checkpoint keeper of %s cannot be reached (%s)", host, exc)
+            return
+        if reply.get("op") == "stored":
+            job.stored.add(host)
+        else:
+            log.warning("perseus elastic: the keeper of %s did not map commit %d (%s); sending it instead", host,
+                        job.version, reply.get("detail", reply))
+
     def _send(self, job: _Job) -> None:
         for host in job.dests:
+            if host in job.stored:  # handed over already (shared memory)
+                continue
             if self._closed or time.monotonic() < self._down_until.get(host, 0.0):
                 continue
             try:

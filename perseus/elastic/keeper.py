@@ -36,7 +36,9 @@ import collections
 import hmac
 import json
 import logging
+import mmap
 import os
+import shutil
 import select
 import shlex
 import signal
@@ -47,6 +49,7 @@ import threading
 import time
 from typing import Optional, Sequence
 
+from perseus.elastic.shm import job_dir, owner_pid, pid_alive
 from perseus.elastic.wire import MAX_HEADER_BYTES, WireError, send_msg
 
 __all__ = ["KeeperProcess", "start_keeper", "serve", "main", "PORT_LINE"]
@@ -65,6 +68,18 @@ class _Version:
         self.parts = [bytearray(int(n)) for n in sizes]
         self.received = [0] * len(self.parts)
         self.broken = ""
+        self.files: list[str] = []  # shared-memory files the parts are mapped from (put_files)
+
+    def forget(self) -> None:
+        """This version is dropped: files of processes that are gone are removed (their pages are freed once
+        no map of them is left)."""
+        for path in set(self.files):
+            pid = owner_pid(path)
+            if pid is not None and not pid_alive(pid):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
 
     def complete(self) -> bool:
         return not self.broken and all(got == len(p) for got, p in zip(self.received, self.parts))
@@ -73,10 +88,18 @@ class _Version:
 class _Store:
     """Per owner rank: the newest complete version and at most one in progress."""
 
-    def __init__(self):
+    def __init__(self, shm_dir: Optional[str] = None):
         self.lock = threading.Lock()
         self.complete: dict[int, _Version] = {}
         self.pending: dict[int, _Version] = {}
+        self.shm_dir = os.path.realpath(shm_dir) if shm_dir else None
+
+    def install(self, owner: int, entry: "_Version") -> None:
+        """Make ``entry`` the owner's complete version (the lock held), dropping the previous one."""
+        old = self.complete.get(owner)
+        self.complete[owner] = entry
+        if old is not None and old is not entry:
+            old.forget()
 
     def newest(self, owner: int) -> int:
         done = self.complete.get(owner)
@@ -154,6 +177,13 @@ class _Connection:
         if op == "put_chunk":
             self.put_chunk(h, sizes)
             return
+        if op == "put_files":
+            inline = []
+            for n in sizes:
+                inline.append(bytearray(n))
+                _recv_into(self.sock, memoryview(inline[-1]))
+            send_msg(self.sock, self.put_files(h, inline))
+            return
         _drain(self.sock, sum(sizes))
         if op == "put_begin":
             owner, version, parts = int(h["owner"]), int(h["version"]), [int(n) for n in h["parts"]]
@@ -184,7 +214,7 @@ class _Connection:
             with store.lock:
                 for table in (store.complete, store.pending):
                     for owner in [o for o, v in table.items() if v.version > version]:
-                        del table[owner]
+                        table.pop(owner).forget()
             send_msg(self.sock, {"op": "ok"})
         else:
             send_msg(self.sock, {"op": "error", "detail": f"perseus keeper: unknown op {op!r}; the rank and the "
@@ -220,13 +250,47 @@ class _Connection:
                                                  f"incomplete ({entry.broken or f'{missing} bytes missing'}); "
                                                  f"send it again"}
             del store.pending[owner]
-            store.complete[owner] = entry  # the previous complete version is freed here
+            store.install(owner, entry)  # the previous complete version is freed here
+        return {"op": "stored", "version": version, "owner": owner}
+
+    def put_files(self, h: dict, inline: list[bytearray]) -> dict:
+        """A complete version whose large parts are files in this host's shared-memory directory (the rank's
+        own snapshot buffers): mapped read-only, nothing copied."""
+        owner, version = int(h["owner"]), int(h["version"])
+        store = self.store
+        if store.shm_dir is None:
+            return {"op": "error", "detail": "perseus keeper: this keeper has no shared-memory directory; send "
+                                             "the parts themselves"}
+        entry = _Version(version, ())
+        try:
+            for d in h["parts"]:
+                if "inline" in d:
+                    entry.parts.append(inline[int(d["inline"])])
+                    continue
+                path = os.path.realpath(str(d["file"]))
+                if os.path.dirname(path) != store.shm_dir:
+                    raise ValueError(f"{path} is outside {store.shm_dir}")
+                offset, n = int(d["offset"]), int(d["nbytes"])
+                with open(path, "rb") as f:
+                    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                if offset < 0 or offset + n > len(mapped):
+                    raise ValueError(f"{n} bytes at {offset} do not lie in {path}")
+                entry.parts.append(memoryview(mapped)[offset:offset + n])
+                entry.files.append(path)
+        except (OSError, ValueError, KeyError, IndexError) as exc:
+            return {"op": "error", "detail": f"perseus keeper: version {version} of rank {owner} cannot be mapped "
+                                             f"({exc}); send the parts themselves"}
+        entry.received = [len(p) for p in entry.parts]
+        with store.lock:
+            store.pending.pop(owner, None)
+            store.install(owner, entry)
         return {"op": "stored", "version": version, "owner": owner}
 
 
-def serve(listener: socket.socket, token: str, stop: threading.Event) -> None:
-    """Accept connections on ``listener`` until ``stop`` is set, each served by its own thread."""
-    store = _Store()
+def serve(listener: socket.socket, token: str, stop: threading.Event, shm_dir: Optional[str] = None) -> None:
+    """Accept connections on ``listener`` until ``stop`` is set, each served by its own thread; ``shm_dir``:
+    the host's shared-memory directory whose files ``put_files`` may name."""
+    store = _Store(shm_dir)
     listener.settimeout(0.5)
     while not stop.is_set():
         try:
@@ -255,6 +319,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perseus.elastic.keeper", description=__doc__.split("\n")[0])
     parser.add_argument("--bind", default="0.0.0.0", help="address to listen on (default: all)")
     parser.add_argument("--port", type=int, default=0, help="port to listen on (default 0: any free port)")
+    parser.add_argument("--host", default="", help="the host's name in the job (names its shared-memory "
+                        "directory, where ranks keep their snapshots); empty: no shared memory")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s perseus keeper: %(message)s")
     token = sys.stdin.buffer.readline().decode(errors="replace").strip()
@@ -270,7 +336,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     stop = threading.Event()
     signal.signal(signal.SIGTERM, _on_sigterm)
-    threading.Thread(target=serve, args=(listener, token, stop), name="perseus-keeper", daemon=True).start()
+    shm_dir = job_dir(token, args.host) if args.host else None
+    if shm_dir is not None:
+        try:
+            os.makedirs(shm_dir, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            log.warning("perseus keeper: no shared-memory directory %s (%s); commits travel over TCP", shm_dir, exc)
+            shm_dir = None
+    threading.Thread(target=serve, args=(listener, token, stop, shm_dir), name="perseus-keeper",
+                     daemon=True).start()
     print(f"{PORT_LINE} {listener.getsockname()[1]}", flush=True)
     try:
         while sys.stdin.buffer.read1(65536):
@@ -279,6 +353,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         pass
     stop.set()
     listener.close()
+    if shm_dir is not None:  # the job is over on this host: its snapshots go
+        shutil.rmtree(shm_dir, ignore_errors=True)
+        try:
+            os.rmdir(os.path.dirname(shm_dir))  # the job's directory, once no host of it is left here
+        except OSError:
+            pass
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # connection threads may be blocked in recv; nothing of theirs needs to outlive the job
@@ -333,7 +413,7 @@ def start_keeper(host: str, token: str, *, python: str = sys.executable, ssh_arg
         RuntimeError: the keeper did not report its port within ``timeout`` seconds (it is killed); the
             message names the host and ends with what the keeper wrote to stderr.
     """
-    module = [python, "-m", "perseus.elastic.keeper", "--bind", bind, "--port", str(int(port))]
+    module = [python, "-m", "perseus.elastic.keeper", "--bind", bind, "--port", str(int(port)), "--host", host]
     if local:
         env = dict(os.environ)
         here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

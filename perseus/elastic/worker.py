@@ -32,6 +32,7 @@ from typing import Optional
 
 from perseus.common.knobs import read_knob
 from perseus.elastic import wire
+from perseus.elastic.shm import SharedArena, job_dir
 
 __all__ = ["launcher_attached", "session", "ElasticSession", "EXIT_RESET", "parse_hosts", "parse_keepers"]
 
@@ -230,13 +231,21 @@ class ElasticSession:
 
         keepers = parse_keepers(read_knob("elastic_keepers")[0])
         ring = [h for h, _ in self.hosts] or [self.host]
+        self.arena = None
+        directory = job_dir(self.token, self.host) if self.host in keepers else None
+        if directory is not None:  # snapshot buffers in shared memory: this host's keeper maps them
+            try:
+                self.arena = SharedArena(directory)
+            except OSError as exc:
+                log.warning("perseus elastic: no shared memory at %s (%s); commits travel to the keeper over TCP",
+                            directory, exc)
         return GeminiStore(
             keepers, ring, self.host, self.rank, self.token, peers=int(read_knob("gemini_peers")[0]),
             chunk_bytes=int(read_knob("gemini_chunk_bytes")[0]),
             replication="sync" if read_knob("gemini_sync")[0] else "async", disk_dir=read_knob("gemini_disk_dir")[0],
             disk_every=int(read_knob("gemini_disk_every")[0]),
             on_durable=lambda v: self.send({"op": "durable", "version": int(v)}), quiet=_network_quiet,
-            max_defer_s=float(read_knob("gemini_max_defer_ms")[0]) / 1000.0)
+            max_defer_s=float(read_knob("gemini_max_defer_ms")[0]) / 1000.0, arena=self.arena)
 
     @property
     def store(self):
@@ -346,6 +355,8 @@ class ElasticSession:
         self.episode += 1
         self.recovered_in_process = True
         init(new)
+        if self.force_relaunch:  # the driver asked for a relaunch while this rank was re-forming
+            return False
         seconds = time.monotonic() - start
         self.send({"op": "recovered", "rank": self.rank, "size": self.size, "old_rank": old_rank,
                    "seconds": seconds, "episode": self.episode})

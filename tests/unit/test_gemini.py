@@ -291,3 +291,48 @@ def test_start_keeper_over_ssh(tmp_path, monkeypatch):
     finally:
         keeper.stop()
     assert keeper.proc.returncode == 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Shared memory: the host's keeper maps the rank's snapshot buffers (perseus.elastic.shm)
+# ---------------------------------------------------------------------------------------------------------
+
+def test_local_copy_is_the_shared_memory_buffer_itself(keepers):
+    from perseus.elastic.shm import SharedArena, job_dir
+
+    directory = job_dir(TOKEN, "a")
+    if directory is None:
+        pytest.skip("no writable /dev/shm")
+    arena = SharedArena(directory)
+    big = arena.allocate((256, 1024), np.float64)
+    big[:] = 3.0
+    store = make_store(keepers, peers=0, arena=arena)
+    try:
+        store.put(1, {"w": big, "n": 1})
+        assert store.flush(5.0)
+        fresh = make_store(keepers, peers=0)
+        got, source, _ = fresh.get(1, 0)
+        assert source == "local" and got["n"] == 1
+        np.testing.assert_array_equal(got["w"], big)
+        big[:] = 4.0  # the keeper maps the very pages: nothing was copied
+        np.testing.assert_array_equal(fresh.get(1, 0)[0]["w"], big)
+        fresh.close()
+        other = arena.allocate((8,), np.int32)
+        store.put(2, {"w": other, "n": 2})
+        assert store.flush(5.0)
+        assert make_store(keepers, peers=0).latest() == (2, [0])
+    finally:
+        store.close()
+    keepers["a"].stop()
+    assert not os.path.exists(directory)  # the keeper removes its host's directory when the job ends
+
+
+def test_keeper_refuses_files_outside_its_directory(keepers, tmp_path):
+    sock, reply = raw_connection(keepers, "a")
+    outside = tmp_path / "f"
+    outside.write_bytes(b"x" * 64)
+    wire.send_msg(sock, {"op": "put_files", "version": 1, "owner": 0,
+                         "parts": [{"inline": 0}, {"file": str(outside), "offset": 0, "nbytes": 64}]}, [b"head"])
+    reply, _ = wire.recv_msg(sock)
+    assert reply["op"] == "error" and "outside" in reply["detail"]
+    sock.close()

@@ -11,6 +11,9 @@ copy to the keepers) runs on the same thread, in order.
 
 ``PERSEUS_ELASTIC_SNAPSHOT=sync`` copies everything at ``commit()``; so does a DeAR optimizer, which changes
 parameters during the forward pass.
+
+Under the elastic launcher the buffers are files in shared memory (:mod:`perseus.elastic.shm`): the host's
+checkpoint keeper maps them instead of receiving a copy.
 """
 
 from __future__ import annotations
@@ -27,28 +30,47 @@ __all__ = ["Snapshotter", "Copier"]
 
 log = logging.getLogger("perseus.elastic")
 
+_NUMPY_DTYPES = {t: torch.empty(0, dtype=t).numpy().dtype for t in (
+    torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+    torch.bool)}
+
 
 class Copier:
     """Copies one snapshot's tensors into the buffers of ``pool`` (allocated on first use, then reused); the
     copies asked ``deferred`` are left to the background thread."""
 
-    def __init__(self, pool: dict, prefix: tuple = ()):
-        self.pool, self.prefix = pool, prefix
+    def __init__(self, pool: dict, prefix: tuple = (), arena=None):
+        self.pool, self.prefix, self.arena = pool, prefix, arena
         self.jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def scoped(self, name) -> "Copier":
-        child = Copier(self.pool, self.prefix + (name,))
+        child = Copier(self.pool, self.prefix + (name,), self.arena)
         child.jobs = self.jobs
         return child
+
+    def _buffer(self, key, value: torch.Tensor) -> torch.Tensor:
+        """The pool's buffer for ``key``, (re)allocated to ``value``'s shape and dtype: in the shared-memory
+        arena when there is one and NumPy has the dtype, else in ordinary memory."""
+        held = self.pool.get(key)
+        if held is not None and held[0].shape == value.shape and held[0].dtype == value.dtype:
+            return held[0]
+        if held is not None and held[1] is not None:
+            self.arena.release(held[1])
+        array = None
+        if self.arena is not None and value.dtype in _NUMPY_DTYPES:
+            try:
+                array = self.arena.allocate(tuple(value.shape), _NUMPY_DTYPES[value.dtype])
+            except OSError as exc:  # /dev/shm full: ordinary memory, the keeper gets a sent copy
+                log.warning("perseus elastic: no shared memory for a snapshot buffer (%s)", exc)
+        buf = torch.from_numpy(array) if array is not None else torch.empty(value.shape, dtype=value.dtype)
+        self.pool[key] = (buf, array)
+        return buf
 
     def tensor(self, key, value: torch.Tensor, deferred: bool) -> torch.Tensor:
         """A snapshot of ``value`` in this pool's buffer for ``key``: filled now, or later when ``deferred``."""
         if value.device.type != "cpu" or value.is_sparse or value.is_quantized or value.requires_grad:
             return copy.deepcopy(value)
-        full = self.prefix + (key,)
-        buf = self.pool.get(full)
-        if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
-            buf = self.pool[full] = torch.empty(value.shape, dtype=value.dtype)
+        buf = self._buffer(self.prefix + (key,), value)
         if deferred:
             self.jobs.append((buf, value))
         else:
@@ -87,16 +109,16 @@ class Snapshotter:
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
 
-    def begin(self, hurry: Optional[Callable[[], None]] = None) -> Copier:
+    def begin(self, hurry: Optional[Callable[[], None]] = None, arena=None) -> Copier:
         """Wait for everything queued (calling ``hurry()`` first if that means waiting), then hand out the
-        pool not used by the previous snapshot."""
+        pool not used by the previous snapshot; ``arena``: where new buffers go (shared memory)."""
         with self._cond:
             waiting = bool(self._queue) or self._busy
         if waiting and hurry is not None:
             hurry()
         self.wait()
         self._slot ^= 1
-        return Copier(self._pools[self._slot])
+        return Copier(self._pools[self._slot], arena=arena)
 
     def launch(self, copier: Copier) -> None:
         """Queue ``copier``'s deferred copies."""

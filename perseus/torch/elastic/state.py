@@ -49,7 +49,8 @@ class TorchState(ObjectState):
         """Snapshot the state: tensors only an optimizer of the state changes are copied in the background
         (its ``step()`` waits for the copy), the rest at once; buffers are reused from commit to commit (see
         :mod:`perseus.torch.elastic.snapshot`)."""
-        copier = self._snapshotter.begin(self._hurry)
+        session = getattr(self, "_elastic_session", None)
+        copier = self._snapshotter.begin(self._hurry, session.arena if session is not None else None)
         background = self._background_tensors()
         deferred = (lambda t: t.data_ptr() in background) if background else (lambda t: False)
         for name, handler in self._handlers.items():

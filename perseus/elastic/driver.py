@@ -82,6 +82,7 @@ class _Generation:
         self.restored_said = False
         self.finished_at: Optional[float] = None
         self.leaving: Optional[tuple[float, str]] = None  # (since, why) once the ranks were asked to leave
+        self.gone = False                     # every rank left its function and was told so
 
     def live(self) -> list[RankLink]:
         """Ranks still connected that have not said how they leave."""
@@ -351,6 +352,15 @@ class ElasticDriver:
                 self._teardown(gen)
                 raise JobFailed(f"rank {link.rank} on {link.host} raised {link.exit_detail.strip()}\nthe job stops:"
                                 f" an error in the training code is not retried")
+            if link.exit_reason == "reset" and "hosts changed" in link.exit_detail and gen.leaving is None:
+                gen.leaving = (time.monotonic(), "hosts changed")  # the rest follow; if they do not, a teardown
+            if not gen.gone and len(gen.links) >= gen.np and not gen.live():
+                # Every rank left its training function: they may shut perseus down now without failing a
+                # slower rank's last collective.
+                gen.gone = True
+                for other in gen.links:
+                    if other.connected:
+                        self.server.send(other, {"op": "go"})
         elif op == "bye":
             link.bye = True
         elif op == "restored" and link.rank == 0 and not gen.restored_said:
@@ -463,6 +473,8 @@ class ElasticDriver:
         exits = [l.exit_reason for l in gen.links]
         if "done" in exits and all(r in ("done", "died") for r in exits):
             return "done"
+        if code == 0 and len(gen.links) == gen.np and all(r is None and l.bye for r, l in zip(exits, gen.links)):
+            return "done"  # a script that never called elastic.run ended normally on every rank
         if gen.leaving is not None:
             return gen.leaving[1]
         for link in gen.links:

@@ -72,13 +72,27 @@ class SharedArena:
         self._names = itertools.count()
 
     def allocate(self, shape, dtype: np.dtype) -> np.ndarray:
-        """A zeroed array of ``shape`` and ``dtype`` backed by a new file of this arena."""
+        """A zeroed array of ``shape`` and ``dtype`` backed by a new file of this arena.
+
+        Raises:
+            OSError: the shared memory is full (ENOSPC) or the file cannot be made; the caller falls back to
+                ordinary memory.
+        """
         path = os.path.join(self.directory, f"p{os.getpid()}-{next(self._names)}")
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         if nbytes == 0:
             return np.empty(shape, dtype)
+        # The pages are reserved first: a full /dev/shm is then an OSError here, not a SIGBUS at the first write.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
         # A plain ndarray over the map (its base keeps the map): a memmap would pickle its bytes in band.
-        array = np.memmap(path, dtype=dtype, mode="w+", shape=tuple(shape)).view(np.ndarray)
+        array = np.memmap(path, dtype=dtype, mode="r+", shape=tuple(shape)).view(np.ndarray)
         start = array.ctypes.data
         with self._lock:
             i = bisect.bisect(self._starts, start)

@@ -42,7 +42,8 @@ log = logging.getLogger("perseus.elastic")
 EXIT_RESET = 75
 _HEARTBEAT_S = 1.0
 _FLUSH_TIMEOUT_S = 30.0        # a rank that finished waits this long for its last commit's copies
-_LEAVE_FLUSH_TIMEOUT_S = 10.0   # a rank leaving for a re-form waits this long (a keeper may be cut off)
+_LEAVE_FLUSH_TIMEOUT_S = 10.0
+_GO_TIMEOUT_S = 30.0            # the longest a rank that left its function waits for the others   # a rank leaving for a re-form waits this long (a keeper may be cut off)
 
 _session: Optional["ElasticSession"] = None
 _session_lock = threading.Lock()
@@ -119,6 +120,7 @@ class ElasticSession:
         self.episode = 0                # in-process recoveries done (the driver numbers its aborts alike)
         self.force_relaunch = False     # the driver asked for a relaunch rather than an in-process recovery
         self.recovered_in_process = False
+        self._go = threading.Event()    # the driver says every rank of the generation has left its function
         self._send_lock = threading.Lock()
         self._closed = threading.Event()
         address, _, port = read_knob("elastic_driver")[0].rpartition(":")
@@ -140,6 +142,16 @@ class ElasticSession:
         threading.Thread(target=self._heartbeat, name="perseus-elastic-heartbeat", daemon=True).start()
         threading.Thread(target=self._receive, name="perseus-elastic-driver", daemon=True).start()
         atexit.register(self._at_exit)
+        self._reported_error = False
+        previous = sys.excepthook
+
+        def report_uncaught(exc_type, exc, tb):
+            # An exception outside elastic.run (data loading, the end of the script) ends the job too.
+            if not self._reported_error and not issubclass(exc_type, (KeyboardInterrupt, SystemExit)):
+                self.report_error(exc)
+            previous(exc_type, exc, tb)
+
+        sys.excepthook = report_uncaught
 
     def _at_exit(self) -> None:
         """The interpreter is exiting: output flushed, then the driver told (it may end mpirun should MPI's
@@ -187,7 +199,9 @@ class ElasticSession:
                 except (OSError, wire.WireError):
                     return
                 op = header.get("op")
-                if op == "hosts_updated":
+                if op == "go":
+                    self._go.set()
+                elif op == "hosts_updated":
                     notification_manager.handle_hosts_updated(float(header["timestamp"]), int(header["update"]))
                 elif op == "abort":
                     if header.get("relaunch"):
@@ -371,10 +385,19 @@ class ElasticSession:
         self._settle()
         self._store.flush(_FLUSH_TIMEOUT_S)
         self.send({"op": "exit", "reason": "done", "detail": ""})
+        self._wait_for_the_others()
+
+    def _wait_for_the_others(self) -> None:
+        """Wait until the driver says every rank has left the training function (at most a while): a rank
+        that shut perseus down at once could fail a slower rank's last collective, still in flight."""
+        if not self._go.wait(_GO_TIMEOUT_S):
+            log.warning("perseus elastic: rank %d did not hear from the driver that every rank left within %g s; "
+                        "going on", self.rank, _GO_TIMEOUT_S)
 
     def report_error(self, error: BaseException) -> None:
         """An exception from the user's code ends the job: tell the driver what it was (type, message and
         where), so that it can say so and stop instead of re-forming the job around a bug."""
+        self._reported_error = True
         tail = "".join(traceback.format_exception(type(error), error, error.__traceback__)[-3:]).strip()
         self.send({"op": "exit", "reason": "error", "detail": f"{type(error).__name__}: {error}\n{tail}"})
 
@@ -392,6 +415,8 @@ class ElasticSession:
             log.warning("perseus elastic: rank %d leaves with its last commit not fully copied", self.rank)
         reason = "hosts changed" if graceful else f"{type(error).__name__}: {error}"
         self.send({"op": "exit", "reason": "reset", "detail": reason})
+        if graceful:
+            self._wait_for_the_others()
         code = EXIT_RESET
         if graceful and self.recovered_in_process:
             # MPI_Finalize can wait for ever on a job that lost a process: leave without it.

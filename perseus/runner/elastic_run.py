@@ -162,4 +162,16 @@ def launch_elastic(args: argparse.Namespace, settings: dict[str, str], mpi_args:
         np_=opts["np_"], min_np=opts["min_np"], max_np=opts["max_np"], reset_limit=opts["reset_limit"],
         blacklist=Blacklist(opts["cooldown"]), elastic_timeout=opts["elastic_timeout"], heartbeat_timeout=heartbeat,
         in_process=in_process, start_keeper=keeper, kill_remote=lambda host, pid: _kill_remote(host, pid, ssh))
-    return driver.run()
+
+    def stop(signum, _frame):  # a scheduler's SIGTERM ends the job as Ctrl-C does: every generation torn down
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread
+        previous = None
+    try:
+        return driver.run()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

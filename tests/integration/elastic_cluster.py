@@ -136,7 +136,7 @@ class Discovery:
             os.remove(flag)
 
 
-def start(discovery, out, *, np_=2, min_np=1, max_np=3, extra=(), env=None):
+def start(discovery, out, *, np_=2, min_np=1, max_np=3, extra=(), env=None, mode="train"):
     """Start perseusrun's elastic launcher on elastic_job.py; returns the Popen (stdout+stderr to out/log)."""
     os.makedirs(out, exist_ok=True)
     forward = " ".join(f"-x {name}" for name in (env or {}) if not name.startswith(("PERSEUS_", "HOROVOD_")))
@@ -144,7 +144,7 @@ def start(discovery, out, *, np_=2, min_np=1, max_np=3, extra=(), env=None):
         extra = (*extra, "--mpi-args", forward)
     args = [sys.executable, "-m", "perseus.runner.launch", "-np", str(np_), "--min-np", str(min_np),
             "--max-np", str(max_np), "--host-discovery-script", discovery.path, "--network-interface", "perseus0",
-            *extra, "python", JOB, "train", out]
+            *extra, "python", JOB, mode, out]
     full_env = dict(os.environ, PERSEUS_ELASTIC_HEARTBEAT_TIMEOUT="4", **(env or {}))
     log = open(os.path.join(out, "log"), "w")
     return subprocess.Popen(args, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT)

@@ -3,6 +3,7 @@ launcher, and the reference it is compared with.
 
     python elastic_job.py train OUT_DIR          (under perseusrun --host-discovery-script ...)
     python elastic_job.py reference OUT_DIR      (one process, no perseus: the same steps, full batch)
+    python elastic_job.py plain OUT_DIR          (a script without elastic.run: one allreduce)
 
 The model is a small MLP; step s uses a global batch of GLOBAL samples drawn from seed s, split over the ranks;
 each rank's loss is its samples' summed loss / GLOBAL and gradients are summed over ranks, so a step's update
@@ -14,7 +15,8 @@ writes the final parameters to OUT_DIR/final.npy. Faults are injected from the e
     FAULT_KIND   kill (SIGKILL self) | stop (SIGSTOP self) | raise (ValueError in the training function) |
                  exit (os._exit(3)) | mismatch (a collective no other rank makes) | none
     FAULT_AT     step (top of the step) | backward (while gradients are being reduced) | commit (during the
-                 copy of the commit to the keepers) | random (a timer at a random moment of the step)
+                 copy of the commit to the keepers) | random (a timer at a random moment of the step) |
+                 outside (before elastic.run is called; with FAULT_KIND=raise)
     FAULT_RANK   rank that faults (default 1);  FAULT_STEP  it does at the first step >= this (default 5)
     FAULT_GEN    generation in which it does (default 0; "all": every generation)
     STEPS        steps in all (default 24);  STEP_SLEEP  seconds of pretend compute per step (default 0.05)
@@ -173,6 +175,8 @@ def train(out):
                     time.sleep(0.1)
         return state.step
 
+    if AT == "outside" and faulty():
+        raise ValueError("injected failure outside elastic.run")
     final = loop(state)
     event("done", step=final)
     if hvd.rank() == 0:
@@ -180,7 +184,19 @@ def train(out):
     hvd.shutdown()
 
 
+def plain(out):
+    """A script that never calls elastic.run, run by the elastic launcher all the same."""
+    import perseus.torch as hvd
+
+    hvd.init()
+    total = hvd.allreduce(torch.ones(2), op=hvd.Sum)
+    if hvd.rank() == 0:
+        with open(os.path.join(out, "plain.txt"), "w") as f:
+            f.write(f"{int(total[0])}\n")
+    hvd.shutdown()
+
+
 if __name__ == "__main__":
     mode, out_dir = sys.argv[1], sys.argv[2]
     os.makedirs(out_dir, exist_ok=True)
-    reference(out_dir) if mode == "reference" else train(out_dir)
+    {"reference": reference, "plain": plain}.get(mode, train)(out_dir)

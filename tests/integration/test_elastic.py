@@ -131,6 +131,20 @@ def test_exception_inside_backward_fails_clearly(disc, tmp_path):
     assert "injected failure" in log, log[-3000:]
 
 
+def test_exception_outside_the_elastic_function_fails_clearly(disc, tmp_path):
+    code, log, out = run(disc, tmp_path, env=fault("raise", "outside", 1))
+    assert code not in (0, "HANG"), log[-3000:]
+    assert "rank 1" in log and "injected failure outside elastic.run" in log, log[-3000:]
+    assert "generation 1" not in log, log[-3000:]  # not taken for a failed host and retried
+
+
+def test_a_script_without_elastic_run_finishes(disc, tmp_path):
+    code, log, out = run(disc, tmp_path, mode="plain")
+    assert code == 0, log[-3000:]
+    with open(os.path.join(out, "plain.txt")) as f:
+        assert f.read().strip() == "2"
+
+
 def test_repeated_failure_hits_the_reset_limit(disc, tmp_path):
     disc.set(H0, H1, H2)
     code, log, out = run(disc, tmp_path, np_=3, extra=("--reset-limit", "1"),

@@ -336,3 +336,26 @@ def test_keeper_refuses_files_outside_its_directory(keepers, tmp_path):
     reply, _ = wire.recv_msg(sock)
     assert reply["op"] == "error" and "outside" in reply["detail"]
     sock.close()
+
+
+def test_a_full_shared_memory_is_an_error_not_a_crash(tmp_path):
+    import subprocess
+
+    from perseus.elastic.shm import SharedArena
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        arena = SharedArena(str(mount / "job"))
+        small = arena.allocate((1000,), np.float32)
+        small[:] = 1
+        with pytest.raises(OSError):
+            arena.allocate((1 << 20,), np.float32)  # 4 MB in a 1 MB file system
+        assert sorted(os.listdir(mount / "job")) == [os.path.basename(arena.locate(small)[0])]
+    finally:
+        del small, arena
+        subprocess.run(["umount", "-l", str(mount)])

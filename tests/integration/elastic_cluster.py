@@ -5,7 +5,6 @@ perseusrun's elastic launcher.
 
 import json
 import os
-import shutil
 import signal
 import stat
 import subprocess
@@ -16,29 +15,12 @@ import time
 import numpy as np
 import pytest
 
+from cluster_support import CANNOT_BUILD, REPO, STATE, cluster, why_not_here
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-SCRIPT = os.path.join(REPO, "tools", "emulated_cluster.sh")
 JOB = os.path.join(HERE, "elastic_job.py")
-STATE = "/run/perseus-cluster"
 HOSTS = 3
-CANNOT_BUILD = ("does not work here", "could not install openssh-server", "apt-get is not available",
-                "is missing; install it", "is already used on this machine")
-
-
-def why_not_here():
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return "needs root: the emulated cluster creates network namespaces and ssh daemons"
-    for tool in ("ip", "tc", "unshare", "ssh", "ssh-keygen"):
-        if shutil.which(tool) is None:
-            return f"'{tool}' is missing: the emulated cluster needs iproute2, util-linux and openssh-client"
-    if not os.path.exists("/usr/sbin/sshd") and shutil.which("apt-get") is None:
-        return "no /usr/sbin/sshd and no apt-get to install openssh-server"
-    return None
-
-
-def _cluster(*args, timeout=60):
-    return subprocess.run(["bash", SCRIPT, *args], capture_output=True, text=True, timeout=timeout)
+_cluster = cluster
 
 
 def _running_cluster():

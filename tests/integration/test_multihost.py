@@ -8,7 +8,6 @@ someone may be measuring on it. Needs root; skipped otherwise, and where the clu
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -16,32 +15,15 @@ import time
 
 import pytest
 
+from cluster_support import CANNOT_BUILD, STATE, cluster, why_not_here
+
 pytestmark = pytest.mark.timeout(180)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-SCRIPT = os.path.join(REPO, "tools", "emulated_cluster.sh")
 JOB = os.path.join(HERE, "multihost_job.py")
-STATE = "/run/perseus-cluster"
 LINK_MBIT, FLOW_MBIT = 800, 200
-# Lines of emulated_cluster.sh that mean "this machine cannot host the cluster", not "the script is wrong".
-CANNOT_BUILD = ("does not work here", "could not install openssh-server", "apt-get is not available",
-                "is missing; install it", "is already used on this machine")
-
-
-def _why_not_here():
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return "needs root: the emulated cluster creates network namespaces and ssh daemons"
-    for tool in ("ip", "tc", "unshare", "ssh", "ssh-keygen"):
-        if shutil.which(tool) is None:
-            return f"'{tool}' is missing: the emulated cluster needs iproute2, util-linux and openssh-client"
-    if not os.path.exists("/usr/sbin/sshd") and shutil.which("apt-get") is None:
-        return "no /usr/sbin/sshd and no apt-get to install openssh-server"
-    return None
-
-
-def _cluster(*args, timeout=60):
-    return subprocess.run(["bash", SCRIPT, *args], capture_output=True, text=True, timeout=timeout)
+_why_not_here, _cluster = why_not_here, cluster
 
 
 def _running_cluster():

@@ -175,38 +175,3 @@ def test_snapshot_buffers_are_reused_every_other_commit():
         state._wait_snapshot()
         seen.append(state._handlers["model"]._saved_model_state["weight"].data_ptr())
     assert seen[0] == seen[2] and seen[1] == seen[3] and seen[0] != seen[1]
-
-
-def test_a_handler_written_for_horovods_save_still_works():
-    from perseus.torch.elastic import state as state_mod
-
-    class Box:
-        def __init__(self):
-            self.n = 1
-
-    class BoxHandler(state_mod.StateHandler):
-        def __init__(self, value):
-            super().__init__(value)
-            self.save()
-
-        def save(self):
-            self.saved = self.value.n
-
-        def restore(self):
-            self.value.n = self.saved
-
-        def sync(self):
-            pass
-
-    registry = state_mod.get_handler_registry()
-    state_mod.set_handler_registry(registry + [(Box, BoxHandler)])
-    try:
-        box = Box()
-        state = TorchState(box=box)
-        box.n = 5
-        state.commit()
-        box.n = 9
-        state.restore()
-        assert box.n == 5
-    finally:
-        state_mod.set_handler_registry(registry)

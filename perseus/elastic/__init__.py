@@ -1,5 +1,10 @@
-"""Elastic jobs: the wire format shared by the launcher's driver, the ranks and the checkpoint keepers
-(:mod:`perseus.elastic.wire`), the keepers that hold committed state in host memory
-(:mod:`perseus.elastic.keeper`), the ranks' side of the Gemini checkpoint store (:mod:`perseus.elastic.gemini`)
-and of the driver connection (:mod:`perseus.elastic.worker`). See docs/elastic.md.
+"""Elastic jobs (``perseusrun --host-discovery-script``; docs/elastic.md).
+
+The launcher's side: :mod:`perseus.elastic.driver` (generations, failures, host changes),
+:mod:`perseus.elastic.discovery` (the discovery script, the blacklist), :mod:`perseus.elastic.ranks` (the
+driver's server for its ranks) and :mod:`perseus.elastic.keeper` (one checkpoint keeper per host, commits in
+memory). The ranks' side: :mod:`perseus.elastic.worker` (the driver connection, leaving, re-forming in
+process), :mod:`perseus.elastic.gemini` (copies of each commit, placement, retrieval) and
+:mod:`perseus.elastic.shm` (snapshot buffers in shared memory). :mod:`perseus.elastic.wire` is the message
+format they all speak.
 """

@@ -4,12 +4,15 @@ The launcher's driver starts each *generation* of the job with ``mpirun`` and te
 ``PERSEUS_ELASTIC_*`` variables (knobs ``elastic_*``), where it listens, which hosts this generation has and
 where the checkpoint keepers are. :class:`ElasticSession` is the rank's end of that arrangement:
 
-* a connection to the driver: ``hello``, a heartbeat every second, and the host-change notifications the
-  driver sends (handed to :data:`perseus.common.elastic.notification_manager`, so the next ``commit()`` raises
-  ``HostsUpdatedInterrupt`` on every rank);
-* the Gemini store (:class:`perseus.elastic.gemini.GeminiStore`): each ``commit()`` is copied to this host's
-  keeper and to the next hosts' on the ring; a rank of a later generation restores the newest commit from there;
-* leaving: when the job must be re-formed the rank reports why, makes sure its last commit has landed, and
+* a connection to the driver, opened by ``init()``: ``hello``, a heartbeat every second, the host-change
+  notifications the driver sends (handed to :data:`perseus.common.elastic.notification_manager`, so the next
+  ``commit()`` raises ``HostsUpdatedInterrupt`` on every rank), its aborts after a rank failed elsewhere, and
+  its word that every rank has left the training function;
+* the Gemini store (:class:`perseus.elastic.gemini.GeminiStore`): each ``commit()`` goes to this host's keeper
+  (as shared-memory files it maps, :mod:`perseus.elastic.shm`) and, with ``PERSEUS_GEMINI_PEERS``, to other
+  hosts'; a rank of a later generation restores the newest commit from there;
+* re-forming in process after a rank died (ULFM revoke and shrink, :meth:`ElasticSession.recover_in_process`);
+* leaving: when the job must be relaunched the rank reports why, makes sure its last commit has landed, and
   exits; the driver starts the next generation.
 
 Nothing here runs in a job without an elastic launcher: :func:`launcher_attached` is False and

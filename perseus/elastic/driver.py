@@ -50,7 +50,7 @@ from perseus.runner.hosts import HostSlots, format_hosts
 __all__ = ["JobFailed", "ElasticDriver", "DISCOVERY_INTERVAL_S"]
 
 DISCOVERY_INTERVAL_S = 1.0
-_STARTUP_TIMEOUT_S = 300.0      # a generation's ranks must say hello within this (imports, data loading)
+_STARTUP_TIMEOUT_S = 300.0      # a generation's ranks must say hello (from init()) within this
 _RECOVERY_TIMEOUT_S = 30.0      # in-process recovery must be reported within this, else relaunch
 _EXIT_GRACE_S = 5.0             # mpirun may take this long to end once every rank has left
 _LEAVE_TIMEOUT_S = 20.0         # ranks asked to leave must be gone within this, else they are killed
@@ -318,7 +318,7 @@ class ElasticDriver:
             if not gen.links and now - gen.started > _STARTUP_TIMEOUT_S:
                 self._teardown(gen)
                 raise JobFailed(f"no rank of generation {gen.number} reported to the driver within "
-                                f"{_STARTUP_TIMEOUT_S:g} s; does the script call perseus's elastic.run?")
+                                f"{_STARTUP_TIMEOUT_S:g} s; does the script call init() (hvd.init())?")
             if gen.links and all(l.bye or not l.connected for l in gen.links):
                 gen.finished_at = gen.finished_at or now
                 if now - gen.finished_at > _EXIT_GRACE_S:  # every rank left; MPI_Finalize may hang after a shrink

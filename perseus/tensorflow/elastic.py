@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from perseus.common.elastic import ObjectState, run_fn
 from perseus.common.exceptions import HorovodInternalError
-from perseus.common.process_sets import global_process_set
+from perseus.common.basics import state as _runtime
 from perseus._keras.elastic import KerasState as TensorFlowKerasState
 from perseus.tensorflow.functions import broadcast_object, broadcast_variables
 from perseus.tensorflow.mpi_ops import init, rank, shutdown
@@ -89,7 +89,7 @@ def run(func):
 
 
 def _reset():
-    comm = global_process_set.mpi_comm
+    comm = _runtime().world_comm()
     shutdown()
     init(comm=comm)
 

@@ -6,6 +6,7 @@ creates (by handle) and moves buffers, negotiation words and control messages on
 
 from __future__ import annotations
 
+import atexit
 
 from perseus.common.knobs import set_external_default
 
@@ -15,10 +16,18 @@ _MPI = None
 
 
 def load_mpi(thread_multiple: bool = True):
-    """Import ``mpi4py.MPI`` (which initialises MPI) with perseus's preferred runtime options.
+    """Import ``mpi4py.MPI`` with perseus's preferred runtime options, and make sure MPI is running.
+
+    Importing mpi4py.MPI initialises MPI unless the application turned that off
+    (``mpi4py.rc.initialize = False``) or embeds MPI and has not started it yet. Then perseus starts it
+    itself, with ``MPI_THREAD_MULTIPLE`` (``serialized`` when ``thread_multiple`` is False), and finalises it
+    at interpreter exit, after perseus has shut down; MPI started by anyone else is never finalised here.
 
     Sets ``OMPI_MCA_mpi_yield_when_idle=1`` unless the user chose a value: ranks that wait inside an Open MPI
     collective then yield the core instead of spinning on it, which matters whenever ranks share cores.
+
+    Raises:
+        RuntimeError: MPI was finalised already in this process (it cannot be started twice).
     """
     global _MPI
     if _MPI is not None:
@@ -30,8 +39,21 @@ def load_mpi(thread_multiple: bool = True):
         mpi4py.rc.thread_level = "serialized"
     from mpi4py import MPI
 
+    if MPI.Is_finalized():
+        raise RuntimeError("perseus: MPI was finalised already in this process and cannot be started again; "
+                           "start perseus before MPI_Finalize is called")
+    if not MPI.Is_initialized():
+        MPI.Init_thread(MPI.THREAD_MULTIPLE if thread_multiple else MPI.THREAD_SERIALIZED)
+        atexit.register(_finalize, MPI)
     _MPI = MPI
     return MPI
+
+
+def _finalize(MPI) -> None:
+    """At exit: finalise the MPI that perseus started (registered before perseus's own shutdown at exit,
+    so it runs after it)."""
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
 
 
 def mpi_flavour() -> str:

@@ -15,7 +15,7 @@ cannot be replaced. See :mod:`perseus.common.elastic`.
 """
 
 from perseus.common.elastic import ObjectState, run_fn  # noqa: F401 - ObjectState: convenience attribute
-from perseus.common.process_sets import global_process_set
+from perseus.common.basics import state as _runtime
 from perseus.torch.elastic.sampler import ElasticSampler
 from perseus.torch.elastic.state import TorchState
 from perseus.torch.mpi_ops import init, shutdown
@@ -49,7 +49,7 @@ def _reset():
     This is the seam for an elastic launcher: with one, the reset re-forms the job from the hosts the launcher
     discovered; without one the ranks cannot change, so ``init`` gets the communicator the job already used.
     """
-    comm = global_process_set.mpi_comm
+    comm = _runtime().world_comm()
     shutdown()
     init(comm=comm)
 

@@ -101,8 +101,19 @@ def from_numpy(array: np.ndarray, dtype) -> tf.Tensor:
 
 
 def ps_info(process_set):
-    """``(id, size, rank_in_set)``; ValueError when not registered or this rank is not a member."""
-    return state().process_set_info(process_set)
+    """``(id, size, rank_in_set)`` of a process set this rank belongs to.
+
+    Raises:
+        ValueError: perseus is not initialised.
+        tf.errors.InvalidArgumentError: the set is not registered or this rank is not a member (as Horovod's
+            TensorFlow ops raise for an invalid process set).
+    """
+    st = state()
+    st.engine  # ValueError when not initialised
+    try:
+        return st.process_set_info(process_set)
+    except ValueError as exc:
+        raise tf.errors.InvalidArgumentError(None, None, str(exc)) from None
 
 
 def _check_no_xla() -> None:

@@ -105,6 +105,10 @@ class Tuner:
 
     def __init__(self, engine, settings, *, rank: int, size: int, topology: tuple, multi_host: bool):
         self.engine = engine
+        #: where the tuner reads the engine's step records: ``read_steps(ps_id, start)`` returns ``(index of
+        #: the first record, [(seconds, bytes, digest), ...])``. Every decision the tuner makes rests on
+        #: these times, so a test can drive it with chosen times instead of the machine's speed.
+        self.read_steps = engine.steps
         self.rank = rank
         self.size = size
         self.settings = settings
@@ -187,7 +191,7 @@ class Tuner:
         self._wait(self.engine.tune(0, self._name("tune"), *config.values()))
 
     def _completed(self) -> int:
-        first, steps = self.engine.steps(0, self._step)
+        first, steps = self.read_steps(0, self._step)
         return first + len(steps)
 
     def _wait_steps(self, count: int, poll: float = 0.0) -> list:
@@ -195,7 +199,7 @@ class Tuner:
         while self._completed() < self._step + count:
             if self._stop.wait(poll or _POLL_S):
                 raise _Stopped()
-        first, steps = self.engine.steps(0, self._step)
+        first, steps = self.read_steps(0, self._step)
         taken = steps[:count]
         self._step = first + count
         return taken
@@ -420,7 +424,7 @@ class Tuner:
         mixed with the sparse tensors' own signature."""
         from perseus.sparse._runtime import signature
 
-        first, steps = self.engine.steps(0, max(0, self._step - 1))
+        first, steps = self.read_steps(0, max(0, self._step - 1))
         i = self._step - 1 - first  # the step just waited for (a later one may have completed meanwhile)
         if not steps or not 0 <= i < len(steps):
             return 0, 0

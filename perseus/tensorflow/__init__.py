@@ -4,8 +4,8 @@ Change ``import horovod.tensorflow as hvd`` to ``import perseus.tensorflow as hv
 and inside ``tf.function`` (through ``tf.py_function``; XLA ``jit_compile=True`` is not supported), and are
 differentiable. A cross-rank mismatch raises ``tf.errors.FailedPreconditionError`` on every rank.
 
-``DistributedOptimizer`` wraps Keras optimizers (perseus.tensorflow.keras); TF1 ``tf.compat.v1.train.Optimizer``
-objects and ``BroadcastGlobalVariablesHook`` (TF1 sessions) are not supported. ``SyncBatchNormalization`` is a
+``DistributedOptimizer`` wraps Keras optimizers (perseus.tensorflow.keras) and TF1
+``tf.compat.v1.train.Optimizer`` objects; ``BroadcastGlobalVariablesHook`` (TF1 sessions) is not supported. ``SyncBatchNormalization`` is a
 ``tf.keras`` layer with global batch statistics.
 """
 
@@ -69,17 +69,31 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
                          compression=Compression.none, sparse_as_dense=False, backward_passes_per_step=1,
                          op=Average, gradient_predivide_factor=1.0, average_aggregated_gradients=False,
                          num_groups=0, groups=None, process_set=global_process_set, scale_local_gradients=True):
-    """Wrap a Keras optimizer (Keras 3 or tf-keras 2) so gradients are reduced across the ranks; see
-    :func:`perseus.tensorflow.keras.DistributedOptimizer`. Unlike Horovod, ``op`` and ``groups`` are passed
-    on to the Keras wrapper rather than dropped.
+    """Wrap an optimizer so gradients are reduced across the ranks of ``process_set``.
 
-    TF1 ``tf.compat.v1.train.Optimizer`` objects (session-based training) raise NotImplementedError: use a
-    Keras optimizer, or ``DistributedGradientTape`` in a custom loop.
+    A Keras optimizer (Keras 3 or tf-keras 2) gets :func:`perseus.tensorflow.keras.DistributedOptimizer`;
+    unlike Horovod, ``op`` and ``groups`` are passed on to it rather than dropped. A TF1
+    ``tf.compat.v1.train.Optimizer`` gets a TF1 optimizer whose ``compute_gradients`` reduces the gradients
+    (:class:`perseus.tensorflow.legacy_optimizer.DistributedLegacyOptimizer`), for graph and session code.
+
+    Raises:
+        ValueError: ``op=Adasum``, or ``gradient_predivide_factor`` with an op other than Average.
+        NotImplementedError: a TF1 optimizer with ``backward_passes_per_step`` > 1 (local gradient
+            aggregation is implemented for Keras optimizers only).
     """
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
-        raise NotImplementedError("perseus.tensorflow.DistributedOptimizer does not wrap TF1 "
-                                  "tf.compat.v1.train.Optimizer objects; use a Keras optimizer "
-                                  "(perseus.tensorflow.keras.DistributedOptimizer) or DistributedGradientTape")
+        reject_adasum(op, "tensorflow.DistributedOptimizer", ValueError)
+        if gradient_predivide_factor != 1.0 and ReduceOp(op) != Average:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        if backward_passes_per_step > 1:
+            raise NotImplementedError(
+                "perseus.tensorflow.DistributedOptimizer: backward_passes_per_step > 1 is not implemented for TF1 "
+                "tf.compat.v1.train.Optimizer objects; use a Keras optimizer, or accumulate gradients yourself")
+        from perseus.tensorflow.legacy_optimizer import DistributedLegacyOptimizer
+
+        return DistributedLegacyOptimizer(optimizer, name, use_locking, device_dense, device_sparse, compression,
+                                          sparse_as_dense, op, gradient_predivide_factor,
+                                          groups if groups is not None else (num_groups or None), process_set)
     reject_adasum(op, "tensorflow.DistributedOptimizer", ValueError)  # ValueError, as Horovod for Keras
     from perseus.tensorflow.keras import DistributedOptimizer as _keras_distributed_optimizer
     return _keras_distributed_optimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,

@@ -433,3 +433,30 @@ def test_tf1_session_runs_more_collectives_than_threads():
         np.testing.assert_allclose(v, np.full(3 + i, sum(k + i for k in range(n))))
     for i, g in enumerate(gathers):
         assert g.shape == (sum(1 + (k + i) % 2 for k in range(n)), 2)
+
+
+def test_tf1_optimizer_averages_gradients_in_a_session():
+    """A TF1 tf.compat.v1.train.Optimizer wrapped by DistributedOptimizer: minimize() in a session applies the
+    gradients averaged over the ranks; the other options refuse clearly."""
+    r, n = hvd.rank(), hvd.size()
+    graph = tf.Graph()
+    with graph.as_default():
+        w = tf.compat.v1.get_variable("w", initializer=[1.0, 2.0], use_resource=True)
+        x = tf.constant([float(r + 1), 2.0 * (r + 1)])
+        loss = tf.reduce_sum(w * x)  # d loss / d w = x, different on every rank
+        opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.5))
+        assert isinstance(opt, tf.compat.v1.train.Optimizer)
+        grads = opt.compute_gradients(loss)
+        train = opt.minimize(loss)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            g = sess.run(grads[0][0])
+            sess.run(train)
+            after = sess.run(w)
+    mean = sum(k + 1 for k in range(n)) / n
+    np.testing.assert_allclose(g, [mean, 2 * mean], rtol=1e-6)
+    np.testing.assert_allclose(after, [1.0 - 0.5 * mean, 2.0 - mean], rtol=1e-6)
+    with pytest.raises(NotImplementedError, match="backward_passes_per_step"):
+        hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.5), backward_passes_per_step=2)
+    with pytest.raises(ValueError):
+        hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.5), op=hvd.Adasum)

@@ -124,6 +124,7 @@ class PerseusBasics:
                 _check_ranks(ps, world.Get_size())
         except Exception as exc:  # noqa: BLE001 - carried to the vote, raised there on every rank
             error = exc
+        startup.await_every_rank(world, settings.init_timeout_s if settings is not None else 60.0)
         try:
             startup.agree(world, "reading its settings and loading the engine", error)
         except BaseException:

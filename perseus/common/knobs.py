@@ -154,6 +154,10 @@ KNOBS: tuple[Knob, ...] = (
          doc="Comma-separated network interfaces whose IPv4 addresses the channels' own TCP connections "
              "between hosts use (perseusrun --network-interface sets it). Empty: every interface that is up, "
              "except loopback."),
+    Knob("init_timeout_s", ("PERSEUS_INIT_TIMEOUT_SECONDS",), float, 60.0, unit="s",
+         doc="How long init() waits for every rank of the job to call it. A rank that failed or exited before "
+             "init() would otherwise leave the others waiting for ever; after this wait the job is aborted with "
+             "a message saying so. 0 waits without limit."),
     Knob("link_timeout_s", ("PERSEUS_LINK_TIMEOUT_SECONDS",), float, 30.0, unit="s",
          doc="How long a channel waits to connect to a peer host, and how long a transfer between hosts may "
              "make no progress, before the collective fails on every rank."),

@@ -22,10 +22,11 @@ from __future__ import annotations
 import builtins
 import logging
 import sys
+import time
 import traceback
 from typing import Any, Optional, Sequence
 
-__all__ = ["agree", "abort_job", "topology", "configure_logging", "warn_ignored_settings", "install_abort_hook"]
+__all__ = ["await_every_rank", "agree", "abort_job", "topology", "configure_logging", "warn_ignored_settings", "install_abort_hook"]
 
 
 def _describe(exc: BaseException) -> tuple[str, str, tuple[str, ...]]:
@@ -41,6 +42,29 @@ def _exception_type(classes: Sequence[str]) -> type:
         if isinstance(candidate, type) and issubclass(candidate, Exception):
             return candidate
     return RuntimeError
+
+
+def await_every_rank(comm, timeout_s: float) -> None:
+    """Return once every rank of ``comm`` has called this (a non-blocking barrier, polled); abort the job when
+    ``timeout_s`` (> 0) passes first: a rank that failed or exited before init() never arrives, and the
+    others would wait in init()'s first collective call for ever.
+
+    Collective: every rank of ``comm`` must call it, first thing in init().
+    """
+    request = comm.Ibarrier()
+    deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
+    pause = 0.0005
+    while not request.Test():
+        if deadline is not None and time.monotonic() > deadline:
+            sys.stderr.write(
+                f"perseus: rank {comm.Get_rank()} waited {timeout_s:g} s in init() for the other ranks of the job "
+                f"({comm.Get_size()} in all) and not every one has called it: a rank that failed or exited before "
+                "init() never will (its output says why). Aborting the MPI job so that no rank waits for ever; "
+                "PERSEUS_INIT_TIMEOUT_SECONDS sets this wait (0: no limit).\n")
+            sys.stderr.flush()
+            comm.Abort(1)
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 def agree(comm, what: str, error: Optional[BaseException], payload: Any = None) -> list:

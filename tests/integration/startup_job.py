@@ -58,6 +58,8 @@ def main(stage: str, failing: int, retry: bool) -> int:
         for obj, name, replacement in _patches(stage):
             undo.append((obj, name, getattr(obj, name)))
             setattr(obj, name, replacement)
+    if stage == "before_init" and world_rank == failing:
+        raise RuntimeError("injected: this rank failed before calling init()")
     try:
         hvd.init(**kwargs)
     except Exception as exc:  # noqa: BLE001 - reported, then the job ends (or starts again)

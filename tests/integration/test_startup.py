@@ -91,6 +91,14 @@ def test_failure_inside_collectives_aborts_the_job(stage):
     assert "started, sum" not in out, out
 
 
+def test_rank_failing_before_init_ends_the_job():
+    # The failed rank waits in MPI_Finalize at exit, the others in init(): init()'s wait for every rank ends it.
+    code, out, took = mpirun(2, [JOB, "before_init", "1"], {"PERSEUS_INIT_TIMEOUT_SECONDS": "3"})
+    assert code != 0 and took < LIMIT_S, out
+    assert "injected: this rank failed before calling init()" in out, out
+    assert "waited 3 s in init() for the other ranks" in out, out
+
+
 @pytest.mark.parametrize("np_", [2, 3])
 def test_timeline_from_the_environment(tmp_path, np_):
     path = tmp_path / "timeline.json"

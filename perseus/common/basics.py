@@ -163,11 +163,14 @@ class PerseusBasics:
             mine = [_comm_ranks(MPI, ps.mpi_comm, base) for ps in entries if ps.ranks is None]
         except Exception as exc:  # noqa: BLE001
             error = exc
+        listed = [ps.ranks for ps in entries if ps.ranks is not None]
         try:
-            gathered = startup.agree(base, "preparing the tuner and the process sets", error, mine)
+            votes = startup.agree(base, "preparing the tuner and the process sets", error, (mine, listed))
+            _same_lists([v[1] for v in votes])
         except BaseException:
             self.shutdown()
             raise
+        gathered = [v[0] for v in votes]
         # Collective phase 2: the process sets' communicators and channels; the tuner's thread.
         stage = "creating the process sets"
         try:
@@ -573,6 +576,15 @@ def _comm_ranks(MPI, comm, base) -> Optional[list[int]]:
         raise ValueError(f"perseus: a process set's communicator has processes outside the job's communicator "
                          f"(world ranks {MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())), MPI.COMM_WORLD.Get_group())})")
     return sorted(int(r) for r in ranks)
+
+
+def _same_lists(listed: list) -> None:
+    """Raise ValueError (on every rank: each sees every rank's lists) unless every rank passed init() the same
+    rank-defined process sets, in the same order."""
+    differ = [r for r, mine in enumerate(listed) if mine != listed[0]]
+    if differ:
+        raise ValueError(f"perseus.init(process_sets=...): the ranks passed different process sets (rank 0: "
+                         f"{listed[0]}; rank {differ[0]}: {listed[differ[0]]}); every rank must pass the same sets")
 
 
 def _own_lists(entries: list, gathered: list, rank: int) -> list:

@@ -50,11 +50,13 @@ def _patches(stage: str) -> list:
 
 def main(stage: str, failing: int, retry: bool) -> int:
     world_rank = load_mpi().COMM_WORLD.Get_rank()
-    kwargs = {"process_sets": [hvd.ProcessSet([0])]} if stage == "process_sets" else {}
+    kwargs = {"process_sets": [hvd.ProcessSet([0])]} if stage in ("process_sets", "process_sets_differ") else {}
     undo = []
     if world_rank == failing:
         if stage == "process_set_ranks":
             kwargs["process_sets"] = [hvd.ProcessSet([0, 99])]
+        if stage == "process_sets_differ":
+            kwargs["process_sets"] = [hvd.ProcessSet([1])]
         for obj, name, replacement in _patches(stage):
             undo.append((obj, name, getattr(obj, name)))
             setattr(obj, name, replacement)

@@ -66,6 +66,14 @@ def test_unwritable_timeline_on_rank_0_fails_every_rank(tmp_path):
     assert out.count("perseus.init() failed on rank 0 of 2") == 2, out
 
 
+def test_ranks_passing_different_process_sets_fail_together():
+    code, out, took = mpirun(2, [JOB, "process_sets_differ", "1"])
+    assert code != 0 and took < LIMIT_S, out
+    for rank in range(2):
+        assert f"rank {rank} caught ValueError: perseus.init(process_sets=...): the ranks passed different " \
+               "process sets (rank 0: [[0]]; rank 1: [[1]])" in out, out
+
+
 def test_every_rank_can_start_again_after_a_failed_start():
     code, out, took = mpirun(3, [JOB, "settings", "1", "retry"])
     assert code == 0, out

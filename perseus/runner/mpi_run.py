@@ -16,7 +16,7 @@ import subprocess
 import sys
 from typing import Mapping, Sequence
 
-from perseus.runner.common.util.env import is_exportable
+from perseus.runner.common.util.env import is_forwarded
 from perseus.runner.hosts import HostSlots, format_hosts
 
 __all__ = [
@@ -29,9 +29,6 @@ OPENMPI = "openmpi"
 MPICH = "mpich"
 FLAVOURS = (OPENMPI, MPICH)
 
-# Forwarded to every rank besides the PERSEUS_*/HOROVOD_* settings, when set.
-_PASS_THROUGH = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH")
-_SETTING_PREFIXES = ("PERSEUS_", "HOROVOD_")
 # Hydra splits this on spaces and adds the pieces to its ssh command line.
 _HYDRA_SSH_EXTRA = "HYDRA_LAUNCHER_EXTRA_ARGS"
 
@@ -145,9 +142,10 @@ def detect_flavour(mpirun: str, timeout: float = 10.0) -> MpiFlavour:
 
 
 def exported_names(env: Mapping[str, str]) -> list[str]:
-    """Return the variables to forward to the ranks: PERSEUS_*/HOROVOD_* (sorted), then PATH etc."""
-    settings = sorted(n for n in env if n.startswith(_SETTING_PREFIXES) and is_exportable(n))
-    return settings + [n for n in _PASS_THROUGH if n in env]
+    """Return the variables to forward to the ranks, sorted: every variable of ``env`` as horovodrun does
+    (except shell functions, OLDPWD, ``*CUDA_VISIBLE_DEVICES``, the launcher's secret and what an MPI
+    launcher set for the process perseusrun runs in; see :func:`is_forwarded`)."""
+    return sorted(n for n in env if is_forwarded(n))
 
 
 def _ssh_args(port: int | None, identity_file: str | None) -> list[str]:
@@ -188,8 +186,7 @@ def _openmpi(mpirun: str, major: int | None, *, num_proc: int, hosts: Sequence[H
     return argv
 
 
-def _mpich(mpiexec: str, *, num_proc: int, hosts: Sequence[HostSlots], names: Sequence[str],
-           env: Mapping[str, str], nics: Sequence[str], ssh: list[str], output_filename: str | None,
+def _mpich(mpiexec: str, *, num_proc: int, hosts: Sequence[HostSlots], names: Sequence[str], nics: Sequence[str], ssh: list[str], output_filename: str | None,
            launch_env: dict[str, str]) -> list[str]:
     argv = [mpiexec, "-n", str(num_proc), "-hosts", format_hosts(hosts)]
     if nics:
@@ -203,8 +200,9 @@ def _mpich(mpiexec: str, *, num_proc: int, hosts: Sequence[HostSlots], names: Se
                            "move or link the key to a path without spaces")
         argv += ["-launcher", "ssh"]
         launch_env[_HYDRA_SSH_EXTRA] = " ".join(ssh)
-    for name in names:
-        argv += ["-genv", name, env[name]]
+    if names:
+        # The values come from mpiexec's own environment, which the launch runs with.
+        argv += ["-genvlist", ",".join(names)]
     if output_filename:
         argv += ["-outfile-pattern", os.path.join(output_filename, "rank.%r.stdout"),
                  "-errfile-pattern", os.path.join(output_filename, "rank.%r.stderr")]
@@ -220,8 +218,9 @@ def build_command(mpirun: str, flavour: MpiFlavour, *, num_proc: int, hosts: Seq
 
     ``env`` is the full environment the launcher will run with (the caller's plus ``launcher_env``,
     the variables perseusrun set from its flags); the variables it forwards are chosen by
-    :func:`exported_names`. For Open MPI, ``launcher_env`` is also put in front of the printed line
-    so that a dry-run line reproduces the job. ``mpi_args`` go after perseusrun's own options, right
+    :func:`exported_names` and take their values from that environment (Open MPI's ``-x NAME``, Hydra's
+    ``-genvlist``), so values with spaces, newlines or ``=`` travel unchanged. ``launcher_env`` is also put
+    in front of the printed line so that a dry-run line reproduces the job. ``mpi_args`` go after perseusrun's own options, right
     before ``command``. ``as_root`` adds Open MPI's ``--allow-run-as-root``; ``prefix`` its ``--prefix``
     (the installation to use on remote hosts; MPICH has no such option and ignores it).
     """
@@ -233,11 +232,11 @@ def build_command(mpirun: str, flavour: MpiFlavour, *, num_proc: int, hosts: Seq
                         ssh=ssh, output_filename=output_filename, as_root=as_root, prefix=prefix)
         plan_env = launcher_env
     elif flavour.name == MPICH:
-        plan_env = {}
+        plan_env = launcher_env
         sibling = os.path.join(os.path.dirname(mpirun), "mpiexec")
         if os.path.basename(mpirun) == "mpirun" and os.path.dirname(mpirun) and os.path.isfile(sibling):
             mpirun = sibling
-        argv = _mpich(mpirun, num_proc=num_proc, hosts=hosts, names=names, env=env, nics=list(nics), ssh=ssh,
+        argv = _mpich(mpirun, num_proc=num_proc, hosts=hosts, names=names, nics=list(nics), ssh=ssh,
                       output_filename=output_filename, launch_env=plan_env)
     else:
         raise MpiError(f"unknown MPI flavour {flavour.name!r}; expected one of {', '.join(FLAVOURS)}")

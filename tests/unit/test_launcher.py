@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -30,10 +31,10 @@ TAIL = "python train.py"
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    """Give the launcher a predictable environment: PATH=/usr/bin and no settings variables."""
+    """Give the launcher a predictable environment: PATH=/usr/bin and nothing else (it forwards every
+    variable of its environment)."""
     for name in list(os.environ):
-        if name.startswith(("PERSEUS_", "HOROVOD_")) or name in ("PYTHONPATH", "LD_LIBRARY_PATH"):
-            monkeypatch.delenv(name)
+        monkeypatch.delenv(name)
     monkeypatch.setenv("PATH", "/usr/bin")
 
 
@@ -61,7 +62,8 @@ def dry_run(capsys, *argv):
     assert code == 0, err
     assert err == ""
     assert out.count("\n") == 1
-    return out.strip()
+    # pytest sets PYTEST_CURRENT_TEST around each test, and the launcher forwards every variable.
+    return re.sub(r" -x PYTEST_CURRENT_TEST|,PYTEST_CURRENT_TEST|PYTEST_CURRENT_TEST,", "", out.strip())
 
 
 def error_line(capsys, *argv):
@@ -167,7 +169,7 @@ def test_openmpi5_command_as_root_full(fake_mpi, capsys, monkeypatch):
         f"{MPIRUN} --allow-run-as-root -np 3 --host localhost:2,127.0.0.2:2 --bind-to none --map-by slot "
         "--mca mpi_yield_when_idle 1 --mca btl_tcp_if_include eth0 --prtemca oob_tcp_if_include eth0 "
         "--prtemca plm_ssh_args '-p 2222 -i '\"'\"'/keys/id rsa'\"'\"'' --output dir=/tmp/logs "
-        "-x HOROVOD_FOO -x PERSEUS_CYCLE_TIME -x PERSEUS_NETWORK_INTERFACE -x PATH -x LD_LIBRARY_PATH "
+        "-x HOROVOD_FOO -x LD_LIBRARY_PATH -x PATH -x PERSEUS_CYCLE_TIME -x PERSEUS_NETWORK_INTERFACE "
         f"--mca pml ob1 --tag-output {TAIL}")
     assert shlex.split(line)[shlex.split(line).index("plm_ssh_args") + 1] == "-p 2222 -i '/keys/id rsa'"
     assert "SECRET" not in line
@@ -181,7 +183,7 @@ def test_openmpi4_command(fake_mpi, capsys):
         f"PERSEUS_NETWORK_INTERFACE=eth0,eth1 "
         f"{MPIRUN} -np 4 --host localhost:4 --bind-to none --map-by slot --mca mpi_yield_when_idle 1 "
         "--mca btl_tcp_if_include eth0,eth1 --mca oob_tcp_if_include eth0,eth1 --mca plm_rsh_args '-p 2022' "
-        f"--output-filename logs -x PERSEUS_NETWORK_INTERFACE -x PATH {TAIL}")
+        f"--output-filename logs -x PATH -x PERSEUS_NETWORK_INTERFACE {TAIL}")
     for single_dash in ("-bind-to", "-map-by", "-mca", "-H"):
         assert single_dash not in line.split()
 
@@ -189,13 +191,13 @@ def test_openmpi4_command(fake_mpi, capsys):
 def test_mpich_command(fake_mpi, capsys):
     fake_mpi("mpich")
     assert dry_run(capsys, "-np", "2", *TAIL.split()) == (
-        f"{MPIRUN} -n 2 -hosts localhost:2 -genv PATH /usr/bin {TAIL}")
+        f"{MPIRUN} -n 2 -hosts localhost:2 -genvlist PATH {TAIL}")
     line = dry_run(capsys, "-np", "2", "-H", "localhost:1,127.0.0.1:1", "-p", "2222",
                    "--network-interface", "ib0", "--timeline-filename", "/tmp/t l.json", *TAIL.split())
     assert line == (
-        f"HYDRA_LAUNCHER_EXTRA_ARGS='-p 2222' {MPIRUN} -n 2 -hosts localhost:1,127.0.0.1:1 -iface ib0 "
-        f"-launcher ssh -genv PERSEUS_NETWORK_INTERFACE ib0 -genv PERSEUS_TIMELINE '/tmp/t l.json' "
-        f"-genv PATH /usr/bin {TAIL}")
+        f"PERSEUS_TIMELINE='/tmp/t l.json' PERSEUS_NETWORK_INTERFACE=ib0 HYDRA_LAUNCHER_EXTRA_ARGS='-p 2222' "
+        f"{MPIRUN} -n 2 -hosts localhost:1,127.0.0.1:1 -iface ib0 -launcher ssh "
+        f"-genvlist PATH,PERSEUS_NETWORK_INTERFACE,PERSEUS_TIMELINE {TAIL}")
 
 
 def test_mpich_rejects_two_interfaces(fake_mpi, capsys):
@@ -283,7 +285,7 @@ def test_flags_do_not_touch_launcher_env(fake_mpi, capsys):
     line = dry_run(capsys, "-np", "2", "--fusion-threshold-mb", "8", "--stall-check-shutdown-time-seconds", "0",
                    *TAIL.split())
     assert line.startswith("PERSEUS_FUSION_THRESHOLD=8388608 PERSEUS_STALL_SHUTDOWN_TIME_SECONDS=0 ")
-    assert "-x PERSEUS_FUSION_THRESHOLD -x PERSEUS_STALL_SHUTDOWN_TIME_SECONDS -x PATH" in line
+    assert "-x PATH -x PERSEUS_FUSION_THRESHOLD -x PERSEUS_STALL_SHUTDOWN_TIME_SECONDS python" in line
     assert "PERSEUS_FUSION_THRESHOLD" not in os.environ
 
 
@@ -498,7 +500,21 @@ def test_launch_puts_interpreter_on_rank_path(fake_mpi, capsys, monkeypatch):
     assert line.endswith(f"-x PATH {TAIL}")
     fake_mpi("mpich")
     monkeypatch.setattr(sys, "executable", "/envs/a/bin/python")
-    assert "-genv PATH /envs/a/bin:/usr/bin " in dry_run(capsys, "-np", "2", *TAIL.split())
+    line = dry_run(capsys, "-np", "2", *TAIL.split())
+    assert line.startswith("PATH=/envs/a/bin:/usr/bin ") and "-genvlist PATH " in line
+
+
+def test_every_variable_is_forwarded_except_horovods_exclusions(fake_mpi, capsys, monkeypatch):
+    for name, value in {"MY_DATA_DIR": "/data", "OMP_NUM_THREADS": "3", "NCCL_DEBUG": "WARN", "OLDPWD": "/x",
+                        "BASH_FUNC_f%%": "() { :; }", "CUDA_VISIBLE_DEVICES": "0", "HOROVOD_SECRET_KEY": "k",
+                        "OMPI_COMM_WORLD_RANK": "3", "PMIX_RANK": "3", "OMPI_MCA_btl": "self,tcp"}.items():
+        monkeypatch.setenv(name, value)
+    line = dry_run(capsys, "-np", "2", *TAIL.split())
+    forwarded = [w for i, w in enumerate(line.split()) if i and line.split()[i - 1] == "-x"]
+    assert forwarded == ["MY_DATA_DIR", "NCCL_DEBUG", "OMPI_MCA_btl", "OMP_NUM_THREADS", "PATH"], line
+    fake_mpi("mpich")
+    line = dry_run(capsys, "-np", "2", *TAIL.split())
+    assert "-genvlist MY_DATA_DIR,NCCL_DEBUG,OMPI_MCA_btl,OMP_NUM_THREADS,PATH " in line, line
 
 
 # ----------------------------------------------------------------------------- one real launch

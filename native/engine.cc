@@ -1,6 +1,7 @@
 // The engine thread and its lifecycle (see engine.h).
 #include "engine.h"
 
+#include <pthread.h>
 #include <sched.h>
 #include <sys/prctl.h>
 
@@ -243,6 +244,14 @@ void Engine::abort(const std::string& message_in, int origin, bool propagate, Er
 
 void Engine::run() {
   prctl(PR_SET_TIMERSLACK, 1000, 0, 0, 0);  // wake short sleeps on time (default slack adds ~50 us)
+  if (settings_.cpu_core >= 0) {  // the engine thread only: channel and user threads keep their placement
+    cpu_set_t cores;
+    CPU_ZERO(&cores);
+    CPU_SET(settings_.cpu_core, &cores);
+    if (pthread_setaffinity_np(pthread_self(), sizeof(cores), &cores) != 0 && hooks_.log)
+      hooks_.log(30, "perseus: cannot pin the engine thread to core " + std::to_string(settings_.cpu_core) +
+                 "; it runs where the system places it");
+  }
   Backoff backoff;
   const double cap_busy = 1e-3;
   double idle_wait = kFirstIdleWaitS;

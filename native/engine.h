@@ -41,6 +41,7 @@ struct Settings {
   bool hierarchical_allgather = false;
   std::vector<std::string> network_interfaces;  // for the channels' links between hosts; empty: all
   double link_timeout_s = 30.0;
+  int cpu_core = -1;  // pin the engine thread to this core (PERSEUS_THREAD_AFFINITY); -1: no pinning
 };
 
 struct EngineHooks {

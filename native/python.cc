@@ -174,6 +174,7 @@ class PyEngine {
                     : a == "hierarchical" ? Algorithm::HIERARCHICAL : Algorithm::AUTO;
     }
     if (auto v = get("host_key")) s.host_key = v.cast<int64_t>();
+    if (auto v = get("cpu_core")) s.cpu_core = v.cast<int>();
     if (auto v = get("hierarchical_allgather")) s.hierarchical_allgather = v.cast<bool>();
     if (auto v = get("network_interface")) {
       std::string text = v.cast<std::string>(), item;

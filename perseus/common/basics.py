@@ -96,7 +96,7 @@ class PerseusBasics:
             raise ValueError("perseus.init(comm=...): this rank is not in the given ranks")
         entries = _entries(process_sets)
         # Local phase 1: everything that can fail on one rank alone, before any collective call.
-        error, settings, engine, timeline = None, None, None, None
+        error, settings, engine, timeline, cores = None, None, None, None, []
         try:
             dynamic = isinstance(process_sets, str) and process_sets.lower() == "dynamic"
             settings = load_settings(**({"dynamic_process_sets": True} if dynamic else {}))
@@ -120,6 +120,7 @@ class PerseusBasics:
             load_core()
             if settings.autotune and not settings.max_channels:
                 settings.max_channels = _AUTOTUNE_MAX_CHANNELS  # idle until the tuner activates them
+            cores = startup.affinity_cores(settings.thread_affinity)
             for ps in entries:
                 _check_ranks(ps, world.Get_size())
         except Exception as exc:  # noqa: BLE001 - carried to the vote, raised there on every rank
@@ -141,7 +142,9 @@ class PerseusBasics:
             stage = "creating the global process set's channels"
             from perseus.engine.native import Engine
 
-            engine = Engine(settings, rank, host_key=topology[7])
+            local_rank = topology[2]
+            engine = Engine(settings, rank, host_key=topology[7],
+                            cpu_core=cores[local_rank % len(cores)] if cores else -1)
             engine.add_process_set(0, base, list(range(size)))
             if timeline is not None:
                 engine.timeline = timeline

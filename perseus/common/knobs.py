@@ -61,6 +61,8 @@ class Flag:
     negation: str = ""
     scale: float = 1.0
     minimum: float = 0.0
+    aliases: tuple[str, ...] = ()  # other spellings of ``name`` (horovodrun's deprecated or related ones)
+    negation_aliases: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -140,11 +142,14 @@ KNOBS: tuple[Knob, ...] = (
              "allgather follow the same choice: ring (or hierarchical, which runs them as a flat ring) makes "
              "them rings over the same path; auto does so from 64 kB (allgather only across hosts); mpi "
              "keeps MPI's collectives."),
-    Knob("hierarchical_allreduce", _both("HIERARCHICAL_ALLREDUCE"), bool, False,
+    Knob("hierarchical_allreduce", _both("HIERARCHICAL_ALLREDUCE") + ("HOROVOD_TORUS_ALLREDUCE",), bool, False,
          doc="Use the hierarchical all-reduce (as PERSEUS_ALLREDUCE_ALGORITHM=hierarchical; an algorithm "
-             "other than auto named there wins).",
+             "other than auto named there wins). Horovod's torus all-reduce (HOROVOD_TORUS_ALLREDUCE, "
+             "--torus-allreduce: reduce inside each host, then across hosts in parallel) is the same thing "
+             "here.",
          flag=Flag("--hierarchical-allreduce", "tuning", "reduce inside each host first, then across hosts",
-                   negation="--no-hierarchical-allreduce")),
+                   negation="--no-hierarchical-allreduce", aliases=("--torus-allreduce",),
+                   negation_aliases=("--no-torus-allreduce",))),
     Knob("hierarchical_allgather", _both("HIERARCHICAL_ALLGATHER"), bool, False,
          doc="Gather inside each host first, exchange one block per host across hosts, then share it inside "
              "the host (needs the same number of ranks on every host, else a flat allgather).",
@@ -202,12 +207,25 @@ KNOBS: tuple[Knob, ...] = (
          doc="Engine log level.",
          flag=Flag("--log-level", "logging", "engine log level")),
     Knob("log_hide_time", _both("LOG_HIDE_TIME"), bool, False, doc="Omit timestamps from engine log lines.",
-         flag=Flag("--log-without-timestamp", "logging", "omit timestamps from engine log lines")),
+         flag=Flag("--log-without-timestamp", "logging", "omit timestamps from engine log lines",
+                   negation="--log-with-timestamp", aliases=("--log-hide-timestamp",),
+                   negation_aliases=("--no-log-hide-timestamp",))),
     Knob("mpi_threads_disable", _both("MPI_THREADS_DISABLE"), bool, False,
          doc="Accepted for Horovod compatibility and ignored, with a warning at init(): perseus's engine and "
              "channel threads need MPI_THREAD_MULTIPLE, so MPI is always initialised with it.",
          flag=Flag("--mpi-threads-disable", "tuning",
-                   "accepted for horovodrun compatibility and ignored (perseus needs MPI_THREAD_MULTIPLE)")),
+                   "accepted for horovodrun compatibility and ignored (perseus needs MPI_THREAD_MULTIPLE)",
+                   negation="--no-mpi-threads-disable")),
+    Knob("thread_affinity", _both("THREAD_AFFINITY"), str, "",
+         doc="Pin each rank's engine thread (negotiation and completion) to a CPU core: comma-separated core "
+             "ids, one per local rank (local rank i takes entry i modulo their number). Channel threads and "
+             "the framework's threads keep their placement. Empty: no pinning.",
+         flag=Flag("--thread-affinity", "tuning", "core id(s) for each rank's engine thread, one per local rank")),
+    Knob("num_nccl_streams", _both("NUM_NCCL_STREAMS"), int, 1, unit="streams",
+         doc="NCCL streams per process set for GPU tensors (horovodrun's --num-nccl-streams). Accepted now; "
+             "the GPU transport is not implemented yet, so it changes nothing in a CPU job.",
+         flag=Flag("--num-nccl-streams", "tuning", "NCCL streams for GPU tensors (no effect until GPU tensors "
+                   "are supported)", minimum=1)),
     Knob("abort_on_exception", ("PERSEUS_ABORT_ON_EXCEPTION",), bool, True,
          doc="After init(), an uncaught exception on any rank prints its traceback and aborts the whole MPI "
              "job, so the other ranks do not hang."),

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import builtins
 import logging
+import os
 import sys
 import time
 import traceback
 from typing import Any, Optional, Sequence
 
-__all__ = ["await_every_rank", "agree", "abort_job", "topology", "configure_logging", "warn_ignored_settings", "install_abort_hook"]
+__all__ = ["affinity_cores", "await_every_rank", "agree", "abort_job", "topology", "configure_logging", "warn_ignored_settings", "install_abort_hook"]
 
 
 def _describe(exc: BaseException) -> tuple[str, str, tuple[str, ...]]:
@@ -126,6 +127,26 @@ def abort_job(comm, what: str, exc: BaseException) -> None:
 
         comm = load_mpi().COMM_WORLD
     comm.Abort(1)
+
+
+def affinity_cores(text: str) -> list[int]:
+    """The core ids of PERSEUS_THREAD_AFFINITY (comma-separated, one per local rank); [] when empty.
+
+    Raises:
+        ValueError: an entry is not a core id of this machine (an integer in 0..cores-1).
+    """
+    cores = []
+    available = os.cpu_count() or 1
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        try:
+            core = int(item)
+        except ValueError:
+            core = -1
+        if not 0 <= core < available:
+            raise ValueError(f"PERSEUS_THREAD_AFFINITY/HOROVOD_THREAD_AFFINITY={text!r}: {item!r} is not a core id "
+                             f"of this machine (0..{available - 1}); give one core id per local rank, e.g. 0,1")
+        cores.append(core)
+    return cores
 
 
 def topology(MPI, base) -> tuple:

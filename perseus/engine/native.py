@@ -76,12 +76,13 @@ class Engine:
     a tensor), :class:`StallError` (a stall outlasted the stall shutdown time).
     """
 
-    def __init__(self, settings, world_rank: int, host_key: int = 0):
+    def __init__(self, settings, world_rank: int, host_key: int = 0, cpu_core: int = -1):
         core = load_core()
         values = {name: getattr(settings, name) for name in ENGINE_SETTINGS}
         if getattr(settings, "hierarchical_allreduce", False) and values["allreduce_algorithm"] == "auto":
             values["allreduce_algorithm"] = "hierarchical"
         values["host_key"] = host_key
+        values["cpu_core"] = cpu_core  # pin the engine thread to this core; -1: no pinning
         self.world_rank = world_rank
         self._timeline = None
         self._native = core.Engine(values, world_rank, main_thread_location, _log,

@@ -9,7 +9,7 @@ import shlex
 import signal
 import subprocess
 import sys
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from perseus.common.knobs import read_knob
 from perseus.runner import hosts as hostlib
@@ -105,7 +105,8 @@ def _kill_remote(host: str, pid: int, ssh: list[str]) -> None:
 
 
 def launch_elastic(args: argparse.Namespace, settings: dict[str, str], mpi_args: list[str], mpirun: str,
-                   flavour: mpi_run.MpiFlavour, env_extra: Mapping[str, str] | None = None) -> int:
+                   flavour: mpi_run.MpiFlavour, env_extra: Mapping[str, str] | None = None,
+                   mpi_options: Mapping[str, Any] | None = None) -> int:
     """Run an elastic job; returns the exit status (0: every rank finished).
 
     Raises:
@@ -117,6 +118,11 @@ def launch_elastic(args: argparse.Namespace, settings: dict[str, str], mpi_args:
     from perseus.runner.launch import PROG, LaunchError
 
     opts = check_elastic_args(args)
+    try:  # what the MPI cannot honour fails now, not when the first generation starts
+        mpi_run.build_command(mpirun, flavour, num_proc=1, hosts=[hostlib.HostSlots("localhost", 1)], env={},
+                              command=["true"], nics=args.nics, **(mpi_options or {}))
+    except mpi_run.MpiError as exc:
+        raise LaunchError(str(exc)) from None
     if args.dry_run:
         raise LaunchError("--dry-run is not available for elastic jobs: their mpirun commands depend on the hosts "
                           "discovered while the job runs")
@@ -149,7 +155,8 @@ def launch_elastic(args: argparse.Namespace, settings: dict[str, str], mpi_args:
         plan = mpi_run.build_command(
             mpirun, flavour, num_proc=np_, hosts=hosts, env=env, command=args.command, launcher_env=job_env,
             nics=args.nics, ssh_port=args.ssh_port, ssh_identity_file=args.ssh_identity_file,
-            output_filename=args.output_filename, mpi_args=extra_mpi, as_root=as_root, prefix=prefix)
+            output_filename=args.output_filename, mpi_args=extra_mpi, as_root=as_root, prefix=prefix,
+            **(mpi_options or {}))
         if args.verbose:
             print(f"{PROG}: {shlex.join(plan.argv)}", file=sys.stderr, flush=True)
         return subprocess.Popen(plan.argv, env={**env, **plan.env}, start_new_session=True)

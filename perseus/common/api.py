@@ -5,6 +5,9 @@ binding them again, so the list lives in one place.
 """
 
 from perseus.common.basics import state
+from perseus.transport.mpi import require_mpi
+
+require_mpi()  # a framework module without an MPI fails at import, saying how to get one
 
 __all__ = [
     "_basics", "init", "shutdown", "is_initialized", "start_timeline", "stop_timeline", "size", "local_size", "cross_size", "rank",

@@ -12,6 +12,7 @@ import sys
 import threading
 from typing import Callable, Optional, Sequence
 
+from perseus.common.exceptions import NotAMemberError
 from perseus.common.knobs import Settings, load_settings
 from perseus.common.process_sets import ProcessSet, global_process_set
 
@@ -526,7 +527,8 @@ class PerseusBasics:
         """``(id, size, rank_in_set)`` of a registered set this rank belongs to.
 
         Raises:
-            ValueError: the set is not registered or this rank is not a member.
+            ValueError: the set is not registered; :class:`NotAMemberError` (a ValueError): this rank is not
+                a member.
         """
         self.engine
         ps_id = process_set.process_set_id
@@ -536,7 +538,7 @@ class PerseusBasics:
         ranks = self._sets[ps_id].ranks
         me = self.rank()
         if me not in ranks:
-            raise ValueError(f"perseus: rank {me} is not a member of process set {ps_id} (ranks {ranks}); only "
+            raise NotAMemberError(f"perseus: rank {me} is not a member of process set {ps_id} (ranks {ranks}); only "
                              "members may call its collectives")
         return ps_id, len(ranks), ranks.index(me)
 

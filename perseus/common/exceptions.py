@@ -9,6 +9,7 @@ __all__ = [
     "StallError",
     "MismatchError",
     "NonFiniteGradientError",
+    "NotAMemberError",
 ]
 
 
@@ -27,6 +28,11 @@ class MismatchError(PerseusInternalError):
 
 class StallError(PerseusInternalError):
     """Ranks waited longer than the stall shutdown time for a tensor that some ranks never submitted."""
+
+
+class NotAMemberError(ValueError):
+    """This rank called a collective of a process set it does not belong to. (A ValueError, as for an
+    unregistered set; TensorFlow ops raise it as ``tf.errors.InvalidArgumentError``, as Horovod's do.)"""
 
 
 class HostsUpdatedInterrupt(RuntimeError):

@@ -39,7 +39,7 @@ __all__ = [
 
 def allreduce(value, name=None, average=True, prescale_factor=1.0, postscale_factor=1.0, op=None,
               compression=Compression.none):
-    """Reduce ``value`` (array, tensor or number) across all ranks now (default: average); a NumPy array."""
+    """Reduce ``value`` (array, tensor or number) across all ranks now (default: average); a tf.Tensor, as Horovod."""
     if op is not None:
         average = None
     return _frontend.value_allreduce(value, name, average, prescale_factor, postscale_factor, op, compression)

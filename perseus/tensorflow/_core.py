@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from perseus.common import collectives as _c
 from perseus.common.basics import state
-from perseus.common.exceptions import MismatchError, PerseusInternalError
+from perseus.common.exceptions import MismatchError, NotAMemberError, PerseusInternalError
 from perseus.engine.messages import DType
 from perseus.tensorflow import _await
 
@@ -104,15 +104,12 @@ def ps_info(process_set):
     """``(id, size, rank_in_set)`` of a process set this rank belongs to.
 
     Raises:
-        ValueError: perseus is not initialised.
-        tf.errors.InvalidArgumentError: the set is not registered or this rank is not a member (as Horovod's
-            TensorFlow ops raise for an invalid process set).
+        ValueError: perseus is not initialised, or the set is not registered.
+        tf.errors.InvalidArgumentError: this rank is not a member of the set (as Horovod's TensorFlow ops).
     """
-    st = state()
-    st.engine  # ValueError when not initialised
     try:
-        return st.process_set_info(process_set)
-    except ValueError as exc:
+        return state().process_set_info(process_set)
+    except NotAMemberError as exc:
         raise tf.errors.InvalidArgumentError(None, None, str(exc)) from None
 
 

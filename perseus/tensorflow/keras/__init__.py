@@ -84,22 +84,22 @@ def broadcast_global_variables(root_rank):
 
 def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,
               compression=Compression.none):
-    """Reduce ``value`` (array, tensor or number) across all ranks now (default: average); a NumPy array."""
+    """Reduce ``value`` (array, tensor or number) across all ranks now (default: average); a tf.Tensor, as Horovod."""
     return _frontend.value_allreduce(value, name, average, prescale_factor, postscale_factor, op, compression)
 
 
 def allgather(value, name=None):
-    """Concatenate ``value`` from every rank along its first dimension; a NumPy array."""
+    """Concatenate ``value`` from every rank along its first dimension; a tf.Tensor."""
     return _frontend.value_allgather(value, name)
 
 
 def broadcast(value, root_rank, name=None):
-    """Rank ``root_rank``'s ``value`` on every rank; a NumPy array."""
+    """Rank ``root_rank``'s ``value`` on every rank; a tf.Tensor."""
     return _frontend.value_broadcast(value, root_rank, name)
 
 
 def reducescatter(value, name=None, op=Average):
-    """Reduce ``value`` and return this rank's share of its first dimension; a NumPy array."""
+    """Reduce ``value`` and return this rank's share of its first dimension; a tf.Tensor."""
     return _frontend.value_reducescatter(value, name, op)
 
 

@@ -232,7 +232,7 @@ setup(
     # libcst: perseus-convert, a console script of the base install.
     # Optuna is the autotuner's Bayesian and Hyperband search (HOROVOD_AUTOTUNE=1 must work after any
     # install, as Horovod's does); pyyaml reads horovodrun's --config-file.
-    install_requires=["numpy>=1.21", "mpi4py>=4.1", "cloudpickle>=2.0", "libcst>=1.0,<2", "pyyaml>=5.1",
+    install_requires=["numpy>=1.21", "mpi4py>=4.1", "cloudpickle>=2.0", "libcst>=1.0,<2", "pyyaml>=6.0",
                       "optuna>=3.0"],
     extras_require={
         "torch": TORCH,

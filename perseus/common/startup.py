@@ -92,7 +92,13 @@ def agree(comm, what: str, error: Optional[BaseException], payload: Any = None) 
     if not failed:
         return [p for _, p in votes]
     size = comm.Get_size()
-    lines = "; ".join(f"rank {rank}: {name}: {text}" for rank, (name, text, _) in failed)
+    by_error: dict[str, list[int]] = {}  # the same error on several ranks is said once
+    for rank, (name, text, _) in failed:
+        by_error.setdefault(f"{name}: {text}", []).append(rank)
+    if len(by_error) == 1 and len(failed) == size:
+        lines = next(iter(by_error))
+    else:
+        lines = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {e}" for e, r in by_error.items())
     who = ("every rank" if len(failed) == size else
            f"rank{'s' if len(failed) > 1 else ''} {', '.join(str(r) for r, _ in failed)} of {size}")
     message = (f"perseus.init() failed on {who} while {what} ({lines}). No rank started; fix the cause and "
@@ -102,7 +108,10 @@ def agree(comm, what: str, error: Optional[BaseException], payload: Any = None) 
         raised = cls(message)
     except Exception:  # noqa: BLE001 - an exception type that wants other arguments
         raised = _exception_type(_describe(error)[2] if error is not None else failed[0][1][2])(message)
-    raise raised from error
+    # A bad setting, a missing module or file: the message says it all, perseus's own frames would only hide
+    # it. Anything else keeps the failing rank's traceback for the report.
+    expected = isinstance(error, (ValueError, ImportError, OSError, NotImplementedError))
+    raise raised from (None if expected else error)
 
 
 def abort_job(comm, what: str, exc: BaseException) -> None:

@@ -159,6 +159,17 @@ def _split(flag: str, text: str | None) -> list[str]:
         raise LaunchError(f"{flag} {text!r} cannot be split: {exc}; check its quoting") from None
 
 
+def _check_local_nics(nics: Sequence[str]) -> None:
+    """Raise :class:`LaunchError` for a --network-interface that this host (which runs ranks) lacks."""
+    import socket
+
+    have = sorted(name for _, name in socket.if_nameindex())
+    missing = [n for n in nics if n not in have]
+    if missing:
+        raise LaunchError(f"--network-interface {','.join(missing)}: no such network interface on this host "
+                          f"(it has {', '.join(have)}); name one of them")
+
+
 def mpi_options(args: argparse.Namespace) -> dict[str, Any]:
     """The keyword arguments of :func:`perseus.runner.mpi_run.build_command` that come from horovodrun's
     library flags (--binding-args, --tcp, --prefix-output-with-timestamp)."""
@@ -373,6 +384,8 @@ def _launch(args: argparse.Namespace, env_extra: Mapping[str, str] | None = None
     if args.dry_run:
         print(plan.shell_line())
         return 0
+    if args.nics and len(remote) < len({h.host for h in hosts}):
+        _check_local_nics(args.nics)
     if args.verbose:
         print(f"{PROG}: {plan.shell_line()}", file=sys.stderr, flush=True)
     if args.output_filename and flavour.name == mpi_run.MPICH:

@@ -701,3 +701,8 @@ def test_library_flags_map_to_mpi_options(fake_mpi, capsys):
     fake_mpi("mpich")
     assert "Hydra's binding options" in error_line(capsys, "-np", "2", "--binding-args", "--bind-to core",
                                                     *TAIL.split())
+
+
+def test_missing_local_interface_is_one_line(capsys):
+    line = error_line(capsys, "-np", "2", "--network-interface", "nosuch0", *TAIL.split())
+    assert "--network-interface nosuch0: no such network interface on this host" in line, line

@@ -6,6 +6,7 @@ exercised too) and always takes them down again. A cluster that is already up is
 someone may be measuring on it. Needs root; skipped otherwise, and where the cluster cannot be built.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -234,3 +235,39 @@ def test_shaping_caps_flows_and_link(cluster):
             # lower bound is loose, for a busy 2-core machine and the odd hash collision between flows.
             expected = min(link, n * flow)
             assert 0.5 * expected <= totals[(direction, n)] <= 1.02 * expected, done.stdout
+
+
+ENV_PROBE = textwrap.dedent("""
+    import json, os, socket
+    import perseus.torch as hvd
+    from perseus.common.basics import state
+    hvd.init()
+    params = state().engine.params(0)  # (fusion bytes, in-place bytes, channels, cycle us, algorithm, ...)
+    names = ("MY_DATA_DIR", "OMP_NUM_THREADS", "NCCL_DEBUG", "CUDA_VISIBLE_DEVICES", "OLDPWD")
+    print("ENV", json.dumps({"host": socket.gethostname(), "rank": hvd.rank(),
+                             "env": {n: os.environ.get(n) for n in names},
+                             "fusion": params[0], "cycle_us": params[3]}), flush=True)
+    hvd.shutdown()
+""")
+
+
+def test_caller_environment_and_config_file_reach_every_host(cluster, tmp_path):
+    """horovodrun's forwarding: the caller's variables arrive on both hosts, values unchanged (spaces,
+    newlines, '='), except the excluded ones; a --config-file's settings change the engine on every rank."""
+    config = tmp_path / "hvd.yaml"
+    config.write_text("params:\n  fusion_threshold_mb: 32\n  cycle_time_ms: 7\n")
+    odd = "/data dir/with=sign\nand a second line"
+    env = dict(os.environ, MY_DATA_DIR=odd, OMP_NUM_THREADS="3", NCCL_DEBUG="WARN", CUDA_VISIBLE_DEVICES="5",
+               OLDPWD="/somewhere")
+    code, out, _ = perseusrun("-np", "2", "-H", "perseus-h0:1,perseus-h1:1", "--config-file", str(config),
+                              "python", "-c", ENV_PROBE, env=env)
+    assert code == 0, out
+    seen = [json.loads(line[4:]) for line in out.splitlines() if line.startswith("ENV ")]
+    assert sorted(s["host"] for s in seen) == ["perseus-h0", "perseus-h1"], out
+    for s in seen:
+        assert s["env"]["MY_DATA_DIR"] == odd and s["env"]["OMP_NUM_THREADS"] == "3", s
+        assert s["env"]["NCCL_DEBUG"] == "WARN", s
+        assert (s["fusion"], s["cycle_us"]) == (32 << 20, 7000), s
+    # Excluded variables do not travel to another host (a rank on the launching host inherits its environment,
+    # as with horovodrun; both emulated hosts are other hosts here).
+    assert all(s["env"]["CUDA_VISIBLE_DEVICES"] is None and s["env"]["OLDPWD"] is None for s in seen), seen

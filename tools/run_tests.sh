@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set everything up and run every test: unit and integration tests in one process, then the MPI suite
 # under mpirun at 2 and 3 ranks, then the wheel as a user installs it (tools/check_wheel.sh), then the MXNet
-# suite in its own environment (tools/run_mxnet_tests.sh).
+# suite in its own environment (tools/run_mxnet_tests.sh), then perseus on MPICH (tools/run_mpich_tests.sh).
 # Every test has a timeout; a failing rank aborts its MPI job.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -73,5 +73,7 @@ echo "== the oldest versions setup.py admits for the base install (Python 3.10, 
 stage "lower bounds" bash tools/check_lower_bounds.sh
 echo "== perseus.mxnet (MXNet 1.9.1 in its own environment, .venv-mxnet)"
 stage "mxnet" bash tools/run_mxnet_tests.sh
+echo "== perseus on MPICH from PyPI (its own environment, .venv-mpich): mpiexec and perseusrun"
+stage "mpich" bash tools/run_mpich_tests.sh
 summary
 exit $status

@@ -6,7 +6,8 @@
 #     and require the compiled native core (perseus/_core*.so, without a run path to the build's MPI);
 #   - run both console scripts (perseus-convert --help, perseusrun --check-build);
 #   - import every perseus module whose framework is installed there;
-#   - train examples/pytorch_digits.py on 2 ranks with perseusrun.
+#   - train examples/pytorch_digits.py on 2 ranks with perseusrun, then again with HOROVOD_AUTOTUNE=1 (the
+#     tuner and its log work with what the wheel's own dependencies bring).
 # Exits non-zero on the first failure, saying what is missing. Usage: bash tools/check_wheel.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -89,4 +90,10 @@ print(f"   {count} modules imported")
 EOF
 echo "-- training on 2 ranks"
 timeout 600 "$BIN/perseusrun" -np 2 "$BIN/python" pytorch_digits.py --epochs 2
+echo "-- autotuning on 2 ranks (nothing installed beyond the wheel's own dependencies)"
+timeout 600 env HOROVOD_AUTOTUNE=1 "$BIN/perseusrun" -np 2 --autotune-log-file tune.csv --autotune-warmup-samples 1 \
+  --autotune-steps-per-sample 2 "$BIN/python" pytorch_digits.py --epochs 3
+rows=$(($(wc -l < tune.csv) - 1))
+[ "$rows" -ge 3 ] || { echo "the autotune log has $rows samples, expected at least 3"; exit 1; }
+echo "   $rows samples in the autotune log"
 echo "wheel check: passed"

@@ -453,7 +453,7 @@ def _run_relaunched(session, func, state, args, kwargs, init_on):
     same commit; the driver starts the next generation on the new hosts. An exception from ``func`` itself is
     reported to the driver, which ends the job, and propagates.
     """
-    from perseus.common.basics import state
+    from perseus.common.basics import state as _runtime
 
     state._elastic_session = session
     notification_manager.register_listener(state)
@@ -470,7 +470,7 @@ def _run_relaunched(session, func, state, args, kwargs, init_on):
                 log.warning("perseus elastic: rank %d: %s: %s", session.rank, type(e).__name__, e)
                 state.restore()
                 if not (init_on is not None and session.in_process
-                        and session.recover_in_process(state().world_comm(), init_on)):
+                        and session.recover_in_process(_runtime().world_comm(), init_on)):
                     session.leave_for_reset(e, graceful=False)
                 state.on_reset()
             except HostsUpdatedInterrupt as e:

@@ -14,6 +14,7 @@ from typing import Callable, Optional, Sequence
 
 from perseus.common.exceptions import NotAMemberError
 from perseus.common.knobs import Settings, load_settings
+from perseus.common import process_sets as psets
 from perseus.common.process_sets import ProcessSet, global_process_set
 
 __all__ = ["PerseusBasics", "state"]
@@ -76,7 +77,7 @@ class PerseusBasics:
         """
         with self._lock:
             if self._engine is not None:
-                entries = _entries(process_sets)
+                entries = psets.entries(process_sets)
                 if entries:
                     self._assign(self._process_set_lists(entries), entries)
                 return
@@ -95,7 +96,7 @@ class PerseusBasics:
         world = self._world_comm(MPI, comm)
         if world == MPI.COMM_NULL:
             raise ValueError("perseus.init(comm=...): this rank is not in the given ranks")
-        entries = _entries(process_sets)
+        entries = psets.entries(process_sets)
         # Local phase 1: everything that can fail on one rank alone, before any collective call.
         error, settings, engine, timeline, cores = None, None, None, None, []
         try:
@@ -123,7 +124,7 @@ class PerseusBasics:
                 settings.max_channels = _AUTOTUNE_MAX_CHANNELS  # idle until the tuner activates them
             cores = startup.affinity_cores(settings.thread_affinity)
             for ps in entries:
-                _check_ranks(ps, world.Get_size())
+                psets.check_ranks(ps, world.Get_size())
         except Exception as exc:  # noqa: BLE001 - carried to the vote, raised there on every rank
             error = exc
         startup.await_every_rank(world, settings.init_timeout_s if settings is not None else 60.0)
@@ -164,13 +165,13 @@ class PerseusBasics:
             startup.warn_ignored_settings(settings)
             if settings.autotune and size > 1:
                 tuner = _make_tuner(engine, settings, topology)
-            mine = [_comm_ranks(MPI, ps.mpi_comm, base) for ps in entries if ps.ranks is None]
+            mine = [psets.comm_ranks(MPI, ps.mpi_comm, base) for ps in entries if ps.ranks is None]
         except Exception as exc:  # noqa: BLE001
             error = exc
         listed = [ps.ranks for ps in entries if ps.ranks is not None]
         try:
             votes = startup.agree(base, "preparing the tuner and the process sets", error, (mine, listed))
-            _same_lists([v[1] for v in votes])
+            psets.same_lists([v[1] for v in votes])
         except BaseException:
             self.shutdown()
             raise
@@ -178,7 +179,7 @@ class PerseusBasics:
         # Collective phase 2: the process sets' communicators and channels; the tuner's thread.
         stage = "creating the process sets"
         try:
-            for ranks in _distinct_sets(entries, gathered):
+            for ranks in psets.distinct_sets(entries, gathered):
                 if ranks not in [ps.ranks for ps in self._sets.values()]:
                     self._add_set(MPI, ProcessSet(ranks))
             stage = "starting the tuner"
@@ -195,14 +196,15 @@ class PerseusBasics:
         if settings.abort_on_exception and size > 1:
             startup.install_abort_hook(MPI)
         # Local phase 3: ids for the entries; a duplicate raises here, with perseus running (as Horovod).
-        self._assign(_own_lists(entries, gathered, rank), entries)
+        self._assign(psets.own_lists(entries, gathered, rank), entries)
 
     def _process_set_lists(self, entries: list) -> list:
         """The ranks of each entry of init(process_sets=...) on this rank (None: a communicator it is not in)."""
         from perseus.transport.mpi import load_mpi
 
         MPI = load_mpi()
-        return [ps.ranks if ps.ranks is not None else _comm_ranks(MPI, ps.mpi_comm, self._base) for ps in entries]
+        return [ps.ranks if ps.ranks is not None else psets.comm_ranks(MPI, ps.mpi_comm, self._base)
+                for ps in entries]
 
     def _assign(self, lists: list, entries: list) -> None:
         """Give each entry the id of the registered set with its ranks (``lists[i]``, None for a communicator
@@ -490,7 +492,7 @@ class PerseusBasics:
         from perseus.transport.mpi import load_mpi
 
         self.engine
-        _check_ranks(ps, self.size())
+        psets.check_ranks(ps, self.size())
         with self._lock:
             for other in self._sets.values():
                 if other.ranks == ps.ranks and not hidden and not getattr(other, "_hidden", False):
@@ -546,11 +548,6 @@ class PerseusBasics:
 _AUTOTUNE_MAX_CHANNELS = 8
 
 
-def _entries(process_sets) -> list[ProcessSet]:
-    """init()'s ``process_sets`` argument as a list of ProcessSet objects ([] for None and "dynamic")."""
-    if process_sets is None or (isinstance(process_sets, str) and process_sets.lower() == "dynamic"):
-        return []
-    return [ps if isinstance(ps, ProcessSet) else ProcessSet(ps) for ps in process_sets]
 
 
 def _make_tuner(engine, settings, topology):
@@ -560,68 +557,6 @@ def _make_tuner(engine, settings, topology):
     rank, size, _, local_size, _, cross_size, homogeneous, _ = topology
     return Tuner(engine, settings, rank=rank, size=size, topology=(size, local_size, cross_size),
                  multi_host=cross_size > 1 and homogeneous and local_size > 1)
-
-
-def _check_ranks(ps: ProcessSet, size: int) -> None:
-    """Raise ValueError unless a rank-defined set is a non-empty subset of 0..size-1."""
-    if ps.ranks is not None and (not ps.ranks or any(not 0 <= r < size for r in ps.ranks)):
-        raise ValueError(f"perseus: process set ranks {ps.ranks} must be a non-empty subset of 0..{size - 1}")
-
-
-def _comm_ranks(MPI, comm, base) -> Optional[list[int]]:
-    """The ranks in ``base`` of the processes of ``comm`` (sorted), or None for MPI.COMM_NULL.
-
-    Raises:
-        ValueError: ``comm`` has processes outside ``base``.
-    """
-    if comm == MPI.COMM_NULL:
-        return None
-    ranks = MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())), base.Get_group())
-    if any(r == MPI.UNDEFINED for r in ranks):
-        raise ValueError(f"perseus: a process set's communicator has processes outside the job's communicator "
-                         f"(world ranks {MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())), MPI.COMM_WORLD.Get_group())})")
-    return sorted(int(r) for r in ranks)
-
-
-def _same_lists(listed: list) -> None:
-    """Raise ValueError (on every rank: each sees every rank's lists) unless every rank passed init() the same
-    rank-defined process sets, in the same order."""
-    differ = [r for r, mine in enumerate(listed) if mine != listed[0]]
-    if differ:
-        raise ValueError(f"perseus.init(process_sets=...): the ranks passed different process sets (rank 0: "
-                         f"{listed[0]}; rank {differ[0]}: {listed[differ[0]]}); every rank must pass the same sets")
-
-
-def _own_lists(entries: list, gathered: list, rank: int) -> list:
-    """The ranks of each init() entry on ``rank``: a communicator's ranks as this rank sees them; where this
-    rank holds MPI.COMM_NULL and the other ranks' communicators formed exactly one set, that set (of which
-    this rank is then not a member); else None."""
-    out, i = [], 0
-    for ps in entries:
-        if ps.ranks is not None:
-            out.append(ps.ranks)
-            continue
-        own = gathered[rank][i]
-        if own is None:
-            formed = {tuple(r[i]) for r in gathered if r[i] is not None}
-            own = list(formed.pop()) if len(formed) == 1 else None
-        out.append(own)
-        i += 1
-    return out
-
-
-def _distinct_sets(entries: list, gathered: list) -> list[list[int]]:
-    """The sets init(process_sets=...) registers, in id order: first those of communicators (each entry's
-    distinct rank lists over every rank, lowest first), then those of rank lists; each once."""
-    out: list[list[int]] = []
-    for i in range(sum(ps.ranks is None for ps in entries)):
-        for ranks in sorted({tuple(r[i]) for r in gathered if r[i] is not None}):
-            if list(ranks) not in out:
-                out.append(list(ranks))
-    for ps in entries:
-        if ps.ranks is not None and ps.ranks not in out:
-            out.append(list(ps.ranks))
-    return out
 
 
 def _open_timeline(path: str, mark_cycles: bool, max_bytes: int):

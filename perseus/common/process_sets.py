@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-__all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set"]
+__all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "entries", "check_ranks",
+           "comm_ranks", "same_lists", "own_lists", "distinct_sets"]
 
 
 class ProcessSet:
@@ -83,3 +84,76 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     from perseus.common.basics import state
 
     return state().remove_process_set(process_set)
+
+
+# -- init(process_sets=...): what every rank passes, and the sets it forms -------------------------------
+
+def entries(process_sets) -> list[ProcessSet]:
+    """init()'s ``process_sets`` argument as a list of ProcessSet objects ([] for None and "dynamic")."""
+    if process_sets is None or (isinstance(process_sets, str) and process_sets.lower() == "dynamic"):
+        return []
+    return [ps if isinstance(ps, ProcessSet) else ProcessSet(ps) for ps in process_sets]
+
+
+def check_ranks(ps: ProcessSet, size: int) -> None:
+    """Raise ValueError unless a rank-defined set is a non-empty subset of 0..size-1."""
+    if ps.ranks is not None and (not ps.ranks or any(not 0 <= r < size for r in ps.ranks)):
+        raise ValueError(f"perseus: process set ranks {ps.ranks} must be a non-empty subset of 0..{size - 1}")
+
+
+def comm_ranks(MPI, comm, base) -> Optional[list[int]]:
+    """The ranks in ``base`` of the processes of ``comm`` (sorted), or None for MPI.COMM_NULL.
+
+    Raises:
+        ValueError: ``comm`` has processes outside ``base``.
+    """
+    if comm == MPI.COMM_NULL:
+        return None
+    members = list(range(comm.Get_size()))
+    ranks = MPI.Group.Translate_ranks(comm.Get_group(), members, base.Get_group())
+    if any(r == MPI.UNDEFINED for r in ranks):
+        world = MPI.Group.Translate_ranks(comm.Get_group(), members, MPI.COMM_WORLD.Get_group())
+        raise ValueError(f"perseus: a process set's communicator has processes outside the job's communicator "
+                         f"(world ranks {list(world)})")
+    return sorted(int(r) for r in ranks)
+
+
+def same_lists(listed: list) -> None:
+    """Raise ValueError (on every rank: each sees every rank's lists) unless every rank passed init() the same
+    rank-defined process sets, in the same order."""
+    differ = [r for r, mine in enumerate(listed) if mine != listed[0]]
+    if differ:
+        raise ValueError(f"perseus.init(process_sets=...): the ranks passed different process sets (rank 0: "
+                         f"{listed[0]}; rank {differ[0]}: {listed[differ[0]]}); every rank must pass the same sets")
+
+
+def own_lists(entries: list, gathered: list, rank: int) -> list:
+    """The ranks of each init() entry on ``rank``: a communicator's ranks as this rank sees them; where this
+    rank holds MPI.COMM_NULL and the other ranks' communicators formed exactly one set, that set (of which
+    this rank is then not a member); else None."""
+    out, i = [], 0
+    for ps in entries:
+        if ps.ranks is not None:
+            out.append(ps.ranks)
+            continue
+        own = gathered[rank][i]
+        if own is None:
+            formed = {tuple(r[i]) for r in gathered if r[i] is not None}
+            own = list(formed.pop()) if len(formed) == 1 else None
+        out.append(own)
+        i += 1
+    return out
+
+
+def distinct_sets(entries: list, gathered: list) -> list[list[int]]:
+    """The sets init(process_sets=...) registers, in id order: first those of communicators (each entry's
+    distinct rank lists over every rank, lowest first), then those of rank lists; each once."""
+    out: list[list[int]] = []
+    for i in range(sum(ps.ranks is None for ps in entries)):
+        for ranks in sorted({tuple(r[i]) for r in gathered if r[i] is not None}):
+            if list(ranks) not in out:
+                out.append(list(ranks))
+    for ps in entries:
+        if ps.ranks is not None and ps.ranks not in out:
+            out.append(list(ps.ranks))
+    return out

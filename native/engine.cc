@@ -244,6 +244,7 @@ void Engine::abort(const std::string& message_in, int origin, bool propagate, Er
 
 void Engine::run() {
   prctl(PR_SET_TIMERSLACK, 1000, 0, 0, 0);  // wake short sleeps on time (default slack adds ~50 us)
+  pthread_setname_np(pthread_self(), "perseus-engine");  // as profilers and /proc/<pid>/task/*/comm show it
   if (settings_.cpu_core >= 0) {  // the engine thread only: channel and user threads keep their placement
     cpu_set_t cores;
     CPU_ZERO(&cores);

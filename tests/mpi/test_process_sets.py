@@ -110,3 +110,4 @@ def test_init_with_comm(hvd):
     finally:
         hvd.shutdown()
         hvd.init()
+

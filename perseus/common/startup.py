@@ -27,7 +27,8 @@ import time
 import traceback
 from typing import Any, Optional, Sequence
 
-__all__ = ["affinity_cores", "await_every_rank", "agree", "abort_job", "topology", "configure_logging", "warn_ignored_settings", "install_abort_hook"]
+__all__ = ["affinity_cores", "await_every_rank", "agree", "abort_job", "topology", "configure_logging",
+           "warn_ignored_settings", "install_abort_hook"]
 
 
 def _describe(exc: BaseException) -> tuple[str, str, tuple[str, ...]]:
@@ -83,9 +84,10 @@ def agree(comm, what: str, error: Optional[BaseException], payload: Any = None) 
         The payloads, in rank order, when no rank failed.
 
     Raises:
-        The failing rank's exception type (on that rank; chained to the original) or the nearest built-in
-        type of the first failing rank's exception (on the others), with one message naming every failing
-        rank and its error, on every rank.
+        The failing rank's exception type (on that rank) or the nearest built-in type of the first failing
+        rank's exception (on the others), with one message naming every failing rank and its error, on every
+        rank. The failing rank's own traceback is chained to it, except for a ValueError, ImportError,
+        OSError or NotImplementedError (a setting, a module, a file: the message says it all).
     """
     votes = comm.allgather((None if error is None else _describe(error), payload))
     failed = [(rank, vote) for rank, (vote, _) in enumerate(votes) if vote is not None]
@@ -98,7 +100,8 @@ def agree(comm, what: str, error: Optional[BaseException], payload: Any = None) 
     if len(by_error) == 1 and len(failed) == size:
         lines = next(iter(by_error))
     else:
-        lines = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {e}" for e, r in by_error.items())
+        lines = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {e}"
+                          for e, r in by_error.items())
     who = ("every rank" if len(failed) == size else
            f"rank{'s' if len(failed) > 1 else ''} {', '.join(str(r) for r, _ in failed)} of {size}")
     message = (f"perseus.init() failed on {who} while {what} ({lines}). No rank started; fix the cause and "

@@ -237,12 +237,12 @@ def build_command(mpirun: str, flavour: MpiFlavour, *, num_proc: int, hosts: Seq
     the variables perseusrun set from its flags); the variables it forwards are chosen by
     :func:`exported_names` and take their values from that environment (Open MPI's ``-x NAME``, Hydra's
     ``-genvlist``), so values with spaces, newlines or ``=`` travel unchanged. ``launcher_env`` is also put
-    in front of the printed line so that a dry-run line reproduces the job. ``mpi_args`` go after perseusrun's own options, right
-    before ``command``. ``as_root`` adds Open MPI's ``--allow-run-as-root``; ``prefix`` its ``--prefix``
-    (the installation to use on remote hosts; MPICH has no such option and ignores it). ``binding``
-    replaces Open MPI's default ``--bind-to none --map-by slot`` (horovodrun's --binding-args); ``tcp``
-    keeps Open MPI's traffic on TCP (the variables for MPICH and NCCL are the caller's, see
-    :func:`tcp_env`); ``timestamp`` stamps every output line (Open MPI).
+    in front of the printed line so that a dry-run line reproduces the job. ``mpi_args`` go after
+    perseusrun's own options, right before ``command``. ``as_root`` adds Open MPI's
+    ``--allow-run-as-root``; ``prefix`` its ``--prefix`` (the installation to use on remote hosts; MPICH
+    has no such option and ignores it). ``binding`` replaces Open MPI's default ``--bind-to none --map-by
+    slot`` (horovodrun's --binding-args); ``tcp`` keeps Open MPI's traffic on TCP (the variables for MPICH
+    and NCCL are the caller's, see :func:`tcp_env`); ``timestamp`` stamps every output line (Open MPI).
 
     Raises:
         MpiError: an option the flavour cannot honour (binding arguments or timestamps with MPICH, several

@@ -13,7 +13,7 @@ import threading
 from typing import Callable, Optional, Sequence
 
 from perseus.common.exceptions import NotAMemberError
-from perseus.common.knobs import Settings, load_settings
+from perseus.common.knobs import Settings, knob, load_settings
 from perseus.common import process_sets as psets
 from perseus.common.process_sets import ProcessSet, global_process_set
 
@@ -127,7 +127,9 @@ class PerseusBasics:
                 psets.check_ranks(ps, world.Get_size())
         except Exception as exc:  # noqa: BLE001 - carried to the vote, raised there on every rank
             error = exc
-        startup.await_every_rank(world, settings.init_timeout_s if settings is not None else 60.0)
+        # Settings that failed to load still leave the wait bounded, by the knob's default.
+        startup.await_every_rank(world, settings.init_timeout_s if settings is not None
+                                 else knob("init_timeout_s").default)
         try:
             startup.agree(world, "reading its settings and loading the engine", error)
         except BaseException:

@@ -134,10 +134,6 @@ def abort_job(comm, what: str, exc: BaseException) -> None:
     sys.stderr.write("perseus: the other ranks wait inside a collective call of init() and cannot be told "
                      "otherwise; aborting the MPI job so that none of them hangs.\n")
     sys.stderr.flush()
-    if comm is None:
-        from perseus.transport.mpi import load_mpi
-
-        comm = load_mpi().COMM_WORLD
     comm.Abort(1)
 
 

@@ -81,8 +81,8 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
         NotImplementedError: a TF1 optimizer with ``backward_passes_per_step`` > 1 (local gradient
             aggregation is implemented for Keras optimizers only).
     """
+    reject_adasum(op, "tensorflow.DistributedOptimizer", ValueError)  # ValueError, as Horovod for Keras
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
-        reject_adasum(op, "tensorflow.DistributedOptimizer", ValueError)
         if gradient_predivide_factor != 1.0 and ReduceOp(op) != Average:
             raise ValueError("gradient_predivide_factor not supported with op != Average")
         if backward_passes_per_step > 1:
@@ -94,7 +94,6 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
         return DistributedLegacyOptimizer(optimizer, name, use_locking, device_dense, device_sparse, compression,
                                           sparse_as_dense, op, gradient_predivide_factor,
                                           groups if groups is not None else (num_groups or None), process_set)
-    reject_adasum(op, "tensorflow.DistributedOptimizer", ValueError)  # ValueError, as Horovod for Keras
     from perseus.tensorflow.keras import DistributedOptimizer as _keras_distributed_optimizer
     return _keras_distributed_optimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
                                         gradient_predivide_factor, op, backward_passes_per_step,

@@ -1,6 +1,7 @@
 """Train a small classifier on scikit-learn's digits, data-parallel, the Horovod way.
 
     perseusrun -np 2 python examples/pytorch_digits.py        (or: mpirun -np 2 python ...)
+    perseusrun -np 2 python examples/pytorch_digits.py --device cuda     (one GPU per rank, as Horovod pins)
 
 Each rank trains on its shard of the training set; gradients are averaged across ranks every step;
 rank 0 prints the loss, accuracy and throughput. The data ships with scikit-learn (no download).
@@ -43,9 +44,16 @@ def main():
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cuda: rank r trains on GPU (local rank r modulo the GPUs this host has)")
     args = parser.parse_args()
 
     hvd.init()
+    if args.device == "cuda":
+        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+        torch.backends.cudnn.deterministic = True  # comparable with the CPU run's loss
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    device = torch.device(args.device)
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
 
@@ -61,7 +69,7 @@ def main():
     test_sampler = DistributedSampler(test, num_replicas=hvd.size(), rank=hvd.rank(), shuffle=False)
     test_loader = DataLoader(test, batch_size=256, sampler=test_sampler)
 
-    model = Net()
+    model = Net().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=0.9)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -72,6 +80,7 @@ def main():
         train_sampler.set_epoch(epoch)
         start, seen, total_loss, batches = time.perf_counter(), 0, 0.0, 0
         for data, target in train_loader:
+            data, target = data.to(device), target.to(device)
             optimizer.zero_grad()
             loss = F.cross_entropy(model(data), target)
             loss.backward()
@@ -84,6 +93,7 @@ def main():
         correct = count = 0
         with torch.no_grad():
             for data, target in test_loader:
+                data, target = data.to(device), target.to(device)
                 correct += (model(data).argmax(1) == target).sum().item()
                 count += len(data)
         train_loss = metric_average(total_loss / max(batches, 1), "train_loss")
@@ -93,7 +103,7 @@ def main():
         if hvd.rank() == 0:
             print(f"epoch {epoch}: train loss {train_loss:.4f}  test accuracy "
                   f"{accuracy[0].item() / accuracy[1].item():.3f}  throughput {throughput:.0f} samples/s "
-                  f"on {hvd.size()} ranks", flush=True)
+                  f"on {hvd.size()} ranks ({args.device})", flush=True)
     params = torch.cat([p.detach().flatten() for p in model.parameters()])
     gathered = hvd.allgather(params.unsqueeze(0), name="final_params")
     if hvd.rank() == 0:

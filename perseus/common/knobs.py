@@ -222,10 +222,14 @@ KNOBS: tuple[Knob, ...] = (
              "the framework's threads keep their placement. Empty: no pinning.",
          flag=Flag("--thread-affinity", "tuning", "core id(s) for each rank's engine thread, one per local rank")),
     Knob("num_nccl_streams", _both("NUM_NCCL_STREAMS"), int, 1, unit="streams",
-         doc="NCCL streams per process set for GPU tensors (horovodrun's --num-nccl-streams). Accepted now; "
-             "the GPU transport is not implemented yet, so it changes nothing in a CPU job.",
-         flag=Flag("--num-nccl-streams", "tuning", "NCCL streams for GPU tensors (no effect until GPU tensors "
-                   "are supported)", minimum=1)),
+         doc="NCCL streams per process set for GPU tensors (horovodrun's --num-nccl-streams). Accepted; it "
+             "changes nothing yet: GPU tensors are staged through host memory (docs/gpu.md), there is no NCCL "
+             "transport.",
+         flag=Flag("--num-nccl-streams", "tuning", "NCCL streams for GPU tensors (no effect: GPU tensors are "
+                   "staged through host memory; there is no NCCL transport yet)", minimum=1)),
+    Knob("stage_cpu_tensors", ("PERSEUS_STAGE_CPU_TENSORS",), bool, False,
+         doc="Send torch CPU tensors through the host-staging path that GPU tensors take (a copy in, the "
+             "engine, a copy back at synchronize). For testing that path without a GPU; it only adds copies."),
     Knob("abort_on_exception", ("PERSEUS_ABORT_ON_EXCEPTION",), bool, True,
          doc="After init(), an uncaught exception on any rank prints its traceback and aborts the whole MPI "
              "job, so the other ranks do not hang."),

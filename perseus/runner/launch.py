@@ -231,6 +231,15 @@ def _importable(module: str) -> bool:
         return False
 
 
+def _torch_cuda() -> bool:
+    """Whether the installed torch is built with CUDA (perseus.torch then takes CUDA tensors)."""
+    if not _importable("torch"):
+        return False
+    import torch
+
+    return bool(torch.backends.cuda.is_built())
+
+
 def check_build(out=None) -> None:
     """Print which frameworks, controllers and tensor operations this installation can use."""
     from perseus import __version__
@@ -243,6 +252,7 @@ def check_build(out=None) -> None:
                                   ("MXNet", _importable("mxnet")))),
         ("Available Controllers", (("MPI", mpi), ("Gloo", False))),
         ("Available Tensor Operations", (("NCCL", False), ("MPI", mpi), ("Gloo", False))),
+        ("GPU Tensors", (("CUDA (PyTorch; staged through host memory)", _torch_cuda()),)),
     )
     lines = [f"perseus v{__version__}:"]
     for title, items in sections:

@@ -3,6 +3,8 @@
 Change ``import horovod.torch as hvd`` to ``import perseus.torch as hvd``; nothing else in the script changes.
 """
 
+import torch
+
 from perseus.common.api import wire_bytes
 from perseus.common.exceptions import HorovodInternalError, PerseusInternalError
 from perseus.torch import compression, elastic, functions, mpi_ops, optimizer
@@ -42,5 +44,6 @@ __all__ = [
 
 
 def _check_has_gpu():
-    """False: perseus runs on CPU tensors until the NCCL transport lands."""
-    return False
+    """True when this process can hand CUDA tensors to the collectives (torch sees a GPU); they are staged
+    through host memory (docs/gpu.md)."""
+    return bool(torch.cuda.is_available())

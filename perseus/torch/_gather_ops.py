@@ -7,6 +7,7 @@ import torch
 from perseus.common import collectives as _c
 from perseus.common.process_sets import global_process_set
 from perseus.common.reduce_ops import Average, ReduceOp, Sum
+from perseus.torch import staging as _staging
 from perseus.torch.compression import Compression
 from perseus.torch.mpi_ops import _alloc_like, _contig, _dtype, _np, synchronize
 
@@ -28,15 +29,25 @@ def _adopt(result) -> torch.Tensor:
     return torch.from_numpy(result.output)
 
 
+def _source(tensor: torch.Tensor):
+    """``(host tensor the engine reads, back)``: a staged copy when ``tensor`` is staged (then ``back(out)``
+    moves a host result to ``tensor``'s device), else ``tensor`` made contiguous (then ``back`` returns its
+    argument)."""
+    if _staging.wanted(tensor):
+        return _staging.to_host(tensor), (lambda out: _staging.to_device(out, tensor))
+    return _contig(tensor), (lambda out: out)
+
+
 def allgather_async(tensor, name=None, process_set=global_process_set):
     """Start an allgather (concatenation on the first dimension); return a handle."""
     dt = _dtype(tensor)
-    src = _contig(tensor)
+    src, back = _source(tensor)
     if _adoptable(src):
-        return _c.allgather_async(_np(src), None, name, process_set, dtype=dt, finish=lambda r: _adopt(r[0]))
+        return _c.allgather_async(_np(src), None, name, process_set, dtype=dt,
+                                  finish=lambda r: back(_adopt(r[0])))
     holder: list = []
     return _c.allgather_async(_np(src), _alloc_like(src, holder), name, process_set, dtype=dt,
-                              finish=lambda r: holder[0])
+                              finish=lambda r: back(holder[0]))
 
 
 class _Allgather(torch.autograd.Function):
@@ -63,12 +74,13 @@ def allgather(tensor, name=None, process_set=global_process_set):
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
     """Start allgathers of a list of tensors, negotiated together; return one handle."""
     dts = [_dtype(t) for t in tensors]
-    srcs = [_contig(t) for t in tensors]
+    srcs, backs = zip(*[_source(t) for t in tensors]) if tensors else ((), ())
     holders = [[] for _ in srcs]
     allocs = [None if _adoptable(t) else _alloc_like(t, h) for t, h in zip(srcs, holders)]
 
     def finish(results):
-        return [_adopt(res) if alloc is None else h[0] for res, alloc, h in zip(results, allocs, holders)]
+        return [back(_adopt(res) if alloc is None else h[0])
+                for res, alloc, h, back in zip(results, allocs, holders, backs)]
     return _c.grouped_allgather_async([_np(t) for t in srcs], allocs, name, process_set, dtypes=dts,
                                       finish=finish)
 
@@ -99,7 +111,10 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
     """Start a broadcast from ``root_rank`` into a new tensor; return a handle."""
     dt = _dtype(tensor)
-    src = _contig(tensor)
+    src, back = _source(tensor)
+    if _staging.wanted(tensor):  # broadcast in place on the host copy
+        return _c.broadcast_async(_np(src), _np(src), root_rank, name, process_set, dtype=dt,
+                                  finish=lambda r: back(src))
     out = torch.empty_like(src)
     return _c.broadcast_async(_np(src), _np(out), root_rank, name, process_set, dtype=dt, finish=lambda r: out)
 
@@ -109,6 +124,11 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
     dt = _dtype(tensor)
     if not tensor.is_contiguous():
         raise ValueError("Tensor is required to be contiguous.")
+    if _staging.wanted(tensor):  # on a host copy, copied back into tensor at synchronize
+        host = _staging.to_host(tensor)
+        buf = _np(host)
+        return _c.broadcast_async(buf, buf, root_rank, name, process_set, dtype=dt,
+                                  finish=lambda r: _staging.copy_back(tensor, host))
     buf = _np(tensor)
     return _c.broadcast_async(buf, buf, root_rank, name, process_set, dtype=dt, finish=lambda r: tensor)
 
@@ -141,7 +161,7 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
     """Start an alltoall; ``synchronize`` returns ``(output, received_splits)``."""
     dt = _dtype(tensor)
-    src = _contig(tensor)
+    src, back = _source(tensor)
     if splits is not None:
         if isinstance(splits, torch.Tensor):
             splits = splits.detach().cpu().numpy()
@@ -149,7 +169,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
 
     def finish(results):
         received = torch.from_numpy(results[0].received_splits.astype("int32"))
-        return holder[0], received
+        return back(holder[0]), received
     return _c.alltoall_async(_np(src), splits, _alloc_like(src, holder), name, process_set, dtype=dt,
                              finish=finish)
 
@@ -180,10 +200,10 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
                         postscale_factor=1.0):
     """Start a reducescatter; return a handle."""
     dt = _dtype(tensor)
-    src = _contig(tensor)
+    src, back = _source(tensor)
     holder: list = []
     return _c.reducescatter_async(_np(src), _alloc_like(src, holder), name, op, process_set, prescale_factor,
-                                  postscale_factor, dtype=dt, finish=lambda r: holder[0])
+                                  postscale_factor, dtype=dt, finish=lambda r: back(holder[0]))
 
 
 class _Reducescatter(torch.autograd.Function):
@@ -216,12 +236,12 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=glob
                                 prescale_factor=1.0, postscale_factor=1.0):
     """Start reducescatters of a list of tensors, negotiated together; return one handle."""
     dts = [_dtype(t) for t in tensors]
-    srcs = [_contig(t) for t in tensors]
+    srcs, backs = zip(*[_source(t) for t in tensors]) if tensors else ((), ())
     holders = [[] for _ in srcs]
     return _c.grouped_reducescatter_async([_np(t) for t in srcs], [_alloc_like(t, h) for t, h in
                                                                    zip(srcs, holders)],
                                           name, op, process_set, prescale_factor, postscale_factor, dtypes=dts,
-                                          finish=lambda r: [h[0] for h in holders])
+                                          finish=lambda r: [back(h[0]) for h, back in zip(holders, backs)])
 
 
 class _GroupedReducescatter(torch.autograd.Function):

@@ -314,7 +314,8 @@ class _DeAR(torch.optim.Optimizer):
         saved = [p.grad for p in g.params]
         for p, (start, n) in zip(g.params, g.slots):
             view = g.buf[start:start + n].view(p.shape)
-            p.grad = view if view.dtype == p.dtype else view.to(p.dtype)
+            # The buffers live in host memory: a GPU parameter gets its reduced gradient copied over.
+            p.grad = view if view.dtype == p.dtype and view.device == p.device else view.to(p.device, p.dtype)
         lists = [pg["params"] for pg in self.param_groups]
         current = []
         for pg, own, snap in zip(self.param_groups, g.lists, self._dear_hyper):

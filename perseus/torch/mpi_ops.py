@@ -7,15 +7,16 @@ import torch
 
 from perseus.common import collectives as _c
 from perseus.common.api import (  # noqa: F401 - re-exported
-    _basics, ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
+    _basics, ccl_built, cross_rank, cross_size, ddl_built, gloo_built, gloo_enabled, init,
     is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
     nccl_built, rank, rocm_built, shutdown, size, start_timeline, stop_timeline,
 )
 from perseus.common.exceptions import HorovodInternalError
 from perseus.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from perseus.common.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum, resolve_op
-from perseus.compression import Reducer
+from perseus.compression import Pending, Reducer
 from perseus.engine.messages import DType
+from perseus.torch import staging as _staging
 from perseus.torch.compression import Compression
 
 __all__ = [
@@ -54,6 +55,12 @@ def synchronize(handle):
 _state = _c.state()
 
 
+def cuda_built() -> bool:
+    """True when this torch is built with CUDA: perseus.torch then accepts CUDA tensors in every collective and
+    in DistributedOptimizer, staging them through host memory (there is no NCCL transport: see nccl_built)."""
+    return bool(torch.backends.cuda.is_built())
+
+
 _DTYPES = {
     torch.uint8: DType.UINT8, torch.int8: DType.INT8, torch.int16: DType.INT16, torch.int32: DType.INT32,
     torch.int64: DType.INT64, torch.float16: DType.FLOAT16, torch.bfloat16: DType.BFLOAT16,
@@ -68,9 +75,6 @@ def _dtype(t: torch.Tensor) -> DType:
         dt = _DTYPES[t.dtype]
     except KeyError:
         raise ValueError(f"Tensor type {t.type()} is not supported.") from None
-    if not t.is_cpu:
-        raise NotImplementedError(f"perseus: tensors on {t.device} need the GPU (NCCL) transport, which is not "
-                                  "implemented yet; move tensors to the CPU")
     if t.layout is not torch.strided:
         raise ValueError("perseus: sparse tensors are not supported here; use sparse_allreduce_async or "
                          "sparse_as_dense=True")
@@ -78,7 +82,15 @@ def _dtype(t: torch.Tensor) -> DType:
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
-    """Zero-copy NumPy view of a contiguous CPU tensor (bfloat16 as uint16 words)."""
+    """Zero-copy NumPy view of a contiguous CPU tensor (bfloat16 as uint16 words).
+
+    Raises:
+        NotImplementedError: ``t`` is not on the CPU (a path that does not stage device tensors).
+    """
+    if t.device.type != "cpu":
+        raise NotImplementedError(f"perseus: this operation takes CPU tensors only, not tensors on {t.device} "
+                                  "(the collectives and DistributedOptimizer stage GPU tensors through host "
+                                  "memory; DeAR and the sparse embedding layers do not yet); move it to the CPU")
     t = t.detach()
     if t.dtype is torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.uint16)
@@ -101,11 +113,39 @@ def _op(op, average, name="allreduce"):
     return resolve_op(op, average)
 
 
+def _reduce_compressed(compression, name, tensors, outputs, op, prescale_factor, postscale_factor,
+                       process_set):
+    """Start a communicating compressor's reduction of ``tensors`` into ``outputs`` (same shapes; may be the
+    same tensors); return its :class:`perseus.compression.Pending`, whose ``wait()`` returns ``outputs``.
+
+    Device tensors (and CPU tensors under ``PERSEUS_STAGE_CPU_TENSORS=1``) are staged: the compressor works
+    on host copies, and ``wait()`` copies the results back to ``outputs``.
+    """
+    if not any(_staging.wanted(t) for t in tensors):
+        pending = compression.reduce_async(name, [_np(t) for t in tensors], [_np(o) for o in outputs], op,
+                                           prescale_factor, postscale_factor, process_set)
+        return Pending(lambda: (pending.wait(), outputs)[1])
+    hosts = [_staging.to_host(t) for t in tensors]
+    bufs = [_np(h) for h in hosts]
+    pending = compression.reduce_async(name, bufs, bufs, op, prescale_factor, postscale_factor, process_set)
+
+    def finish():
+        pending.wait()
+        return [_staging.copy_back(o, h) for o, h in zip(outputs, hosts)]
+    return Pending(finish)
+
+
 # -- allreduce ----------------------------------------------------------------------------------------------
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=global_process_set):
     """Start an allreduce of ``tensor`` into a new tensor; return a handle for :func:`synchronize`."""
     dt = _dtype(tensor)
+    if _staging.wanted(tensor):  # reduced in place on a host copy, copied to a new device tensor at the end
+        host = _staging.to_host(tensor)
+        ptr = host.data_ptr()
+        return _c.allreduce_async(ptr, ptr, name, _op(op, average), prescale_factor, postscale_factor,
+                                  process_set, 0, dt, lambda r: _staging.to_device(host, tensor), host.shape,
+                                  host)
     src = _contig(tensor)
     out = torch.empty_like(src)
     return _c.allreduce_async(src.data_ptr(), out.data_ptr(), name, _op(op, average), prescale_factor,
@@ -118,6 +158,12 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     dt = _dtype(tensor)
     if not tensor.is_contiguous():
         raise ValueError("Tensor is required to be contiguous.")
+    if _staging.wanted(tensor):  # reduced on a host copy, copied back into tensor at synchronize
+        host = _staging.to_host(tensor)
+        ptr = host.data_ptr()
+        return _c.allreduce_async(ptr, ptr, name, _op(op, average), prescale_factor, postscale_factor,
+                                  process_set, 0, dt, lambda r: _staging.copy_back(tensor, host), host.shape,
+                                  host)
     ptr = tensor.data_ptr()
     # (tensor,): synchronize returns the tensor itself, without a Python call.
     return _c.allreduce_async(ptr, ptr, name, _op(op, average), prescale_factor, postscale_factor, process_set,
@@ -158,9 +204,8 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
         _dtype(tensor)
         src = _contig(tensor.detach())
         out = torch.empty_like(src)
-        compression.reduce_async(name, [_np(src)], [_np(out)], _op(op, average), prescale_factor,
-                                 postscale_factor, process_set).wait()
-        return out
+        return _reduce_compressed(compression, name, [src], [out], _op(op, average), prescale_factor,
+                                  postscale_factor, process_set).wait()[0]
     compressed, ctx = compression.compress(tensor)
     out = _Allreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor, process_set)
     return compression.decompress(out, ctx)
@@ -170,6 +215,13 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
                             postscale_factor=1.0, process_set=global_process_set):
     """Start allreduces of a list of tensors, negotiated together; return one handle."""
     dts = [_dtype(t) for t in tensors]
+    if any(_staging.wanted(t) for t in tensors):
+        hosts = [_staging.to_host(t) for t in tensors]
+        bufs = [_np(h) for h in hosts]
+        return _c.grouped_allreduce_async(bufs, bufs, name, _op(op, average), prescale_factor, postscale_factor,
+                                          process_set, dtypes=dts,
+                                          finish=lambda r: [_staging.to_device(h, t) for h, t in
+                                                            zip(hosts, tensors)])
     srcs = [_contig(t) for t in tensors]
     outs = [torch.empty_like(t) for t in srcs]
     return _c.grouped_allreduce_async([_np(t) for t in srcs], [_np(o) for o in outs], name, _op(op, average),
@@ -183,6 +235,13 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     dts = [_dtype(t) for t in tensors]
     if not all(t.is_contiguous() for t in tensors):
         raise ValueError("Tensor is required to be contiguous.")
+    if any(_staging.wanted(t) for t in tensors):
+        hosts = [_staging.to_host(t) for t in tensors]
+        bufs = [_np(h) for h in hosts]
+        return _c.grouped_allreduce_async(bufs, bufs, name, _op(op, average), prescale_factor, postscale_factor,
+                                          process_set, dtypes=dts,
+                                          finish=lambda r: [_staging.copy_back(t, h) for t, h in
+                                                            zip(tensors, hosts)])
     bufs = [_np(t) for t in tensors]
     return _c.grouped_allreduce_async(bufs, bufs, name, _op(op, average), prescale_factor, postscale_factor,
                                       process_set, dtypes=dts, finish=lambda r: list(tensors))
@@ -244,10 +303,10 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set, alg
 
     if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
         raise ValueError("perseus.sparse_allreduce_async: expected a sparse COO tensor")
-    if not tensor.is_cpu:
-        raise NotImplementedError(f"perseus: tensors on {tensor.device} need the GPU (NCCL) transport, which is "
-                                  "not implemented yet; move tensors to the CPU")
+    device = tensor.device
     t = tensor.detach().coalesce()
+    if device.type != "cpu":  # staged: indices and values to the host, the result back to the device
+        t = t.cpu()
     size = tuple(t.shape)
     sdim = t.sparse_dim()
     sparse_sizes, row_shape = size[:sdim], size[sdim:]
@@ -272,7 +331,8 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set, alg
         out = torch.from_numpy(res.values).reshape((k,) + tuple(row_shape))
         if wide:
             out = out.to(torch.bfloat16)
-        return torch.sparse_coo_tensor(indices, out, size=size, is_coalesced=bool(res.coalesced))
+        result = torch.sparse_coo_tensor(indices, out, size=size, is_coalesced=bool(res.coalesced))
+        return result if device.type == "cpu" else result.to(device)
     finish.handle = handle
     return finish
 

@@ -19,7 +19,7 @@ from perseus.common.partition import split_list
 from perseus.common.process_sets import global_process_set
 from perseus.common.reduce_ops import Average, ReduceOp, Sum, reject_adasum
 from perseus.torch.compression import Compression
-from perseus.torch.mpi_ops import (_np, allreduce, allreduce_async_, grouped_allreduce_async_, size,
+from perseus.torch.mpi_ops import (_reduce_compressed, allreduce, allreduce_async_, grouped_allreduce_async_, size,
                                    sparse_allreduce_async, synchronize)
 
 __all__ = ["DistributedOptimizer"]
@@ -185,8 +185,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if isinstance(self._compression, Reducer):
             if not grad.is_contiguous() or sparse:
                 grad = p.grad = grad.contiguous()
-            buf = [_np(grad)]
-            pending = self._compression.reduce_async(name, buf, buf, self.op, pre, post, self.process_set)
+            pending = _reduce_compressed(self._compression, name, [grad], [grad], self.op, pre, post,
+                                         self.process_set)
             return pending, None
         compressed, ctx = self._compression.compress(grad)
         handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=pre,
@@ -214,9 +214,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             grads = [g.contiguous() for g in grads]
             for p, g in zip(group, grads):
                 p.grad = g
-            bufs = [_np(g) for g in grads]
-            pending = self._compression.reduce_async(f"grad.group.{self._parameter_names[group[0]]}", bufs, bufs,
-                                                     self.op, pre, post, self.process_set)
+            pending = _reduce_compressed(self._compression, f"grad.group.{self._parameter_names[group[0]]}", grads,
+                                         grads, self.op, pre, post, self.process_set)
             return pending, None
         pairs = [self._compression.compress(g) for g in grads]
         handle = grouped_allreduce_async_([c for c, _ in pairs],

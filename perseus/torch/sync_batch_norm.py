@@ -76,19 +76,19 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         local_count = input.numel() // channels if channels else 0
 
         local_out = None
-        packed = torch.zeros(1 + 2 * channels, dtype=torch.float64)
+        packed = torch.zeros(1 + 2 * channels, dtype=torch.float64, device=input.device)
         if local_count > 0:
             if local_count > 1:
                 # Local mean and unbiased variance land in these buffers (momentum 1 overwrites them); the
                 # output, normalized with the local statistics, is rescaled below.
-                local_mean = torch.zeros(channels, dtype=sdt)
-                local_var = torch.zeros(channels, dtype=sdt)
+                local_mean = torch.zeros(channels, dtype=sdt, device=input.device)
+                local_var = torch.zeros(channels, dtype=sdt, device=input.device)
                 local_out = F.batch_norm(input, local_mean, local_var, None, None, True, 1.0, eps)
                 local_mean = local_mean.double()
                 local_var = local_var.double() * ((local_count - 1) / local_count)
             else:
                 local_mean = input.reshape(channels).double()
-                local_var = torch.zeros(channels, dtype=torch.float64)
+                local_var = torch.zeros(channels, dtype=torch.float64, device=input.device)
             packed[0] = local_count
             packed[1:1 + channels] = local_mean * local_count
             packed[1 + channels:] = (local_var + local_mean * local_mean) * local_count
@@ -185,7 +185,8 @@ class SyncBatchNorm(_BatchNorm):
     set must call forward, and later backward, on this module together and in the same order**, including a
     rank whose batch is empty (it contributes nothing to the statistics). In eval mode with running statistics,
     or when the process set has one rank, the module is exactly ``torch.nn.functional.batch_norm`` and makes no
-    collective call. Tensors must be on the CPU when a collective is made.
+    collective call. CUDA inputs are supported: the two allreduces stage their small statistics through host
+    memory (docs/gpu.md).
 
     Args:
         num_features: number of channels ``C`` of an input of shape ``(N, C)`` or ``(N, C, *)``.
@@ -200,8 +201,6 @@ class SyncBatchNorm(_BatchNorm):
         ValueError: the input has fewer than 2 dimensions or not ``num_features`` channels; in training, the
             global batch holds a single value per channel; batch statistics are needed and this rank is not in
             ``process_set``, or the set is not registered.
-        NotImplementedError: a collective is needed and the input is not on the CPU (raised before any
-            communication).
         HorovodInternalError: the collective failed (e.g. a rank did not call, or called with another shape).
     """
 
@@ -239,8 +238,5 @@ class SyncBatchNorm(_BatchNorm):
         if not batch_stats or process_set.size() == 1:
             return F.batch_norm(input, running_mean, running_var, self.weight, self.bias, batch_stats, factor,
                                 self.eps)
-        if input.device.type != "cpu":
-            raise NotImplementedError(f"perseus: SyncBatchNorm on {input.device} tensors needs the GPU (NCCL) "
-                                      "transport, which is not implemented yet; move the model and inputs to the CPU")
         return _SyncBatchNormFunction.apply(input, self.weight, self.bias, running_mean, running_var, self.eps,
                                             factor, _collective_name(self, process_set), process_set)

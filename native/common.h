@@ -51,11 +51,12 @@ struct Signature {
   double prescale = 1.0;
   double postscale = 1.0;
   int32_t priority = 0;
+  int32_t device = -1;  // -1: host memory (the channels); >= 0: device memory, moved by the launcher
 
   bool operator==(const Signature& o) const {
     return op_type == o.op_type && dtype == o.dtype && shape == o.shape && reduce_op == o.reduce_op &&
            root_rank == o.root_rank && prescale == o.prescale && postscale == o.postscale &&
-           priority == o.priority;
+           priority == o.priority && device == o.device;
   }
   bool operator!=(const Signature& o) const { return !(*this == o); }
   int64_t numel() const {

@@ -418,6 +418,8 @@ void Engine::close_all() {
       abandoned().push_back(s);
     }
   }
+  // The launcher's wait for device units ends: every set's device channel has drained or given up.
+  device_queue_.stop();
 }
 
 }  // namespace perseus

@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "device_channel.h"
 #include "handles.h"
 #include "process_set.h"
 #include "timeline.h"
@@ -84,6 +85,7 @@ class Engine {
   EngineHooks& hooks() { return hooks_; }
 
   FaultInjection& faults() { return faults_; }
+  DeviceQueue& device_queue() { return device_queue_; }
   void wake();  // a submission arrived (lock-free unless the engine thread is waiting)
 
  private:
@@ -97,6 +99,7 @@ class Engine {
   TimelineRecorder timeline_;
   EngineHooks hooks_;
   FaultInjection faults_;
+  DeviceQueue device_queue_;  // units of device requests, for the framework's launcher thread
 
   std::mutex mu_;
   std::condition_variable cv_;

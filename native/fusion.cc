@@ -36,8 +36,10 @@ double postscale_of(const Signature& s, int divisor) {
   return s.postscale;
 }
 
-Unit* make_unit(UnitPool* pool, UnitKind kind, OpType op, DType dtype, ReduceOp rop, double pre, double post) {
+Unit* make_unit(UnitPool* pool, UnitKind kind, OpType op, DType dtype, ReduceOp rop, double pre, double post,
+                int32_t device) {
   Unit* u = pool->get();
+  u->device = device;
   u->kind = kind;
   u->op_type = op;
   u->dtype = dtype;
@@ -55,9 +57,10 @@ void plan_units(const std::vector<Request*>& requests, int64_t fusion_threshold_
                 int64_t inplace_threshold_bytes, int average_divisor, UnitPool* pool, std::vector<Unit*>* units) {
   // A packed unit stays open while in-place units and other ops are emitted, so small tensors scattered
   // between large ones (biases between weights) still travel together: one open unit per
-  // (dtype, reduction, scales), emitted at the position of its first tensor. Few keys exist at once, so a
+  // (device, dtype, reduction, scales), emitted at the position of its first tensor. Few keys exist at once, so a
   // short vector beats a map.
   struct Open {
+    int32_t device;
     DType dtype;
     ReduceOp op;
     double pre, post;
@@ -72,7 +75,7 @@ void plan_units(const std::vector<Request*>& requests, int64_t fusion_threshold_
     if (s.op_type != OpType::ALLREDUCE) {
       r->remaining.store(1, std::memory_order_relaxed);
       Unit* u = make_unit(pool, UnitKind::SINGLE, s.op_type, s.dtype, static_cast<ReduceOp>(s.reduce_op),
-                          s.prescale, post);
+                          s.prescale, post, s.device);
       u->pieces.push_back({r, 0, numel, 0});
       u->numel = numel;
       units->push_back(u);
@@ -89,7 +92,7 @@ void plan_units(const std::vector<Request*>& requests, int64_t fusion_threshold_
                                : std::max<int64_t>(numel, 1);
       int parts = 0;
       for (int64_t start = 0; start < numel || (numel == 0 && start == 0); start += step) {
-        Unit* u = make_unit(pool, UnitKind::INPLACE, OpType::ALLREDUCE, s.dtype, rop, s.prescale, post);
+        Unit* u = make_unit(pool, UnitKind::INPLACE, OpType::ALLREDUCE, s.dtype, rop, s.prescale, post, s.device);
         const int64_t count = std::min(step, numel - start);
         u->pieces.push_back({r, start, count, 0});
         u->numel = count;
@@ -103,17 +106,18 @@ void plan_units(const std::vector<Request*>& requests, int64_t fusion_threshold_
     r->remaining.store(1, std::memory_order_relaxed);
     Open* slot = nullptr;
     for (int i = 0; i < n_open; ++i)
-      if (open[i].dtype == s.dtype && open[i].op == rop && open[i].pre == s.prescale && open[i].post == post) {
+      if (open[i].device == s.device && open[i].dtype == s.dtype && open[i].op == rop && open[i].pre == s.prescale &&
+          open[i].post == post) {
         slot = &open[i];
         break;
       }
     if (slot == nullptr || (slot->unit->numel + numel) * item > fusion_threshold_bytes) {
-      Unit* u = make_unit(pool, UnitKind::PACKED, OpType::ALLREDUCE, s.dtype, rop, s.prescale, post);
+      Unit* u = make_unit(pool, UnitKind::PACKED, OpType::ALLREDUCE, s.dtype, rop, s.prescale, post, s.device);
       units->push_back(u);
       if (slot == nullptr) {
         if (n_open == 16) n_open = 0;  // more keys than slots: forget the oldest (only costs packing)
         slot = &open[n_open++];
-        slot->dtype = s.dtype, slot->op = rop, slot->pre = s.prescale, slot->post = post;
+        slot->device = s.device, slot->dtype = s.dtype, slot->op = rop, slot->pre = s.prescale, slot->post = post;
       }
       slot->unit = u;
     }

@@ -31,6 +31,7 @@ struct Unit {
   int64_t numel = 0;
   int64_t index = 0;  // position in the process set's unit sequence; picks the channel
   Algorithm algorithm = Algorithm::AUTO;  // the set's setting when the unit was planned
+  int32_t device = -1;  // >= 0: device memory; the launcher moves it (device_channel.h)
   std::vector<Piece> pieces;
   size_t nbytes() const { return static_cast<size_t>(numel) * itemsize(dtype); }
 };

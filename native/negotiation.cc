@@ -134,6 +134,7 @@ void Negotiator::exchange_payload(const NameMap& pending, bool joined, std::stri
     put<double>(out, s.prescale);
     put<double>(out, s.postscale);
     put<int32_t>(out, s.priority);
+    put<int32_t>(out, s.device);
   }
 }
 
@@ -163,6 +164,7 @@ void Negotiator::apply_exchange(RoundResult* result, const std::vector<std::stri
       s.prescale = in.get<double>();
       s.postscale = in.get<double>();
       s.priority = in.get<int32_t>();
+      s.device = in.get<int32_t>();
       auto it = seen.find(name);
       if (it == seen.end()) {
         order.push_back(name);
@@ -274,8 +276,13 @@ std::string mismatch_message(const std::string& name, const Signature& a, const 
     field = "prescale", va = py_repr(a.prescale), vb = py_repr(b.prescale);
   } else if (a.postscale != b.postscale) {
     field = "postscale", va = py_repr(a.postscale), vb = py_repr(b.postscale);
-  } else {
+  } else if (a.priority != b.priority) {
     field = "priority", va = std::to_string(a.priority), vb = std::to_string(b.priority);
+  } else {
+    auto where = [](int32_t d) {
+      return std::string(d < 0 ? "the CPU path" : d == 0 ? "the GPU (NCCL) path" : "the launcher on CPU memory");
+    };
+    field = "device", va = where(a.device), vb = where(b.device);
   }
   static const std::map<std::string, std::string> fixes = {
       {"shape", "every rank must submit the same shape for a name"},
@@ -286,9 +293,12 @@ std::string mismatch_message(const std::string& name, const Signature& a, const 
       {"prescale", "every rank must pass the same prescale_factor"},
       {"postscale", "every rank must pass the same postscale_factor"},
       {"priority", "every rank must pass the same priority"},
+      {"device", "every rank must pass the tensor on the same kind of device (all CPU or all GPU) and set the "
+                 "same PERSEUS_DEVICE_BACKEND"},
   };
   std::string fix = fixes.at(field);
   std::string label = field == "prescale" ? "prescale_factor" : field == "postscale" ? "postscale_factor" : field;
+  if (field == "device") label = "it through";
   if (field == "shape" && (a.op_type == OpType::ALLGATHER || a.op_type == OpType::ALLTOALL)) {
     label = "shape after the first dimension";
     fix = "only the first dimension may differ between ranks";

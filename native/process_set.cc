@@ -78,6 +78,7 @@ ProcessSet::ProcessSet(Engine* engine, int id, std::unique_ptr<Comm> control, st
   // are created now because creating one is collective.
   for (int i = 0; i < std::max({1, s.num_channels, s.max_channels}); ++i)
     channels_.emplace_back(new Channel(control_->dup(), config, hooks));
+  device_channel_ = std::make_shared<DeviceChannel>(&engine->device_queue(), hooks, id);
   params_.fusion_threshold_bytes = s.fusion_threshold_bytes;
   params_.inplace_threshold_bytes = s.inplace_threshold_bytes;
   params_.channels = std::max(1, s.num_channels);
@@ -361,7 +362,10 @@ void ProcessSet::dispatch(std::vector<Request*>& ready) {
     u->algorithm = params_.algorithm;
     // Always on the channel's thread, never here: a collective blocks until every peer joins it, and an
     // engine thread blocked in one could not receive the abort of a peer that failed before joining.
-    channels_[u->index % n]->submit(u);
+    if (u->device >= 0)
+      device_channel_->submit(u);  // the framework's launcher moves device memory, in this same order
+    else
+      channels_[u->index % n]->submit(u);
   }
   for (Request* r : tunes_) apply_tune(r);
 }
@@ -673,6 +677,7 @@ bool ProcessSet::close(bool notify_peers) {
   // collective it had agreed to.
   bool clean = true;
   for (auto& ch : channels_) clean = ch->stop(timeout) && clean;
+  clean = device_channel_->stop(timeout) && clean;
   // A broken transport cannot carry the notice; closing must still finish (this runs outside the engine
   // thread's try block, where an exception would terminate the process). The flush also sends an abort
   // queued just before.

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "channels.h"
+#include "device_channel.h"
 #include "handles.h"
 #include "negotiation.h"
 #include "transport.h"
@@ -107,6 +108,7 @@ class ProcessSet {
   Negotiator negotiator_;
   UnitPool unit_pool_;
   std::vector<std::unique_ptr<Channel>> channels_;
+  std::shared_ptr<DeviceChannel> device_channel_;  // units of device requests go to the launcher
   TuneParams params_;  // written by the engine thread under mu_
   std::vector<Request*> tunes_;
 

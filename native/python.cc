@@ -259,8 +259,10 @@ class PyEngine {
   }
 
   // items: sequence of (name, dtype, shape, input, output, reduce_op, root_rank, prescale, postscale,
-  // priority, splits). Returns the handle id.
-  int64_t submit(int ps_id, int op_type, py::sequence items, py::object finish, py::object keepalive) {
+  // priority, splits). device >= 0: the buffers are device memory, moved by the launcher (next_device_unit)
+  // rather than the channels. Returns the handle id.
+  int64_t submit(int ps_id, int op_type, py::sequence items, py::object finish, py::object keepalive,
+                 int device) {
     HandleTable& table = engine_->handles();
     Handle* h = table.new_handle();
     auto* extra = new PyExtra();
@@ -276,6 +278,7 @@ class PyEngine {
         if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 11) throw py::value_error("perseus: bad request tuple");
         PyObject** f = &PyTuple_GET_ITEM(t, 0);
         add_request(h, ps_id, op, f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10]);
+        h->requests.back()->sig.device = device < 0 ? -1 : device;
       }
     } catch (...) {
       discard(h);
@@ -316,6 +319,7 @@ class PyEngine {
     r->name.assign(text, len);
     Signature& s = r->sig;
     s.op_type = op;
+    s.device = -1;  // (a reused request may carry an earlier use's)
     const long dt = PyLong_AsLong(dtype);
     if (dt < 0 || dt >= kNumDTypes) {
       if (PyErr_Occurred()) throw py::error_already_set();
@@ -348,6 +352,37 @@ class PyEngine {
       raise(err);
     }
     return h->id;
+  }
+
+  // The launcher's next device unit, waiting up to timeout_s with the GIL released: None on timeout, False
+  // once the engine has stopped, else (ticket, ps_id, unit index, op_type, dtype, reduce_op, prescale,
+  // postscale, [(name, offset, count, phantom), ...], device). Every ticket must be given back once, to
+  // device_unit_done. Offsets and counts are elements of the request's tensor.
+  py::object next_device_unit(double timeout_s) {
+    bool stopped = false;
+    DeviceTicket* t;
+    {
+      py::gil_scoped_release release;
+      t = engine_->device_queue().pop(timeout_s, &stopped);
+    }
+    if (t == nullptr) return stopped ? py::object(py::bool_(false)) : py::object(py::none());
+    const Unit* u = t->unit;
+    py::list pieces;
+    for (const Piece& p : u->pieces)
+      pieces.append(py::make_tuple(p.request->name, p.offset, p.count, p.request->phantom));
+    return py::make_tuple(reinterpret_cast<intptr_t>(t), t->ps_id, u->index, static_cast<int>(u->op_type),
+                          static_cast<int>(u->dtype), static_cast<int>(u->reduce_op), u->prescale, u->postscale,
+                          pieces, u->device);
+  }
+
+  // Give back a ticket of next_device_unit: error None when the unit's data has moved, else what failed
+  // (every rank then fails the unit's requests with it).
+  void device_unit_done(intptr_t ticket, py::object error) {
+    auto* t = reinterpret_cast<DeviceTicket*>(ticket);
+    std::string message;
+    if (!error.is_none()) message = error.cast<std::string>();
+    py::gil_scoped_release release;
+    DeviceChannel::finish(t, error.is_none() ? nullptr : &message);
   }
 
   // The set's run-time parameters: (fusion bytes, in-place bytes, channels, cycle time us, algorithm code,
@@ -584,7 +619,10 @@ PYBIND11_MODULE(_core, m) {
       .def("add_loopback_process_set", &PyEngine::add_loopback_process_set)
       .def("remove_process_set", &PyEngine::remove_process_set)
       .def("shutdown", &PyEngine::shutdown, py::arg("timeout_s") = 30.0)
-      .def("submit", &PyEngine::submit)
+      .def("submit", &PyEngine::submit, py::arg("ps_id"), py::arg("op_type"), py::arg("items"), py::arg("finish"),
+           py::arg("keepalive"), py::arg("device") = -1)
+      .def("next_device_unit", &PyEngine::next_device_unit, py::arg("timeout_s"))
+      .def("device_unit_done", &PyEngine::device_unit_done, py::arg("ticket"), py::arg("error") = py::none())
       .def("submit_one", &PyEngine::submit_one)
       .def("join", &PyEngine::join)
       .def("params", &PyEngine::params)

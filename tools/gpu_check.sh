@@ -9,7 +9,7 @@
 #    - the GPU tests and the staging tests on CUDA tensors, 1 rank;
 #    - the same on 2 processes sharing the GPU (mpirun);
 #    - examples/pytorch_digits.py on 2 ranks on CPU, then on CUDA: the losses must agree;
-#    - benchmarks/gpu_staging.py: perseus (host staging) vs torch DDP on NCCL vs no communication.
+#    - benchmarks/gpu_step.py: perseus (NCCL launcher, host staging) vs torch DDP on NCCL vs no communication.
 # Logs and results land in RESULTS_DIR (default $OUT, else a new temporary folder). Exit status: 0 when every
 # step passed. docs/gpu.md records what ran, where and when.
 set -uo pipefail
@@ -48,6 +48,10 @@ fi
 MPIRUN=("$BIN/mpirun" --oversubscribe --bind-to none)  # local ranks inherit this environment
 if [ "$(id -u)" = "0" ]; then MPIRUN+=(--allow-run-as-root); fi
 PYTEST=("$PY" -X faulthandler -m pytest -p no:cacheprovider --color=no -q -rfEs)
+# Several processes on the one GPU: NCCL refuses two ranks on one device unless each claims its own host
+# (NCCL_HOSTID, set per rank by RANKED); they then talk over loopback sockets. Correct, not fast.
+export NCCL_SOCKET_IFNAME=lo NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_MULTI_RANK_GPU_ENABLE=1
+RANKED=(bash -c 'export NCCL_HOSTID="perseus-gpu-check-${OMPI_COMM_WORLD_RANK:-0}"; exec "$@"' ranked)
 
 environment() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -62,12 +66,13 @@ EOF
   "$PY" -c "from perseus.runner.launch import check_build; check_build()"
 }
 step environment environment
-step gpu_tests_1_rank timeout 240 "${PYTEST[@]}" tests/gpu tests/mpi/test_staging.py
-step gpu_tests_2_processes timeout 240 "${MPIRUN[@]}" -np 2 "${PYTEST[@]}" tests/gpu tests/mpi/test_staging.py
+step gpu_tests_1_rank timeout 240 "${PYTEST[@]}" tests/gpu tests/mpi/test_staging.py tests/mpi/test_device.py
+step gpu_tests_2_processes timeout 240 "${MPIRUN[@]}" -np 2 "${RANKED[@]}" "${PYTEST[@]}" tests/gpu tests/mpi/test_staging.py tests/mpi/test_device.py
 
 example() {
   "${MPIRUN[@]}" -np 2 "$PY" examples/pytorch_digits.py --epochs 3 --device cpu | tee "$RESULTS/example_cpu.txt"
-  "${MPIRUN[@]}" -np 2 "$PY" examples/pytorch_digits.py --epochs 3 --device cuda | tee "$RESULTS/example_cuda.txt"
+  "${MPIRUN[@]}" -np 2 "${RANKED[@]}" "$PY" examples/pytorch_digits.py --epochs 3 --device cuda \
+    | tee "$RESULTS/example_cuda.txt"
   "$PY" - "$RESULTS/example_cpu.txt" "$RESULTS/example_cuda.txt" <<'EOF'
 import re, sys
 cpu, cuda = ([float(x) for x in re.findall(r"train loss ([0-9.]+)", open(p).read())] for p in sys.argv[1:3])
@@ -78,8 +83,8 @@ print(f"largest relative difference {worst:.2e}")
 assert worst < 1e-2, "CUDA and CPU training disagree"
 EOF
 }
-step example_cpu_vs_cuda timeout 240 bash -c "$(declare -p PY MPIRUN RESULTS); $(declare -f example); example"
-step benchmark timeout 300 "${MPIRUN[@]}" -np 2 "$PY" benchmarks/gpu_staging.py --out "$RESULTS/gpu_staging.json" \
+step example_cpu_vs_cuda timeout 240 bash -c "$(declare -p PY MPIRUN RANKED RESULTS); $(declare -f example); example"
+step benchmark timeout 300 "${MPIRUN[@]}" -np 2 "$PY" benchmarks/gpu_step.py --out "$RESULTS/gpu_step.json" \
   ${GPU_BENCH_ARGS:-}
 
 echo "== summary ($(date -u +%Y-%m-%dT%H:%MZ))"

@@ -25,7 +25,7 @@ from perseus.engine.messages import DType, OpType, dtype_of
 __all__ = [
     "allreduce_async", "grouped_allreduce_async", "allgather_async", "grouped_allgather_async",
     "broadcast_async", "alltoall_async", "reducescatter_async", "grouped_reducescatter_async",
-    "barrier", "join", "poll", "synchronize", "on_done", "even_splits", "Result",
+    "barrier", "join", "poll", "synchronize", "on_done", "even_splits", "Result", "device_allreduce_async",
 ]
 
 _barrier_lock = threading.Lock()
@@ -177,6 +177,28 @@ def grouped_allreduce_async(arrays: Sequence[np.ndarray], outputs: Sequence[np.n
         items.append((base if _single else f"{base}.{i}", int(dt), arr.shape, arr, out, op, -1, pre, post,
                       priority, None))
     return state().engine.submit(ps_id, _ALLREDUCE, items, finish, (arrays, outputs))
+
+
+def device_allreduce_async(shapes, dtypes, pointers, name, op, prescale_factor, postscale_factor, process_set,
+                           finish, keepalive, register, single: bool, device: int) -> int:
+    """Start allreduces of device tensors (``pointers`` into device memory), moved by a framework's launcher
+    (:mod:`perseus.torch.device`) rather than the channels; return one handle. ``device`` (>= 0) is the
+    launcher's code for the kind of memory, which every rank must agree on.
+
+    ``register(ps_id, names)`` is called with the requests' names once the engine has taken them (the
+    launcher looks tensors up by name, waiting for this). Collective as :func:`grouped_allreduce_async`; the
+    device kind is part of what ranks must agree on.
+    """
+    op = int(op)
+    ps_id, _, _ = _info(process_set)
+    pre, post = float(prescale_factor), float(postscale_factor)
+    base = _name("allreduce", name, ps_id)
+    names = [base] if single else [f"{base}.{i}" for i in range(len(shapes))]
+    items = [(n, int(dt), shape, ptr, ptr, op, -1, pre, post, 0, None)
+             for n, dt, shape, ptr in zip(names, dtypes, shapes, pointers)]
+    handle = state().engine.submit(ps_id, _ALLREDUCE, items, finish, keepalive, int(device))
+    register(ps_id, names)
+    return handle
 
 
 def allgather_async(array: np.ndarray, alloc: Alloc, name=None, process_set=global_process_set,

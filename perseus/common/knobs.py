@@ -222,14 +222,20 @@ KNOBS: tuple[Knob, ...] = (
              "the framework's threads keep their placement. Empty: no pinning.",
          flag=Flag("--thread-affinity", "tuning", "core id(s) for each rank's engine thread, one per local rank")),
     Knob("num_nccl_streams", _both("NUM_NCCL_STREAMS"), int, 1, unit="streams",
-         doc="NCCL streams per process set for GPU tensors (horovodrun's --num-nccl-streams). Accepted; it "
-             "changes nothing yet: GPU tensors are staged through host memory (docs/gpu.md), there is no NCCL "
-             "transport.",
-         flag=Flag("--num-nccl-streams", "tuning", "NCCL streams for GPU tensors (no effect: GPU tensors are "
-                   "staged through host memory; there is no NCCL transport yet)", minimum=1)),
+         doc="NCCL channels per process set for all-reduces of GPU tensors (horovodrun's --num-nccl-streams): "
+             "each is a process group with its own NCCL communicator and stream, and the engine's units go to "
+             "them in turn, so that several run at once. See docs/gpu.md.",
+         flag=Flag("--num-nccl-streams", "tuning", "NCCL channels (communicator and stream each) for all-reduces "
+                   "of GPU tensors", minimum=1)),
     Knob("stage_cpu_tensors", ("PERSEUS_STAGE_CPU_TENSORS",), bool, False,
          doc="Send torch CPU tensors through the host-staging path that GPU tensors take (a copy in, the "
              "engine, a copy back at synchronize). For testing that path without a GPU; it only adds copies."),
+    Knob("device_backend", ("PERSEUS_DEVICE_BACKEND",), str, "auto", choices=("auto", "nccl", "stage", "gloo"),
+         doc="How torch all-reduces of GPU tensors move data. 'auto': NCCL when this torch has it (what NCCL "
+             "cannot reduce, and every other collective, is staged through host memory), else staging; "
+             "'nccl': the same, but an error without NCCL; 'stage': always through host memory; 'gloo': CPU "
+             "tensors' all-reduces go through the GPU launcher with torch's Gloo backend (for testing the "
+             "launcher without a GPU). Every rank must use the same value. See docs/gpu.md."),
     Knob("abort_on_exception", ("PERSEUS_ABORT_ON_EXCEPTION",), bool, True,
          doc="After init(), an uncaught exception on any rank prints its traceback and aborts the whole MPI "
              "job, so the other ranks do not hang."),

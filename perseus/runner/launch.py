@@ -240,6 +240,15 @@ def _torch_cuda() -> bool:
     return bool(torch.backends.cuda.is_built())
 
 
+def _torch_nccl() -> bool:
+    """Whether the installed torch carries NCCL (perseus.torch then all-reduces CUDA tensors with it)."""
+    if not _importable("torch"):
+        return False
+    import torch
+
+    return bool(torch.distributed.is_available() and torch.distributed.is_nccl_available())
+
+
 def check_build(out=None) -> None:
     """Print which frameworks, controllers and tensor operations this installation can use."""
     from perseus import __version__
@@ -251,8 +260,10 @@ def check_build(out=None) -> None:
         ("Available Frameworks", (("PyTorch", _importable("torch")), ("TensorFlow", _importable("tensorflow")),
                                   ("MXNet", _importable("mxnet")))),
         ("Available Controllers", (("MPI", mpi), ("Gloo", False))),
-        ("Available Tensor Operations", (("NCCL", False), ("MPI", mpi), ("Gloo", False))),
-        ("GPU Tensors", (("CUDA (PyTorch; staged through host memory)", _torch_cuda()),)),
+        ("Available Tensor Operations", (("NCCL (PyTorch all-reduce)", _torch_nccl()), ("MPI", mpi),
+                                         ("Gloo", False))),
+        ("GPU Tensors", (("CUDA (PyTorch; what NCCL does not reduce is staged through host memory)",
+                          _torch_cuda()),)),
     )
     lines = [f"perseus v{__version__}:"]
     for title, items in sections:

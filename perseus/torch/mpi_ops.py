@@ -9,13 +9,14 @@ from perseus.common import collectives as _c
 from perseus.common.api import (  # noqa: F401 - re-exported
     _basics, ccl_built, cross_rank, cross_size, ddl_built, gloo_built, gloo_enabled, init,
     is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
-    nccl_built, rank, rocm_built, shutdown, size, start_timeline, stop_timeline,
+    rank, rocm_built, shutdown, size, start_timeline, stop_timeline,
 )
 from perseus.common.exceptions import HorovodInternalError
 from perseus.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from perseus.common.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum, resolve_op
 from perseus.compression import Pending, Reducer
 from perseus.engine.messages import DType
+from perseus.torch import device as _device
 from perseus.torch import staging as _staging
 from perseus.torch.compression import Compression
 
@@ -57,8 +58,17 @@ _state = _c.state()
 
 def cuda_built() -> bool:
     """True when this torch is built with CUDA: perseus.torch then accepts CUDA tensors in every collective and
-    in DistributedOptimizer, staging them through host memory (there is no NCCL transport: see nccl_built)."""
+    in DistributedOptimizer (all-reduces through NCCL when nccl_built(), the rest staged through host memory)."""
     return bool(torch.backends.cuda.is_built())
+
+
+def nccl_built() -> int:
+    """NCCL's version code (major * 10000 + minor * 100 + patch) when this torch carries NCCL, which perseus
+    then uses for all-reduces of CUDA tensors; 0 otherwise."""
+    if not (torch.distributed.is_available() and torch.distributed.is_nccl_available()):
+        return 0
+    major, minor, patch = torch.cuda.nccl.version()[:3]
+    return major * 10000 + minor * 100 + patch
 
 
 _DTYPES = {
@@ -140,15 +150,22 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
                     process_set=global_process_set):
     """Start an allreduce of ``tensor`` into a new tensor; return a handle for :func:`synchronize`."""
     dt = _dtype(tensor)
+    op = _op(op, average)
+    if not tensor.is_cpu or _device.routes_cpu():
+        if _device.takes([tensor], op, prescale_factor, postscale_factor):  # NCCL (or gloo for tests)
+            src = _contig(tensor)
+            out = torch.empty_like(src)
+            return _device.allreduce_async([src], [out], [dt], name, op, prescale_factor, postscale_factor,
+                                           process_set, (out,), True)
     if _staging.wanted(tensor):  # reduced in place on a host copy, copied to a new device tensor at the end
         host = _staging.to_host(tensor)
         ptr = host.data_ptr()
-        return _c.allreduce_async(ptr, ptr, name, _op(op, average), prescale_factor, postscale_factor,
+        return _c.allreduce_async(ptr, ptr, name, op, prescale_factor, postscale_factor,
                                   process_set, 0, dt, lambda r: _staging.to_device(host, tensor), host.shape,
                                   host)
     src = _contig(tensor)
     out = torch.empty_like(src)
-    return _c.allreduce_async(src.data_ptr(), out.data_ptr(), name, _op(op, average), prescale_factor,
+    return _c.allreduce_async(src.data_ptr(), out.data_ptr(), name, op, prescale_factor,
                               postscale_factor, process_set, 0, dt, (out,), src.shape, (src, out))
 
 
@@ -158,15 +175,20 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     dt = _dtype(tensor)
     if not tensor.is_contiguous():
         raise ValueError("Tensor is required to be contiguous.")
+    op = _op(op, average)
+    if not tensor.is_cpu or _device.routes_cpu():
+        if _device.takes([tensor], op, prescale_factor, postscale_factor):  # NCCL (or gloo for tests)
+            return _device.allreduce_async([tensor], [tensor], [dt], name, op, prescale_factor, postscale_factor,
+                                           process_set, (tensor,), True)
     if _staging.wanted(tensor):  # reduced on a host copy, copied back into tensor at synchronize
         host = _staging.to_host(tensor)
         ptr = host.data_ptr()
-        return _c.allreduce_async(ptr, ptr, name, _op(op, average), prescale_factor, postscale_factor,
+        return _c.allreduce_async(ptr, ptr, name, op, prescale_factor, postscale_factor,
                                   process_set, 0, dt, lambda r: _staging.copy_back(tensor, host), host.shape,
                                   host)
     ptr = tensor.data_ptr()
     # (tensor,): synchronize returns the tensor itself, without a Python call.
-    return _c.allreduce_async(ptr, ptr, name, _op(op, average), prescale_factor, postscale_factor, process_set,
+    return _c.allreduce_async(ptr, ptr, name, op, prescale_factor, postscale_factor, process_set,
                               0, dt, (tensor,), tensor.shape, tensor)
 
 
@@ -215,16 +237,23 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
                             postscale_factor=1.0, process_set=global_process_set):
     """Start allreduces of a list of tensors, negotiated together; return one handle."""
     dts = [_dtype(t) for t in tensors]
+    op = _op(op, average)
+    if tensors and (not tensors[0].is_cpu or _device.routes_cpu()):
+        if _device.takes(tensors, op, prescale_factor, postscale_factor):  # NCCL (or gloo for tests)
+            srcs = [_contig(t) for t in tensors]
+            outs = [torch.empty_like(t) for t in srcs]
+            return _device.allreduce_async(srcs, outs, dts, name, op, prescale_factor, postscale_factor,
+                                           process_set, (outs,), False)
     if any(_staging.wanted(t) for t in tensors):
         hosts = [_staging.to_host(t) for t in tensors]
         bufs = [_np(h) for h in hosts]
-        return _c.grouped_allreduce_async(bufs, bufs, name, _op(op, average), prescale_factor, postscale_factor,
+        return _c.grouped_allreduce_async(bufs, bufs, name, op, prescale_factor, postscale_factor,
                                           process_set, dtypes=dts,
                                           finish=lambda r: [_staging.to_device(h, t) for h, t in
                                                             zip(hosts, tensors)])
     srcs = [_contig(t) for t in tensors]
     outs = [torch.empty_like(t) for t in srcs]
-    return _c.grouped_allreduce_async([_np(t) for t in srcs], [_np(o) for o in outs], name, _op(op, average),
+    return _c.grouped_allreduce_async([_np(t) for t in srcs], [_np(o) for o in outs], name, op,
                                       prescale_factor, postscale_factor, process_set, dtypes=dts,
                                       finish=lambda r: outs)
 
@@ -235,15 +264,20 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     dts = [_dtype(t) for t in tensors]
     if not all(t.is_contiguous() for t in tensors):
         raise ValueError("Tensor is required to be contiguous.")
+    op = _op(op, average)
+    if tensors and (not tensors[0].is_cpu or _device.routes_cpu()):
+        if _device.takes(tensors, op, prescale_factor, postscale_factor):  # NCCL (or gloo for tests)
+            return _device.allreduce_async(tensors, tensors, dts, name, op, prescale_factor, postscale_factor,
+                                           process_set, (list(tensors),), False)
     if any(_staging.wanted(t) for t in tensors):
         hosts = [_staging.to_host(t) for t in tensors]
         bufs = [_np(h) for h in hosts]
-        return _c.grouped_allreduce_async(bufs, bufs, name, _op(op, average), prescale_factor, postscale_factor,
+        return _c.grouped_allreduce_async(bufs, bufs, name, op, prescale_factor, postscale_factor,
                                           process_set, dtypes=dts,
                                           finish=lambda r: [_staging.copy_back(t, h) for t, h in
                                                             zip(tensors, hosts)])
     bufs = [_np(t) for t in tensors]
-    return _c.grouped_allreduce_async(bufs, bufs, name, _op(op, average), prescale_factor, postscale_factor,
+    return _c.grouped_allreduce_async(bufs, bufs, name, op, prescale_factor, postscale_factor,
                                       process_set, dtypes=dts, finish=lambda r: list(tensors))
 
 

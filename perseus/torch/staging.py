@@ -132,7 +132,7 @@ def _ops(t: torch.Tensor) -> DeviceOps:
 
 def wanted(t: torch.Tensor) -> bool:
     """True when ``t`` goes through host staging: it is not on the CPU, or CPU staging is on."""
-    return t.device.type != "cpu" or (_stage_cpu if _stage_cpu is not None else stage_cpu())
+    return not t.is_cpu or (_stage_cpu if _stage_cpu is not None else stage_cpu())
 
 
 def host_empty(like: torch.Tensor, shape=None) -> torch.Tensor:

@@ -6,7 +6,21 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "mpi"))  # rank_data, shared with tests/mpi
+_MPI_TESTS = os.path.join(os.path.dirname(__file__), "..", "mpi")
+sys.path.insert(0, _MPI_TESTS)  # job_env and test_staging's helpers
+
+
+def _mpi_conftest():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("perseus_mpi_conftest", os.path.join(_MPI_TESTS, "conftest.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# test_staging (imported by these tests) takes rank_data from whichever conftest module Python finds first.
+rank_data = _mpi_conftest().rank_data
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,9 +1,11 @@
-"""CUDA tensors through perseus.torch: ordering with the caller's streams, the build flags, the converter's
-device pinning. Host staging itself is tested on every collective by tests/mpi/test_staging.py, which also
-runs its cases on CUDA tensors when a GPU is present."""
+"""CUDA tensors through perseus.torch: the NCCL launcher (all-reduce) and host staging (everything else),
+ordering with the callers' streams, several NCCL channels, the build flags. Host staging itself is tested on
+every collective by tests/mpi/test_staging.py, which also runs its cases on CUDA tensors when a GPU is present."""
 
 import pytest
 import torch
+
+from perseus.torch import device
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(not torch.cuda.is_available(),
@@ -23,7 +25,52 @@ def _busy_then_fill(t, value, stream=None):
 def test_build_flags(hvd):
     assert hvd.cuda_built() and hvd.mpi_ops.cuda_built()
     assert hvd._check_has_gpu()
-    assert not hvd.nccl_built()  # no NCCL transport: what is said must be true
+    major, minor, patch = torch.cuda.nccl.version()[:3]
+    assert hvd.nccl_built() == major * 10000 + minor * 100 + patch  # NCCL's own version code
+
+
+def test_allreduce_takes_nccl(hvd):
+    """CUDA all-reduces go through the launcher's NCCL groups; their results are right for every dtype."""
+    size = hvd.size()
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64):
+        t = torch.arange(1000, device="cuda").to(dtype) % 7 + hvd.rank()
+        out = hvd.allreduce(t, op=hvd.Sum, name=f"gpu.nccl.{dtype}")
+        expected = (torch.arange(1000, device="cuda") % 7) * size + sum(range(size))
+        assert torch.equal(out.double(), expected.double()), dtype
+    avg = hvd.allreduce(torch.full((5,), float(hvd.rank()), device="cuda"), name="gpu.nccl.avg")
+    assert torch.allclose(avg, torch.full((5,), (size - 1) / 2, device="cuda"))
+    launcher = device._launcher
+    assert launcher is not None and (0, device._CUDA) in launcher._groups
+    assert not launcher._entries
+
+
+def test_several_nccl_channels(hvd):
+    """PERSEUS_NUM_NCCL_STREAMS=3: three groups, units spread over them, many requests in flight at once."""
+    from job_env import restart
+
+    old = restart(hvd, {"PERSEUS_NUM_NCCL_STREAMS": "3", "PERSEUS_FUSION_THRESHOLD": "65536"})
+    try:
+        tensors = [torch.full((20_000 + i,), float(i), device="cuda") for i in range(24)]
+        handles = [hvd.allreduce_async_(t, op=hvd.Sum, name=f"gpu.ch.{i}") for i, t in enumerate(tensors)]
+        for h in handles:
+            hvd.synchronize(h)
+        for i, t in enumerate(tensors):
+            assert torch.all(t == i * hvd.size()).item(), i
+        assert len(device._launcher._groups[(0, device._CUDA)]) == 3
+    finally:
+        restart(hvd, old)
+
+
+def test_optimizer_on_nccl_equals_cpu_path(hvd):
+    """Three DistributedOptimizer steps on CUDA with the NCCL launcher (and fp16 compression) give the
+    parameters of the CPU path."""
+    from test_staging import _train
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    for compression, tol in ((hvd.Compression.none, 1e-5), (hvd.Compression.fp16, 1e-3)):
+        reference = _train(hvd, "cpu", 3, compression, True, "gpu.opt.ref")
+        got = _train(hvd, "cuda", 3, compression, True, "gpu.opt.nccl")
+        torch.testing.assert_close(got, reference, rtol=tol, atol=tol)
 
 
 def test_producer_still_running_at_submit(hvd):

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from conftest import rank_data
-from perseus.torch import staging
+from perseus.torch import device, staging
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,6 +35,9 @@ class Device:
 
 @pytest.fixture(params=DEVICES)
 def dev(request, monkeypatch):
+    # Staging only: neither NCCL (CUDA) nor the gloo launcher (CPU, PERSEUS_DEVICE_BACKEND=gloo) takes over.
+    monkeypatch.setattr(device, "_nccl", False)
+    monkeypatch.setattr(device, "_gloo", False)
     if request.param == "cuda":
         torch.cuda.set_device(0)
         # Exact float32 on the GPU, to compare with the CPU path (TF32 would differ in the 3rd digit).

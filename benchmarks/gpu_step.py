@@ -1,11 +1,14 @@
-"""GPU training step: perseus (CUDA gradients staged through host memory) vs torch DDP on NCCL, side by side.
+"""GPU training step and small all-reduces: perseus (NCCL launcher, host staging) vs torch DDP, side by side.
 
-    mpirun -np 2 python benchmarks/gpu_staging.py --out results.json      (tools/gpu_check.sh runs it)
+    mpirun -np 2 python benchmarks/gpu_step.py --out results.json      (tools/gpu_check.sh runs it)
 
-Every rank trains the same model on CUDA. Three modes alternate in rounds (interleaved, so drift in clocks or
-load hits each alike): ``local`` (no communication: the compute floor), ``perseus`` (DistributedOptimizer,
-host staging) and ``ddp`` (torch.nn.parallel.DistributedDataParallel with the NCCL backend, over perseus's MPI
-ranks). Rank 0 writes per-mode medians of the per-step time and the ratios to ``--out`` (JSON).
+Every rank trains the same model on CUDA. Four modes alternate in rounds (interleaved, so drift in clocks or
+load hits each alike): ``local`` (no communication: the compute floor), ``perseus_nccl`` (DistributedOptimizer;
+all-reduces through perseus's NCCL launcher), ``perseus_stage`` (the same with PERSEUS_DEVICE_BACKEND=stage:
+gradients staged through host memory and reduced by perseus's MPI channels) and ``ddp``
+(torch.nn.parallel.DistributedDataParallel on NCCL). Then the per-call cost of one small synchronous all-reduce
+(1 KB): perseus's NCCL launcher vs ``torch.distributed.all_reduce`` on NCCL. Rank 0 writes medians and ratios to
+``--out`` (JSON).
 
 Several processes on one GPU: NCCL would refuse two ranks on one device, so each rank announces its own
 NCCL_HOSTID and NCCL treats them as separate hosts talking over loopback sockets (correct, not fast), and
@@ -35,6 +38,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import perseus.torch as hvd  # noqa: E402
+from perseus.torch import device as _device  # noqa: E402
 
 
 def make_model(name):
@@ -55,8 +59,8 @@ def build(mode, name, batch, device):
     model, shape, classes = make_model(name)
     model = model.to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    if mode == "perseus":
-        opt = hvd.DistributedOptimizer(opt, named_parameters=[(f"{name}.{n}", p) for n, p in
+    if mode.startswith("perseus"):
+        opt = hvd.DistributedOptimizer(opt, named_parameters=[(f"{mode}.{name}.{n}", p) for n, p in
                                                               model.named_parameters()])
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     elif mode == "ddp":
@@ -64,11 +68,36 @@ def build(mode, name, batch, device):
     x = torch.randn(batch, *shape, device=device)
     y = torch.randint(0, classes, (batch,), device=device)
 
+    nccl = mode != "perseus_stage"
+
     def step():
+        _device._nccl = nccl  # what PERSEUS_DEVICE_BACKEND decides, switched per mode within one job
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
     return step
+
+
+def small_allreduce(mode, device, calls):
+    """Per-call seconds of ``calls`` synchronous all-reduces of 256 floats."""
+    t = torch.ones(256, device=device)
+    if mode == "perseus_nccl":
+        _device._nccl = True
+
+        def once(i):
+            hvd.allreduce_(t, op=hvd.Sum, name="small")
+    else:
+        def once(i):
+            dist.all_reduce(t)
+    for i in range(10):
+        once(i)
+    torch.cuda.synchronize()
+    MPI.COMM_WORLD.Barrier()
+    start = time.perf_counter()
+    for i in range(calls):
+        once(i)
+    torch.cuda.synchronize()
+    return MPI.COMM_WORLD.allreduce(time.perf_counter() - start, op=MPI.MAX) / calls
 
 
 def time_steps(step, steps):
@@ -102,7 +131,7 @@ def main():
         dist.init_process_group("nccl", rank=hvd.rank(), world_size=hvd.size(), device_id=device)
     except Exception as exc:  # noqa: BLE001 - reported in the results, the other modes still run
         ddp_error = f"{type(exc).__name__}: {exc}"
-    modes = ["local", "perseus"] + ([] if ddp_error else ["ddp"])
+    modes = ["local", "perseus_nccl", "perseus_stage"] + ([] if ddp_error else ["ddp"])
     results = {"device": torch.cuda.get_device_name(device), "ranks": hvd.size(), "torch": torch.__version__,
                "nccl": ".".join(map(str, torch.cuda.nccl.version())), "batch_per_rank": args.batch,
                "steps_per_round": args.steps, "rounds": args.rounds, "ddp_error": ddp_error, "models": {}}
@@ -118,14 +147,23 @@ def main():
         params = sum(p.numel() for p in make_model(name)[0].parameters())
         entry = {"parameters": params, "median_step_ms": {m: round(v * 1e3, 3) for m, v in med.items()},
                  "samples_ms": {m: [round(x * 1e3, 3) for x in v] for m, v in samples.items()},
-                 "perseus_over_local": round(med["perseus"] / med["local"], 3)}
+                 "ratio_to_local": {m: round(v / med["local"], 3) for m, v in med.items()}}
         if "ddp" in med:
-            entry["perseus_over_ddp"] = round(med["perseus"] / med["ddp"], 3)
-            entry["ddp_over_local"] = round(med["ddp"] / med["local"], 3)
+            entry["ratio_to_ddp"] = {m: round(v / med["ddp"], 3) for m, v in med.items()}
         results["models"][name] = entry
         if hvd.rank() == 0:
-            print(name, json.dumps(entry["median_step_ms"]), {k: v for k, v in entry.items() if "over" in k},
-                  flush=True)
+            print(name, json.dumps(entry["median_step_ms"]), json.dumps(entry.get("ratio_to_ddp")), flush=True)
+    if not ddp_error:
+        small = {m: [] for m in ("perseus_nccl", "torch_nccl")}
+        for _ in range(args.rounds):
+            for m in small:
+                small[m].append(small_allreduce(m, device, 200))
+        med = {m: statistics.median(v) * 1e6 for m, v in small.items()}
+        results["small_allreduce_us"] = {"median": {m: round(v, 1) for m, v in med.items()},
+                                         "samples": {m: [round(x * 1e6, 1) for x in v] for m, v in small.items()},
+                                         "perseus_over_torch": round(med["perseus_nccl"] / med["torch_nccl"], 3)}
+        if hvd.rank() == 0:
+            print("small all-reduce (us)", json.dumps(results["small_allreduce_us"]["median"]), flush=True)
     if hvd.rank() == 0:
         text = json.dumps(results, indent=2)
         print(text)

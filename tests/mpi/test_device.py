@@ -1,0 +1,159 @@
+"""The GPU launcher (perseus/torch/device.py) without a GPU: CPU tensors through the same launcher thread,
+process groups and fusion buffers, with torch's Gloo backend (what PERSEUS_DEVICE_BACKEND=gloo does), and a
+fake stream shim whose work finishes late, on other threads, in random order of delays."""
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from perseus.torch import device
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def launcher_on_cpu(monkeypatch):
+    monkeypatch.setattr(device, "_gloo", True)
+
+
+def _launcher(hvd):
+    launcher = device._launcher
+    assert launcher is not None and launcher.engine is hvd.mpi_ops._state.engine._native
+    return launcher
+
+
+def test_allreduce_paths_go_through_the_launcher(hvd, launcher_on_cpu):
+    size, rank = hvd.size(), hvd.rank()
+    before = hvd.wire_bytes()["sent_bytes"]
+    out = hvd.allreduce(torch.arange(6.0) * (rank + 1), op=hvd.Sum, name="dev.one")
+    assert out.tolist() == [i * size * (size + 1) / 2 for i in range(6)]
+    t = torch.full((1000,), float(rank))
+    hvd.allreduce_(t, name="dev.avg")  # Average: postscale 1/size inside the launcher
+    assert torch.allclose(t, torch.full((1000,), (size - 1) / 2))
+    tensors = [torch.ones(3), torch.ones(50_000, dtype=torch.float64), torch.ones(4, dtype=torch.int32)]
+    outs = hvd.grouped_allreduce(tensors, op=hvd.Sum, name="dev.group")
+    assert [o.dtype for o in outs] == [t.dtype for t in tensors]
+    assert all(torch.all(o == size) for o in outs)
+    m = torch.tensor([float(rank), -float(rank)])
+    hvd.allreduce_(m, op=hvd.Max, name="dev.max", prescale_factor=2.0)
+    assert m.tolist() == [2.0 * (size - 1), 0.0]
+    launcher = _launcher(hvd)
+    assert (0, device._CPU) in launcher._groups
+    assert not launcher._entries, "every request is forgotten once its data has moved"
+    # The payload moved through the Gloo groups, not perseus's channels (only the store's address did).
+    assert hvd.wire_bytes()["sent_bytes"] - before < 1024
+
+
+def test_big_tensor_split_into_units_and_fused_small_ones(hvd, launcher_on_cpu):
+    """A tensor above the fusion threshold arrives in several units (slices); small ones share a buffer."""
+    size = hvd.size()
+    big = torch.arange(3 << 20, dtype=torch.float32)  # 12 MB > the 4 MB default fusion threshold
+    small = [torch.full((7,), float(i)) for i in range(20)]
+    handles = [hvd.allreduce_async_(big, op=hvd.Sum, name="dev.big")]
+    handles += [hvd.allreduce_async_(s, op=hvd.Sum, name=f"dev.small.{i}") for i, s in enumerate(small)]
+    for h in handles:
+        hvd.synchronize(h)
+    assert torch.equal(big, torch.arange(3 << 20, dtype=torch.float32) * size)
+    assert all(torch.all(s == i * size) for i, s in enumerate(small))
+
+
+def test_what_nccl_cannot_reduce_is_not_launched(hvd, launcher_on_cpu):
+    assert not device.takes([torch.ones(2, dtype=torch.int16)], 1, 1.0, 1.0)
+    assert not device.takes([torch.ones(2, dtype=torch.bool)], 1, 1.0, 1.0)
+    assert not device.takes([torch.ones(2)], 2, 1.0, 1.0)  # Adasum
+    assert not device.takes([torch.ones(2, dtype=torch.int32)], 0, 1.0, 1.0)  # integer Average
+    assert not device.takes([torch.ones(2, dtype=torch.int64)], 1, 2.0, 1.0)  # scaled integers
+    assert device.takes([torch.ones(2, dtype=torch.int64)], 1, 1.0, 1.0)
+    out = hvd.allreduce(torch.ones(3, dtype=torch.int16), op=hvd.Sum, name="dev.int16")  # the channels' path
+    assert out.tolist() == [hvd.size()] * 3
+
+
+def test_device_kind_mismatch_names_tensor_and_fix(hvd, monkeypatch):
+    if hvd.size() == 1:
+        pytest.skip("needs 2+ ranks")
+    monkeypatch.setattr(device, "_gloo", hvd.rank() == 0)
+    start = time.monotonic()
+    with pytest.raises(hvd.HorovodInternalError) as info:
+        hvd.allreduce(torch.ones(3), name="dev.mismatch")
+    message = str(info.value)
+    assert "dev.mismatch" in message and "the launcher on CPU memory" in message and "the CPU path" in message
+    assert "PERSEUS_DEVICE_BACKEND" in message and time.monotonic() - start < 10
+    monkeypatch.setattr(device, "_gloo", True)
+    assert hvd.allreduce(torch.ones(3), op=hvd.Sum, name="dev.mismatch").tolist() == [hvd.size()] * 3
+
+
+class FakeStreams(device.Streams):
+    """Each unit's work 'finishes' on a timer thread after a random delay, as on a busy GPU."""
+
+    def __init__(self, seed):
+        self.rng = random.Random(seed)
+        self.created: list = []
+
+    def done(self):
+        event = threading.Event()
+        event.when = None
+
+        def fire():
+            event.when = time.monotonic()
+            event.set()
+        self.created.append(event)
+        threading.Timer(self.rng.uniform(0.01, 0.05), fire).start()
+        return event
+
+    def wait_done(self, event):
+        assert event.wait(10)
+
+
+def test_completion_waits_for_the_device_and_keeps_tensors_alive(hvd, launcher_on_cpu):
+    hvd.allreduce(torch.ones(1), name="dev.fake.warmup")  # the launcher and its groups exist
+    launcher = _launcher(hvd)
+    fake = FakeStreams(seed=hvd.rank())
+    saved = launcher.streams[device._CPU]
+    launcher.streams[device._CPU] = fake
+    try:
+        handles = []
+        for i in range(30):  # 800 KB each: several units under the 4 MB fusion threshold
+            t = torch.full((200_000,), float(i + hvd.rank()))
+            handles.append(hvd.allreduce_async(t, op=hvd.Sum, name=f"dev.fake.{i}"))
+        del t  # the inputs go away at once: the launcher holds what it still needs
+        returned = []
+        for i, h in enumerate(handles):
+            out = hvd.synchronize(h)
+            returned.append(time.monotonic())
+            assert torch.all(out == sum(float(i + r) for r in range(hvd.size()))), i
+        assert len(fake.created) >= 5 and all(e.is_set() for e in fake.created)
+        # No request completed before the 'device' finished the first unit's work.
+        assert returned[0] >= min(e.when for e in fake.created)
+        with launcher._lock:
+            assert not [k for k in launcher._entries if k[1].startswith("allreduce.dev.fake.")]
+    finally:
+        launcher.streams[device._CPU] = saved
+
+
+def test_launcher_failure_fails_every_rank_naming_the_tensor(hvd, monkeypatch):
+    """An error inside the launcher (a broken NCCL call) fails the unit on every rank within seconds, with the
+    tensor's name; perseus can be started again afterwards."""
+    from job_env import restart
+
+    monkeypatch.setattr(device, "_gloo", True)
+    hvd.allreduce(torch.ones(1), name="dev.fail.warmup")
+    launcher = _launcher(hvd)
+    if hvd.rank() == hvd.size() - 1:
+        group = launcher._groups[(0, device._CPU)][0]
+
+        class Broken:
+            def allreduce(self, *args):
+                raise RuntimeError("injected NCCL failure")
+        launcher._groups[(0, device._CPU)] = [Broken()]
+        del group
+    start = time.monotonic()
+    with pytest.raises(hvd.HorovodInternalError) as info:
+        hvd.allreduce(torch.ones(4), name="dev.fail.victim")
+    assert "dev.fail.victim" in str(info.value), str(info.value)
+    assert time.monotonic() - start < 20
+    restart(hvd, {})
+    monkeypatch.setattr(device, "_gloo", True)
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum, name="dev.after").tolist() == [hvd.size()] * 2

@@ -7,7 +7,8 @@ load hits each alike): ``local`` (no communication: the compute floor), ``perseu
 all-reduces through perseus's NCCL launcher), ``perseus_stage`` (the same with PERSEUS_DEVICE_BACKEND=stage:
 gradients staged through host memory and reduced by perseus's MPI channels) and ``ddp``
 (torch.nn.parallel.DistributedDataParallel on NCCL). Then the per-call cost of one small synchronous all-reduce
-(1 KB): perseus's NCCL launcher vs ``torch.distributed.all_reduce`` on NCCL. Rank 0 writes medians and ratios to
+(1 KB, the call returning once the result is there): perseus's NCCL launcher vs ``torch.distributed.all_reduce``
+on NCCL followed by a stream synchronize. Rank 0 writes medians and ratios to
 ``--out`` (JSON).
 
 Several processes on one GPU: NCCL would refuse two ranks on one device, so each rank announces its own
@@ -87,8 +88,9 @@ def small_allreduce(mode, device, calls):
         def once(i):
             hvd.allreduce_(t, op=hvd.Sum, name="small")
     else:
-        def once(i):
+        def once(i):  # synchronous too: the call returns when the result is there
             dist.all_reduce(t)
+            torch.cuda.current_stream().synchronize()
     for i in range(10):
         once(i)
     torch.cuda.synchronize()

@@ -53,8 +53,9 @@ Unit* make_unit(UnitPool* pool, UnitKind kind, OpType op, DType dtype, ReduceOp 
 
 }  // namespace
 
-void plan_units(const std::vector<Request*>& requests, int64_t fusion_threshold_bytes,
-                int64_t inplace_threshold_bytes, int average_divisor, UnitPool* pool, std::vector<Unit*>* units) {
+void plan_units(const std::vector<Request*>& requests, int64_t host_fusion_threshold_bytes,
+                int64_t host_inplace_threshold_bytes, int average_divisor, UnitPool* pool, std::vector<Unit*>* units,
+                int64_t device_fusion_threshold_bytes) {
   // A packed unit stays open while in-place units and other ops are emitted, so small tensors scattered
   // between large ones (biases between weights) still travel together: one open unit per
   // (device, dtype, reduction, scales), emitted at the position of its first tensor. Few keys exist at once, so a
@@ -81,6 +82,9 @@ void plan_units(const std::vector<Request*>& requests, int64_t fusion_threshold_
       units->push_back(u);
       continue;
     }
+    const bool on_device = s.device >= 0;
+    const int64_t fusion_threshold_bytes = on_device ? device_fusion_threshold_bytes : host_fusion_threshold_bytes;
+    const int64_t inplace_threshold_bytes = on_device ? device_fusion_threshold_bytes : host_inplace_threshold_bytes;
     const int64_t item = static_cast<int64_t>(itemsize(s.dtype));
     const ReduceOp rop = s.reduce_op == static_cast<int>(ReduceOp::AVERAGE) ? ReduceOp::SUM
                                                                              : static_cast<ReduceOp>(s.reduce_op);

@@ -50,7 +50,10 @@ class UnitPool {
 
 // Split `requests` (in execution order) into units appended to `units`; sets each request's remaining
 // count. `average_divisor` (the set's size) turns Average into Sum with a postscale.
+// Device requests (Signature::device >= 0) use device_fusion_threshold_bytes for both thresholds: packing costs
+// a device-to-device copy, far less than an extra collective, so every tensor below it is packed.
 void plan_units(const std::vector<Request*>& requests, int64_t fusion_threshold_bytes,
-                int64_t inplace_threshold_bytes, int average_divisor, UnitPool* pool, std::vector<Unit*>* units);
+                int64_t inplace_threshold_bytes, int average_divisor, UnitPool* pool, std::vector<Unit*>* units,
+                int64_t device_fusion_threshold_bytes = 64 << 20);
 
 }  // namespace perseus

@@ -355,7 +355,8 @@ void ProcessSet::dispatch(std::vector<Request*>& ready) {
   }
   ready.resize(kept);
   units_.clear();
-  plan_units(ready, params_.fusion_threshold_bytes, params_.inplace_threshold_bytes, size_, &unit_pool_, &units_);
+  plan_units(ready, params_.fusion_threshold_bytes, params_.inplace_threshold_bytes, size_, &unit_pool_, &units_,
+             engine_->settings().device_fusion_threshold_bytes);
   const size_t n = static_cast<size_t>(params_.channels);
   for (Unit* u : units_) {
     u->index = unit_counter_++;

@@ -230,6 +230,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("stage_cpu_tensors", ("PERSEUS_STAGE_CPU_TENSORS",), bool, False,
          doc="Send torch CPU tensors through the host-staging path that GPU tensors take (a copy in, the "
              "engine, a copy back at synchronize). For testing that path without a GPU; it only adds copies."),
+    Knob("device_fusion_threshold_bytes", ("PERSEUS_DEVICE_FUSION_THRESHOLD",), int, 64 << 20, unit="bytes",
+         doc="Fusion threshold for all-reduces of GPU tensors through NCCL: tensors are packed (a device-to-device "
+             "copy) into units of up to this many bytes, larger ones are split at it. Horovod's default (64 MiB); "
+             "the CPU channels' HOROVOD_FUSION_THRESHOLD does not apply to them."),
     Knob("device_backend", ("PERSEUS_DEVICE_BACKEND",), str, "auto", choices=("auto", "nccl", "stage", "gloo"),
          doc="How torch all-reduces of GPU tensors move data. 'auto': NCCL when this torch has it (what NCCL "
              "cannot reduce, and every other collective, is staged through host memory), else staging; "

@@ -360,6 +360,15 @@ class _Launcher:
             groups.append(group)
         return groups
 
+    def close(self) -> None:
+        """After the engine has stopped: let the threads finish and release the groups' communicators
+        (abort: never waits for a peer, which may be gone)."""
+        self._thread.join(5.0)
+        self._finalizer.join(5.0)
+        self._abort_groups()
+        self._groups.clear()
+        self._buffers.clear()
+
     def _abort_groups(self):
         for groups in self._groups.values():
             for g in groups:
@@ -425,8 +434,11 @@ def _launcher_for(device) -> _Launcher:
 
 
 def _forget() -> None:
+    """At shutdown (the engine has stopped): close this job's launcher; read the settings again next time."""
     global _launcher, _gloo, _nccl
-    _launcher, _gloo, _nccl = None, None, None
+    launcher, _launcher, _gloo, _nccl = _launcher, None, None, None
+    if launcher is not None:
+        launcher.close()
 
 
 _state.register_job_state(_forget)

@@ -33,7 +33,7 @@ def test_allreduce_takes_nccl(hvd):
     """CUDA all-reduces go through the launcher's NCCL groups; their results are right for every dtype."""
     size = hvd.size()
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64):
-        t = torch.arange(1000, device="cuda").to(dtype) % 7 + hvd.rank()
+        t = (torch.arange(1000, device="cuda") % 7 + hvd.rank()).to(dtype)  # small integers: exact in every dtype
         out = hvd.allreduce(t, op=hvd.Sum, name=f"gpu.nccl.{dtype}")
         expected = (torch.arange(1000, device="cuda") % 7) * size + sum(range(size))
         assert torch.equal(out.double(), expected.double()), dtype

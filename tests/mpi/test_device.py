@@ -47,17 +47,31 @@ def test_allreduce_paths_go_through_the_launcher(hvd, launcher_on_cpu):
     assert hvd.wire_bytes()["sent_bytes"] - before < 1024
 
 
-def test_big_tensor_split_into_units_and_fused_small_ones(hvd, launcher_on_cpu):
-    """A tensor above the fusion threshold arrives in several units (slices); small ones share a buffer."""
-    size = hvd.size()
-    big = torch.arange(3 << 20, dtype=torch.float32)  # 12 MB > the 4 MB default fusion threshold
-    small = [torch.full((7,), float(i)) for i in range(20)]
-    handles = [hvd.allreduce_async_(big, op=hvd.Sum, name="dev.big")]
-    handles += [hvd.allreduce_async_(s, op=hvd.Sum, name=f"dev.small.{i}") for i, s in enumerate(small)]
-    for h in handles:
-        hvd.synchronize(h)
-    assert torch.equal(big, torch.arange(3 << 20, dtype=torch.float32) * size)
-    assert all(torch.all(s == i * size) for i, s in enumerate(small))
+def test_big_tensor_split_into_units_and_fused_small_ones(hvd, monkeypatch):
+    """With PERSEUS_DEVICE_FUSION_THRESHOLD=1 MB a 3 MB tensor arrives in 3 units (slices), and 20 small
+    tensors negotiated together share one unit (packed into the fusion buffer)."""
+    from job_env import restart
+
+    old = restart(hvd, {"PERSEUS_DEVICE_FUSION_THRESHOLD": str(1 << 20)})
+    try:
+        monkeypatch.setattr(device, "_gloo", True)
+        launched = []
+        real = device._Launcher._launch
+        monkeypatch.setattr(device._Launcher, "_launch", lambda self, *a: (launched.append(a[-2]), real(self, *a))[1])
+        size = hvd.size()
+        big = torch.arange(3 << 18, dtype=torch.float32)  # 3 MB
+        small = [torch.full((7,), float(i)) for i in range(20)]
+        handles = [hvd.allreduce_async_(big, op=hvd.Sum, name="dev.big"),
+                   hvd.grouped_allreduce_async_(small, op=hvd.Sum, name="dev.small")]
+        for h in handles:
+            hvd.synchronize(h)
+        assert torch.equal(big, torch.arange(3 << 18, dtype=torch.float32) * size)
+        assert all(torch.all(s == i * size) for i, s in enumerate(small))
+        slices = [p for pieces in launched for p in pieces if p[0] == "allreduce.dev.big"]
+        assert len(slices) == 3 and sum(p[2] for p in slices) == 3 << 18, slices
+        assert [len(pieces) for pieces in launched if pieces[0][0].startswith("allreduce.dev.small.")] == [20]
+    finally:
+        restart(hvd, old)
 
 
 def test_what_nccl_cannot_reduce_is_not_launched(hvd, launcher_on_cpu):
@@ -107,11 +121,14 @@ class FakeStreams(device.Streams):
         assert event.wait(10)
 
 
-def test_completion_waits_for_the_device_and_keeps_tensors_alive(hvd, launcher_on_cpu):
+def test_completion_waits_for_the_device_and_keeps_tensors_alive(hvd, monkeypatch):
+    from job_env import restart
+
+    old = restart(hvd, {"PERSEUS_DEVICE_FUSION_THRESHOLD": str(1 << 20)})  # a unit per tensor below
+    monkeypatch.setattr(device, "_gloo", True)
     hvd.allreduce(torch.ones(1), name="dev.fake.warmup")  # the launcher and its groups exist
     launcher = _launcher(hvd)
     fake = FakeStreams(seed=hvd.rank())
-    saved = launcher.streams[device._CPU]
     launcher.streams[device._CPU] = fake
     try:
         handles = []
@@ -124,13 +141,13 @@ def test_completion_waits_for_the_device_and_keeps_tensors_alive(hvd, launcher_o
             out = hvd.synchronize(h)
             returned.append(time.monotonic())
             assert torch.all(out == sum(float(i + r) for r in range(hvd.size()))), i
-        assert len(fake.created) >= 5 and all(e.is_set() for e in fake.created)
+        assert len(fake.created) >= 30 and all(e.is_set() for e in fake.created)
         # No request completed before the 'device' finished the first unit's work.
         assert returned[0] >= min(e.when for e in fake.created)
         with launcher._lock:
             assert not [k for k in launcher._entries if k[1].startswith("allreduce.dev.fake.")]
     finally:
-        launcher.streams[device._CPU] = saved
+        restart(hvd, old)
 
 
 def test_launcher_failure_fails_every_rank_naming_the_tensor(hvd, monkeypatch):

@@ -145,8 +145,8 @@ def test_sparse_allreduce(hvd, dev):
     sp = torch.sparse_coo_tensor(idx, val, (hvd.size() + 1, 3))
     if dev.kind == "cuda":
         sp = sp.cuda()
-    else:  # sparse tensors take their own path (host already); stage one dense tensor so the fixture sees it
-        hvd.allreduce(dev.put(torch.ones(1)), name="st.sparse.dense")
+    # (sparse tensors are moved by their own path; one dense tensor is staged so that the fixture sees staging)
+    hvd.allreduce(dev.put(torch.ones(1)), name="st.sparse.dense")
     out = hvd.sparse_allreduce_async(sp, name="st.sparse", op=hvd.Sum, algorithm="allgather")()
     dense = dev.check(out.to_dense())
     expected = sum(torch.sparse_coo_tensor(torch.tensor([[r, r + 1]]), torch.ones(2, 3) * (r + 1),

@@ -2,13 +2,15 @@
 
     mpirun -np 2 python benchmarks/gpu_step.py --out results.json      (tools/gpu_check.sh runs it)
 
-Every rank trains the same model on CUDA. Four modes alternate in rounds (interleaved, so drift in clocks or
+Every rank trains the same model on CUDA. The modes alternate in rounds (interleaved, so drift in clocks or
 load hits each alike): ``local`` (no communication: the compute floor), ``perseus_nccl`` (DistributedOptimizer;
-all-reduces through perseus's NCCL launcher), ``perseus_stage`` (the same with PERSEUS_DEVICE_BACKEND=stage:
-gradients staged through host memory and reduced by perseus's MPI channels) and ``ddp``
-(torch.nn.parallel.DistributedDataParallel on NCCL). Then the per-call cost of one small synchronous all-reduce
-(1 KB, the call returning once the result is there): perseus's NCCL launcher vs ``torch.distributed.all_reduce``
-on NCCL followed by a stream synchronize. Rank 0 writes medians and ratios to
+all-reduces through perseus's NCCL launcher), ``perseus_nccl_blocking`` (the same, the finalizer sleeping on
+blocking-sync events instead of spinning), ``perseus_nccl_cycle2ms`` (the same with a 2 ms negotiation cycle,
+which gathers more gradients per unit), ``perseus_stage`` (PERSEUS_DEVICE_BACKEND=stage: gradients staged
+through host memory and reduced by perseus's MPI channels) and ``ddp`` (DistributedDataParallel on NCCL).
+Then the per-call cost of one small synchronous all-reduce (1 KB, the call returning once the result is
+there): perseus's NCCL launcher (spinning, blocking) vs ``torch.distributed.all_reduce`` on NCCL followed by a
+stream synchronize. Rank 0 writes medians and ratios to
 ``--out`` (JSON).
 
 Several processes on one GPU: NCCL would refuse two ranks on one device, so each rank announces its own
@@ -70,20 +72,39 @@ def build(mode, name, batch, device):
     y = torch.randint(0, classes, (batch,), device=device)
 
     nccl = mode != "perseus_stage"
+    blocking = mode == "perseus_nccl_blocking"
+    cycle_us = 2000 if mode == "perseus_nccl_cycle2ms" else 0
 
     def step():
-        _device._nccl = nccl  # what PERSEUS_DEVICE_BACKEND decides, switched per mode within one job
+        # What the settings decide, switched per mode within one job.
+        _device._nccl = nccl
+        _device.CudaStreams.blocking = blocking
+        set_cycle_time(cycle_us)
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
     return step
 
 
+_tunes = [0]
+
+
+def set_cycle_time(cycle_us):
+    """Change the negotiation cycle at run time (a TUNE request: collective, same values on every rank)."""
+    engine = hvd.mpi_ops._state.engine
+    fusion, inplace, channels, current, algorithm = engine.params(0)[:5]
+    if current != cycle_us:
+        _tunes[0] += 1
+        hvd.synchronize(engine.tune(0, f"bench.cycle.{_tunes[0]}", fusion, inplace, channels, cycle_us, algorithm))
+
+
 def small_allreduce(mode, device, calls):
     """Per-call seconds of ``calls`` synchronous all-reduces of 256 floats."""
     t = torch.ones(256, device=device)
-    if mode == "perseus_nccl":
+    if mode.startswith("perseus_nccl"):
         _device._nccl = True
+        _device.CudaStreams.blocking = mode == "perseus_nccl_blocking"
+        set_cycle_time(0)
 
         def once(i):
             hvd.allreduce_(t, op=hvd.Sum, name="small")
@@ -133,7 +154,8 @@ def main():
         dist.init_process_group("nccl", rank=hvd.rank(), world_size=hvd.size(), device_id=device)
     except Exception as exc:  # noqa: BLE001 - reported in the results, the other modes still run
         ddp_error = f"{type(exc).__name__}: {exc}"
-    modes = ["local", "perseus_nccl", "perseus_stage"] + ([] if ddp_error else ["ddp"])
+    modes = ["local", "perseus_nccl", "perseus_nccl_blocking", "perseus_nccl_cycle2ms", "perseus_stage"] + \
+        ([] if ddp_error else ["ddp"])
     results = {"device": torch.cuda.get_device_name(device), "ranks": hvd.size(), "torch": torch.__version__,
                "nccl": ".".join(map(str, torch.cuda.nccl.version())), "batch_per_rank": args.batch,
                "steps_per_round": args.steps, "rounds": args.rounds, "ddp_error": ddp_error, "models": {}}
@@ -156,7 +178,7 @@ def main():
         if hvd.rank() == 0:
             print(name, json.dumps(entry["median_step_ms"]), json.dumps(entry.get("ratio_to_ddp")), flush=True)
     if not ddp_error:
-        small = {m: [] for m in ("perseus_nccl", "torch_nccl")}
+        small = {m: [] for m in ("perseus_nccl", "perseus_nccl_blocking", "torch_nccl")}
         for _ in range(args.rounds):
             for m in small:
                 small[m].append(small_allreduce(m, device, 200))

@@ -77,7 +77,14 @@ class HostStreams(Streams):
 
 
 class CudaStreams(Streams):
-    """CUDA tensors: a stream per process group, events between it and the callers' streams."""
+    """CUDA tensors: a stream per process group, events between it and the callers' streams.
+
+    The finalizer waits for a unit's done event in CUDA with the GIL released: spinning by default (the
+    lowest latency; a core is busy only while a unit is in flight), or sleeping until the device signals
+    when ``blocking`` is set (measured against each other in docs/gpu.md).
+    """
+
+    blocking = False
 
     def __init__(self):
         self._streams: dict = {}
@@ -98,7 +105,7 @@ class CudaStreams(Streams):
             torch.cuda.current_stream().wait_event(event)
 
     def done(self):
-        event = torch.cuda.Event(blocking=True)  # the finalizer sleeps on it instead of spinning
+        event = torch.cuda.Event(blocking=self.blocking)
         event.record()
         return event
 

@@ -4,13 +4,12 @@
 
 Every rank trains the same model on CUDA. The modes alternate in rounds (interleaved, so drift in clocks or
 load hits each alike): ``local`` (no communication: the compute floor), ``perseus_nccl`` (DistributedOptimizer;
-all-reduces through perseus's NCCL launcher), ``perseus_nccl_blocking`` (the same, the finalizer sleeping on
-blocking-sync events instead of spinning), ``perseus_nccl_cycle2ms`` (the same with a 2 ms negotiation cycle,
-which gathers more gradients per unit), ``perseus_stage`` (PERSEUS_DEVICE_BACKEND=stage: gradients staged
+all-reduces through perseus's NCCL launcher), ``perseus_nccl_cycle2ms`` (the same with a 2 ms negotiation cycle
+for every request, instead of the 1 ms device cycle during bursts), ``perseus_stage`` (PERSEUS_DEVICE_BACKEND=stage: gradients staged
 through host memory and reduced by perseus's MPI channels) and ``ddp`` (DistributedDataParallel on NCCL).
 Then the per-call cost of one small synchronous all-reduce (1 KB, the call returning once the result is
-there): perseus's NCCL launcher (spinning, blocking) vs ``torch.distributed.all_reduce`` on NCCL followed by a
-stream synchronize. Rank 0 writes medians and ratios to
+there): perseus's NCCL launcher (its finalizer spinning on the done event, or sleeping on a blocking-sync
+event) vs ``torch.distributed.all_reduce`` on NCCL followed by a stream synchronize. Rank 0 writes medians and ratios to
 ``--out`` (JSON).
 
 Several processes on one GPU: NCCL would refuse two ranks on one device, so each rank announces its own
@@ -72,7 +71,7 @@ def build(mode, name, batch, device):
     y = torch.randint(0, classes, (batch,), device=device)
 
     nccl = mode != "perseus_stage"
-    blocking = mode == "perseus_nccl_blocking"
+    blocking = False
     cycle_us = 2000 if mode == "perseus_nccl_cycle2ms" else 0
 
     def step():
@@ -154,8 +153,7 @@ def main():
         dist.init_process_group("nccl", rank=hvd.rank(), world_size=hvd.size(), device_id=device)
     except Exception as exc:  # noqa: BLE001 - reported in the results, the other modes still run
         ddp_error = f"{type(exc).__name__}: {exc}"
-    modes = ["local", "perseus_nccl", "perseus_nccl_blocking", "perseus_nccl_cycle2ms", "perseus_stage"] + \
-        ([] if ddp_error else ["ddp"])
+    modes = ["local", "perseus_nccl", "perseus_nccl_cycle2ms", "perseus_stage"] + ([] if ddp_error else ["ddp"])
     results = {"device": torch.cuda.get_device_name(device), "ranks": hvd.size(), "torch": torch.__version__,
                "nccl": ".".join(map(str, torch.cuda.nccl.version())), "batch_per_rank": args.batch,
                "steps_per_round": args.steps, "rounds": args.rounds, "ddp_error": ddp_error, "models": {}}

@@ -28,6 +28,7 @@ struct Settings {
   int64_t fusion_threshold_bytes = 4 << 20;
   int64_t inplace_threshold_bytes = 256 << 10;
   int64_t device_fusion_threshold_bytes = 64 << 20;  // units of device requests (device_channel.h)
+  double device_cycle_time_ms = 1.0;  // the cycle when only device requests are new
   double cycle_time_ms = 0.0;
   int num_channels = 1;
   int max_channels = 0;  // channels created per set (a TUNE request may activate up to this many)

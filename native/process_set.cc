@@ -113,6 +113,7 @@ Error ProcessSet::submit(const std::vector<Request*>& requests) {
     r->dispatched = false;
     inflight_.emplace(r->name, r);
     incoming_.push_back(r);
+    if (r->sig.device < 0) host_dirty_.store(true, std::memory_order_relaxed);
   }
   incoming_count_.store(static_cast<int>(incoming_.size()), std::memory_order_release);
   if (first_dirty_ns_.load(std::memory_order_relaxed) == 0) first_dirty_ns_.store(now_ns());
@@ -126,6 +127,7 @@ Error ProcessSet::submit_join(Handle* h) {
     return {ErrorKind::VALUE, "perseus.join(): this rank has already joined; wait for the join to complete"};
   join_handle_ = h;
   join_waiting_.store(true);
+  host_dirty_.store(true, std::memory_order_relaxed);
   if (first_dirty_ns_.load(std::memory_order_relaxed) == 0) first_dirty_ns_.store(now_ns());
   return Error();
 }
@@ -206,7 +208,13 @@ StepResult ProcessSet::maybe_start(double now) {
   const bool dirty = first_dirty != 0;
   const bool woken = woken_round_ >= round_;
   if (dirty && !woken) {
-    const double start_at = first_dirty * 1e-9 + params_.cycle_time_ms * 1e-3;
+    // Only device requests new while a burst is under way (the last round found work): wait the device cycle
+    // (an NCCL launch costs more than a round), so that the gradients of a backward pass travel in few
+    // units. A device request reaching an idle set is negotiated at once, like any other.
+    const bool device_burst = continue_mode_ && !host_dirty_.load(std::memory_order_relaxed);
+    const double cycle_ms = device_burst ? std::max(params_.cycle_time_ms, engine_->settings().device_cycle_time_ms)
+                                         : params_.cycle_time_ms;
+    const double start_at = first_dirty * 1e-9 + cycle_ms * 1e-3;
     if (now < start_at) return {false, false, start_at};
     if (!continue_mode_) {
       std::string msg("w");
@@ -231,6 +239,7 @@ void ProcessSet::start_round() {
     std::lock_guard<std::mutex> lock(mu_);
     round_dirty_ = first_dirty_ns_.load() != 0;
     first_dirty_ns_.store(0);
+    host_dirty_.store(false, std::memory_order_relaxed);
     for (Request* r : incoming_) pending_[r->name] = r;
     incoming_.clear();
     incoming_count_.store(0, std::memory_order_release);

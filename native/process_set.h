@@ -118,6 +118,7 @@ class ProcessSet {
   NameMap inflight_;  // submitted, not yet finished (duplicate check)
   Handle* join_handle_ = nullptr;
   std::atomic<int64_t> first_dirty_ns_{0};  // when the oldest unseen submission arrived; 0 if none
+  std::atomic<bool> host_dirty_{false};  // an unseen submission is a host request (or a join)
   std::atomic<int> incoming_count_{0};  // size of incoming_, readable without the lock
   std::atomic<bool> join_waiting_{false};
   std::string dead_;

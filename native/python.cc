@@ -164,6 +164,7 @@ class PyEngine {
     auto get = [&](const char* k) { return settings.contains(k) ? py::object(settings[k]) : py::object(); };
     if (auto v = get("fusion_threshold_bytes")) s.fusion_threshold_bytes = v.cast<int64_t>();
     if (auto v = get("device_fusion_threshold_bytes")) s.device_fusion_threshold_bytes = v.cast<int64_t>();
+    if (auto v = get("device_cycle_time_ms")) s.device_cycle_time_ms = v.cast<double>();
     if (auto v = get("inplace_threshold_bytes")) s.inplace_threshold_bytes = v.cast<int64_t>();
     if (auto v = get("cycle_time_ms")) s.cycle_time_ms = v.cast<double>();
     if (auto v = get("num_channels")) s.num_channels = v.cast<int>();

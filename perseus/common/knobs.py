@@ -234,6 +234,11 @@ KNOBS: tuple[Knob, ...] = (
          doc="Fusion threshold for all-reduces of GPU tensors through NCCL: tensors are packed (a device-to-device "
              "copy) into units of up to this many bytes, larger ones are split at it. Horovod's default (64 MiB); "
              "the CPU channels' HOROVOD_FUSION_THRESHOLD does not apply to them."),
+    Knob("device_cycle_time_ms", ("PERSEUS_DEVICE_CYCLE_TIME_MS",), float, 1.0, unit="ms",
+         doc="While GPU all-reduces keep arriving (the previous negotiation round found work) and nothing else is "
+             "new, how long the engine waits before the next round, so that the gradients of a backward pass "
+             "travel in few NCCL launches. A GPU all-reduce reaching an idle engine is negotiated at once, and CPU "
+             "requests never wait for it; HOROVOD_CYCLE_TIME, if larger, applies instead."),
     Knob("device_backend", ("PERSEUS_DEVICE_BACKEND",), str, "auto", choices=("auto", "nccl", "stage", "gloo"),
          doc="How torch all-reduces of GPU tensors move data. 'auto': NCCL when this torch has it (what NCCL "
              "cannot reduce, and every other collective, is staged through host memory), else staging; "

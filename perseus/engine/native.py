@@ -21,7 +21,7 @@ _core = None
 
 # The settings the native engine reads (names as in perseus.common.knobs).
 ENGINE_SETTINGS = ("fusion_threshold_bytes", "inplace_threshold_bytes", "device_fusion_threshold_bytes",
-                   "cycle_time_ms", "num_channels",
+                   "device_cycle_time_ms", "cycle_time_ms", "num_channels",
                    "allreduce_algorithm", "cache_capacity", "stall_check_disable", "stall_check_time_s",
                    "stall_shutdown_time_s", "idle_poll_max_ms", "hierarchical_allgather", "network_interface",
                    "link_timeout_s", "max_channels", "autotune")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set everything up and run every test: unit and integration tests in one process, then the MPI suite
-# under mpirun at 2 and 3 ranks, then the wheel as a user installs it (tools/check_wheel.sh), then the MXNet
-# suite in its own environment (tools/run_mxnet_tests.sh), then perseus on MPICH (tools/run_mpich_tests.sh).
+# under mpirun at 2 and 3 ranks, then the GPU paths' CPU stand-ins (staging, the launcher on Gloo), then the
+# wheel as a user installs it (tools/check_wheel.sh), then the MXNet suite in its own environment
+# (tools/run_mxnet_tests.sh), then perseus on MPICH (tools/run_mpich_tests.sh).
 # Every test has a timeout; a failing rank aborts its MPI job.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -62,6 +63,18 @@ for np in 2 3; do
   cat "$MPI_LOG" >> "$LOG_DIR/mpi_$np.log"
 done
 rm -f "$MPI_LOG"
+echo "== the GPU paths without a GPU: host staging (PERSEUS_STAGE_CPU_TENSORS=1) and the NCCL launcher on Gloo"
+echo "   (PERSEUS_DEVICE_BACKEND=gloo), each under the collective and optimizer MPI tests on 2 and 3 ranks"
+DEVICE_TESTS=(tests/mpi/test_collectives.py tests/mpi/test_optimizer.py tests/mpi/test_sync_batch_norm.py
+              tests/mpi/test_process_sets.py tests/mpi/test_errors.py tests/mpi/test_compression.py
+              tests/mpi/test_join_timeline.py)
+for np in 2 3; do
+  stage "staged CPU tensors on $np ranks" env PERSEUS_STAGE_CPU_TENSORS=1 \
+    "${MPIRUN[@]}" -np "$np" "${PYTEST[@]}" -q "${DEVICE_TESTS[@]}"
+  # (wire_bytes counts perseus's own channels, which the launcher's all-reduces do not use)
+  stage "launcher on Gloo on $np ranks" env PERSEUS_DEVICE_BACKEND=gloo \
+    "${MPIRUN[@]}" -np "$np" "${PYTEST[@]}" -q "${DEVICE_TESTS[@]}" -k "not wire_bytes"
+done
 echo "== the native core under AddressSanitizer + UndefinedBehaviorSanitizer (the engine's MPI tests)"
 stage "sanitizers" bash tools/sanitize.sh
 echo "== the native core's own tests (kernels, MPI transport, loopback transport)"

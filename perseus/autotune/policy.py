@@ -40,13 +40,15 @@ from typing import Optional
 import numpy as np
 
 from perseus.common.exceptions import PerseusInternalError
+from perseus.common.reduce_ops import ReduceOp
+from perseus.engine.messages import DType, OpType, Request
 
 __all__ = ["PolicyLink", "Follower", "Following", "attach", "WAIT_S"]
 
 #: how long a compressor waits for its own tuner to receive a proposal another rank has received
 WAIT_S = 30.0
 
-_ALLREDUCE, _INT64, _MAX = 0, 4, 4  # OpType.ALLREDUCE, DType.INT64, ReduceOp.MAX
+_ALLREDUCE, _INT64, _MAX = OpType.ALLREDUCE, DType.INT64, ReduceOp.MAX
 
 
 class PolicyLink:
@@ -160,7 +162,7 @@ def _max(name: str, process_set, posted: int, ended: bool) -> tuple[int, bool]:
     if size > 1:
         engine = st.engine
         # Named perseus.autotune.*: the engine counts it in no training step (nor in the step's digest).
-        item = (name, _INT64, buf.shape, buf, buf, _MAX, -1, 1.0, 1.0, 0, None)
+        item = Request(name=name, dtype=_INT64, shape=buf.shape, input=buf, output=buf, reduce_op=_MAX)
         engine.wait(engine.submit(ps_id, _ALLREDUCE, [item], None, buf))
     return int(buf[0]), bool(buf[1])
 

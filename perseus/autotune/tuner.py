@@ -43,14 +43,16 @@ from perseus.autotune.policy import PolicyLink
 from perseus.autotune.search import Search
 from perseus.autotune.space import (ALGORITHMS, COMPRESSION_POLICIES, DEAR, DEAR_THRESHOLDS, POLICY, SPARSE,
                                     SPARSE_ALGORITHMS, STEP_PARAMS, Config, Space)
+from perseus.common.reduce_ops import ReduceOp
+from perseus.engine.messages import DType, OpType, Request
 
 __all__ = ["Tuner", "tuned_fixed_params"]
 
 log = logging.getLogger("perseus")
 
-_BROADCAST, _ALLREDUCE = 2, 0  # OpType codes
-_INT64, _FLOAT64 = 4, 8       # DType codes (perseus.engine.messages.DType)
-_MAX = 4                      # ReduceOp.MAX
+_BROADCAST, _ALLREDUCE = OpType.BROADCAST, OpType.ALLREDUCE
+_INT64, _FLOAT64 = DType.INT64, DType.FLOAT64
+_MAX = ReduceOp.MAX
 _POLL_S = 0.005  # how often the thread looks for finished steps (only while it searches)
 _WATCH_STEPS = 50     # re-tuning: steps per check
 _WATCH_POLL_S = 0.2
@@ -173,13 +175,15 @@ class Tuner:
         return f"perseus.autotune.{what}.{self._seq}"
 
     def _broadcast(self, values: np.ndarray) -> np.ndarray:
-        item = (self._name("setting"), _INT64, values.shape, values, values, 1, 0, 1.0, 1.0, 0, None)
+        item = Request(name=self._name("setting"), dtype=_INT64, shape=values.shape, input=values, output=values,
+                       root_rank=0)
         self._wait(self.engine.submit(0, _BROADCAST, [item], None, values))
         return values
 
     def _max(self, value: float) -> float:
         buf = np.array([value], np.float64)
-        item = (self._name("score"), _FLOAT64, buf.shape, buf, buf, _MAX, -1, 1.0, 1.0, 0, None)
+        item = Request(name=self._name("score"), dtype=_FLOAT64, shape=buf.shape, input=buf, output=buf,
+                       reduce_op=_MAX)
         self._wait(self.engine.submit(0, _ALLREDUCE, [item], None, buf))
         return float(buf[0])
 

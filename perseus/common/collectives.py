@@ -20,7 +20,7 @@ from perseus.common.basics import state
 from perseus.common.partition import even_counts
 from perseus.common.process_sets import ProcessSet, global_process_set
 from perseus.common.reduce_ops import ReduceOp, reject_adasum
-from perseus.engine.messages import DType, OpType, dtype_of
+from perseus.engine.messages import DType, OpType, Request, dtype_of
 
 __all__ = [
     "allreduce_async", "grouped_allreduce_async", "allgather_async", "grouped_allgather_async",
@@ -174,8 +174,8 @@ def grouped_allreduce_async(arrays: Sequence[np.ndarray], outputs: Sequence[np.n
             raise ValueError("perseus.allreduce: op=Average is not defined for bool tensors; use Sum, Min or Max")
         if op == ReduceOp.ADASUM and int(dt) not in _FLOATS:
             _adasum_dtype(dt)
-        items.append((base if _single else f"{base}.{i}", int(dt), arr.shape, arr, out, op, -1, pre, post,
-                      priority, None))
+        items.append(Request(name=base if _single else f"{base}.{i}", dtype=int(dt), shape=arr.shape, input=arr,
+                             output=out, reduce_op=op, prescale=pre, postscale=post, priority=priority))
     return state().engine.submit(ps_id, _ALLREDUCE, items, finish, (arrays, outputs))
 
 
@@ -194,8 +194,8 @@ def device_allreduce_async(shapes, dtypes, pointers, name, op, prescale_factor, 
     pre, post = float(prescale_factor), float(postscale_factor)
     base = _name("allreduce", name, ps_id)
     names = [base] if single else [f"{base}.{i}" for i in range(len(shapes))]
-    items = [(n, int(dt), shape, ptr, ptr, op, -1, pre, post, 0, None)
-             for n, dt, shape, ptr in zip(names, dtypes, shapes, pointers)]
+    items = [Request(name=n, dtype=int(dt), shape=shape, input=ptr, output=ptr, reduce_op=op, prescale=pre,
+                     postscale=post) for n, dt, shape, ptr in zip(names, dtypes, shapes, pointers)]
     handle = state().engine.submit(ps_id, _ALLREDUCE, items, finish, keepalive, int(device))
     register(ps_id, names)
     return handle
@@ -216,8 +216,8 @@ def grouped_allgather_async(arrays, allocs, name=None, process_set=global_proces
     for i, arr in enumerate(arrays):
         dt = _dt(dtypes, i, arr, "allgather")
         shape = tuple(arr.shape) if arr.ndim else (1,)
-        items.append((base if _single else f"{base}.{i}", int(dt), shape, arr, None, 1, -1, 1.0, 1.0,
-                      int(priority), None))
+        items.append(Request(name=base if _single else f"{base}.{i}", dtype=int(dt), shape=shape, input=arr,
+                             priority=int(priority)))
     return state().engine.submit(ps_id, _ALLGATHER, items, _gathered(allocs, finish), arrays)
 
 
@@ -235,8 +235,8 @@ def broadcast_async(array: np.ndarray, output: np.ndarray, root_rank: int, name=
         raise ValueError(f"perseus.broadcast: root_rank {root_rank} is not a rank of the process set "
                          f"(ranks {members}); pass the root's global rank")
     dt = dtype if dtype is not None else _check(array, "broadcast")
-    item = (_name("broadcast", name, ps_id), int(dt), array.shape, array, output, 1, members.index(root_rank),
-            1.0, 1.0, int(priority), None)
+    item = Request(name=_name("broadcast", name, ps_id), dtype=int(dt), shape=array.shape, input=array,
+                   output=output, root_rank=members.index(root_rank), priority=int(priority))
     return state().engine.submit(ps_id, _BROADCAST, [item], finish, (array, output))
 
 
@@ -263,8 +263,8 @@ def alltoall_async(array: np.ndarray, splits: Optional[np.ndarray], alloc: Alloc
     if (splits < 0).any() or int(splits.sum()) != shape[0]:
         raise ValueError(f"perseus.alltoall: splits {splits.tolist()} must be non-negative and sum to the first "
                          f"dimension ({shape[0]})")
-    item = (_name("alltoall", name, ps_id), int(dt), shape, array, None, 1, -1, 1.0, 1.0, int(priority),
-            splits.tolist())
+    item = Request(name=_name("alltoall", name, ps_id), dtype=int(dt), shape=shape, input=array,
+                   priority=int(priority), splits=splits.tolist())
     return state().engine.submit(ps_id, _ALLTOALL, [item], _gathered([alloc], finish), array)
 
 
@@ -292,8 +292,9 @@ def grouped_reducescatter_async(arrays, allocs, name=None, op=ReduceOp.AVERAGE, 
         # The output size is known up front: rank r keeps its share of the first dimension.
         out = alloc((even_counts(arr.shape[0], size)[rank],) + tuple(arr.shape[1:]))
         outputs.append(out)
-        items.append((base if _single else f"{base}.{i}", int(dt), arr.shape, arr, out, int(op), -1,
-                      float(prescale_factor), float(postscale_factor), int(priority), None))
+        items.append(Request(name=base if _single else f"{base}.{i}", dtype=int(dt), shape=arr.shape, input=arr,
+                             output=out, reduce_op=int(op), prescale=float(prescale_factor),
+                             postscale=float(postscale_factor), priority=int(priority)))
     results = [Result(out, None) for out in outputs]
     return state().engine.submit(ps_id, _REDUCESCATTER, items, lambda _r: finish(results), (arrays, outputs))
 
@@ -304,7 +305,7 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     with _barrier_lock:
         count = _barrier_counts.get(ps_id, 0) + 1
         _barrier_counts[ps_id] = count
-    item = (f"barrier.{count}", int(DType.UINT8), (), None, None, 1, -1, 1.0, 1.0, 0, None)
+    item = Request(name=f"barrier.{count}", dtype=DType.UINT8, shape=())
     synchronize(state().engine.submit(ps_id, _BARRIER, [item], None, None))
 
 

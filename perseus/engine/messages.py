@@ -1,16 +1,17 @@
-"""The engine's element types and collective kinds, numbered as the native core numbers them.
+"""What crosses into the native core: element types, collective kinds, and the request record.
 
-Requests themselves (name, signature, buffers) live in the native core (``native/handles.h``); adapters pass
-them as tuples of these integers and buffers (see :mod:`perseus.common.collectives`).
+Requests themselves (name, signature, buffers) live in the native core (``native/handles.h``); adapters
+describe each tensor of a submission with one :class:`Request` (see :mod:`perseus.common.collectives`).
 """
 
 from __future__ import annotations
 
 import enum
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-__all__ = ["DType", "OpType", "numpy_dtype", "dtype_of"]
+__all__ = ["DType", "OpType", "Request", "numpy_dtype", "dtype_of"]
 
 
 class DType(enum.IntEnum):
@@ -54,6 +55,26 @@ def dtype_of(array: np.ndarray) -> DType:
         return _FROM_NUMPY[array.dtype]
     except KeyError:
         raise ValueError(f"Tensor type {array.dtype} is not supported.") from None
+
+
+class Request(NamedTuple):
+    """One tensor of a submission to ``Engine.submit``. The native core reads the fields in this order
+    (``native/python.cc``, ``add_request``); build it with keywords. A request is collective: every rank of the
+    process set submits one with the same name, dtype, shape (first dimension excepted for allgather and
+    alltoall), reduce_op, root_rank, scales and priority.
+    """
+
+    name: str
+    dtype: int                      # a DType
+    shape: tuple                    # the full shape (allgather/alltoall: this rank's first dimension)
+    input: Any = None               # NumPy array or raw address; None: in place on output (or no data)
+    output: Any = None              # None for allgather/alltoall: the engine allocates the result
+    reduce_op: int = 1              # a perseus.common.reduce_ops.ReduceOp (Sum)
+    root_rank: int = -1             # broadcast: the root's rank within the process set
+    prescale: float = 1.0
+    postscale: float = 1.0
+    priority: int = 0
+    splits: Optional[list] = None   # alltoall: rows sent to each rank
 
 
 class OpType(enum.IntEnum):

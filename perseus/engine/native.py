@@ -117,10 +117,11 @@ class Engine:
         it becomes ready on every rank, so every rank switches at the same point. Values out of range
         (channels above those created) fail the request with ValueError on every rank.
         """
-        from perseus.engine.messages import DType, OpType
+        from perseus.engine.messages import DType, OpType, Request
 
-        item = (name, int(DType.UINT8), (int(fusion_threshold_bytes), int(inplace_threshold_bytes), int(channels),
-                                          int(cycle_time_us), int(algorithm)), None, None, 1, -1, 1.0, 1.0, 0, None)
+        # The values travel as the shape: negotiation compares them across ranks.
+        item = Request(name=name, dtype=DType.UINT8, shape=(int(fusion_threshold_bytes), int(inplace_threshold_bytes),
+                                                             int(channels), int(cycle_time_us), int(algorithm)))
         return self._native.submit(ps_id, int(OpType.TUNE), [item], None, None)
 
     def remove_process_set(self, ps_id: int) -> None:

@@ -36,10 +36,11 @@ def engines(hvd):
 
 
 def allreduce(engine, name, src, out, op, postscale=1.0):
-    from perseus.engine.messages import dtype_of
+    from perseus.engine.messages import OpType, Request, dtype_of
 
-    item = (name, int(dtype_of(out)), out.shape, src, out, op, -1, 1.0, float(postscale), 0, None)
-    engine.wait(engine.submit(0, 0, [item], None, (src, out)))
+    item = Request(name=name, dtype=dtype_of(out), shape=out.shape, input=src, output=out, reduce_op=op,
+                   postscale=float(postscale))
+    engine.wait(engine.submit(0, OpType.ALLREDUCE, [item], None, (src, out)))
 
 
 @pytest.mark.parametrize("algorithm", ["mpi", "ring"])

@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from perseus.common.exceptions import MismatchError, PerseusInternalError, StallError
-from perseus.engine.messages import DType, OpType, numpy_dtype
+from perseus.engine.messages import DType, OpType, Request, numpy_dtype
 from perseus.engine.native import ENGINE_SETTINGS, Engine, load_core
 
 pytestmark = pytest.mark.timeout(120)
@@ -56,7 +56,7 @@ DEFAULTS = dict(fusion_threshold_bytes=4 << 20, inplace_threshold_bytes=256 << 1
                 num_channels=1, allreduce_algorithm="auto", cache_capacity=4096, stall_check_disable=True,
                 stall_check_time_s=60.0, stall_shutdown_time_s=0.0, idle_poll_max_ms=5.0,
                 hierarchical_allgather=False, network_interface="", link_timeout_s=30.0, max_channels=0,
-                autotune=False)
+                autotune=False, device_fusion_threshold_bytes=64 << 20, device_cycle_time_ms=1.0)
 
 # Timeline event kinds (native/timeline.h).
 NEGOTIATE_START, OP_START, ACTIVITY, OP_END, CYCLE = 0, 1, 2, 3, 4
@@ -163,9 +163,10 @@ def make_sim():
 # ----------------------------------------------------------------------------- requests
 
 def item(name, dtype, x, out, *, op=SUM, root=-1, pre=1.0, post=1.0, prio=0, splits=None, shape=None):
-    """One request tuple as perseus.common.collectives builds it."""
+    """One request as perseus.common.collectives builds it."""
     shape = tuple(x.shape if x is not None else out.shape) if shape is None else tuple(shape)
-    return (name, int(dtype), shape, x, out, int(op), int(root), float(pre), float(post), int(prio), splits)
+    return Request(name=name, dtype=int(dtype), shape=shape, input=x, output=out, reduce_op=int(op),
+                   root_rank=int(root), prescale=float(pre), postscale=float(post), priority=int(prio), splits=splits)
 
 
 def RESULTS(results):
@@ -468,7 +469,7 @@ def test_barrier_and_finish_object(make_sim, n):
 
     def rank(r, e):
         for k, finish in enumerate([None, (marker,), lambda results: (marker, results)]):
-            hid = submit(e, BARRIER, [(f"barrier.{k}", int(DType.UINT8), (), None, None, 1, -1, 1.0, 1.0, 0, None)],
+            hid = submit(e, BARRIER, [Request(name=f"barrier.{k}", dtype=DType.UINT8, shape=())],
                          finish=finish)
             value = wait(e, hid)
             assert value == [None, marker, (marker, [None])][k]

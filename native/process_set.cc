@@ -208,10 +208,15 @@ StepResult ProcessSet::maybe_start(double now) {
   const bool dirty = first_dirty != 0;
   const bool woken = woken_round_ >= round_;
   if (dirty && !woken) {
-    // Only device requests new while a burst is under way (the last round found work): wait the device cycle
-    // (an NCCL launch costs more than a round), so that the gradients of a backward pass travel in few
-    // units. A device request reaching an idle set is negotiated at once, like any other.
-    const bool device_burst = continue_mode_ && !host_dirty_.load(std::memory_order_relaxed);
+    // Only device requests new while a burst is under way (the last round found work and earlier requests
+    // are still in flight): wait the device cycle (an NCCL launch costs more than a round), so that the
+    // gradients of a backward pass travel in few units. A device request reaching an idle set (a loop of
+    // synchronous calls) is negotiated at once, like any other.
+    bool device_burst = continue_mode_ && !host_dirty_.load(std::memory_order_relaxed);
+    if (device_burst) {
+      std::lock_guard<std::mutex> lock(mu_);
+      device_burst = inflight_.size() > incoming_.size();
+    }
     const double cycle_ms = device_burst ? std::max(params_.cycle_time_ms, engine_->settings().device_cycle_time_ms)
                                          : params_.cycle_time_ms;
     const double start_at = first_dirty * 1e-9 + cycle_ms * 1e-3;

@@ -74,6 +74,35 @@ def test_big_tensor_split_into_units_and_fused_small_ones(hvd, monkeypatch):
         restart(hvd, old)
 
 
+def test_gradients_arriving_during_a_burst_share_units(hvd, monkeypatch):
+    """Requests that arrive one by one while earlier ones are in flight wait the device cycle and travel
+    together; a loop of synchronous calls (nothing in flight) is not held back by it."""
+    from job_env import restart
+
+    old = restart(hvd, {"PERSEUS_DEVICE_CYCLE_TIME_MS": "20"})
+    try:
+        monkeypatch.setattr(device, "_gloo", True)
+        launched = []
+        real = device._Launcher._launch
+        monkeypatch.setattr(device._Launcher, "_launch", lambda self, *a: (launched.append(a[-2]), real(self, *a))[1])
+        grads = [torch.full((1000,), float(i)) for i in range(40)]
+        handles = []
+        for i, g in enumerate(grads):  # a backward pass: one gradient every 0.2 ms
+            handles.append(hvd.allreduce_async_(g, op=hvd.Sum, name=f"dev.burst.{i}"))
+            time.sleep(0.0002)
+        for h in handles:
+            hvd.synchronize(h)
+        assert all(torch.all(g == i * hvd.size()) for i, g in enumerate(grads))
+        units = [p for p in launched if p[0][0].startswith("allreduce.dev.burst.")]
+        assert len(units) <= 10, [len(p) for p in units]
+        start = time.monotonic()
+        for i in range(20):
+            hvd.allreduce_(grads[0], name="dev.sync")
+        assert (time.monotonic() - start) / 20 < 0.015  # well under the 20 ms cycle each
+    finally:
+        restart(hvd, old)
+
+
 def test_what_nccl_cannot_reduce_is_not_launched(hvd, launcher_on_cpu):
     assert not device.takes([torch.ones(2, dtype=torch.int16)], 1, 1.0, 1.0)
     assert not device.takes([torch.ones(2, dtype=torch.bool)], 1, 1.0, 1.0)

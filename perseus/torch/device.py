@@ -193,7 +193,10 @@ def allreduce_async(inputs, outputs, dtypes, name, op, prescale_factor, postscal
     launcher = _launcher_for(device)
     code = _CUDA if device.type == "cuda" else _CPU
     ready = launcher.streams[code].ready(inputs[0])
-    entries = [_Entry(i.detach(), o.detach(), ready) for i, o in zip(inputs, outputs)]
+    entries = []
+    for i, o in zip(inputs, outputs):
+        out = o.detach()
+        entries.append(_Entry(out if i is o else i.detach(), out, ready))  # in place: one tensor, no copy
 
     def register(ps_id, names):
         launcher.register(ps_id, names, entries, process_set)

@@ -4,13 +4,13 @@
 
 Every rank trains the same model on CUDA. The modes alternate in rounds (interleaved, so drift in clocks or
 load hits each alike): ``local`` (no communication: the compute floor), ``perseus_nccl`` (DistributedOptimizer;
-all-reduces through perseus's NCCL launcher), ``perseus_nccl_cycle2ms`` (the same with a 2 ms negotiation cycle
-for every request, instead of the 1 ms device cycle during bursts), ``perseus_stage`` (PERSEUS_DEVICE_BACKEND=stage: gradients staged
-through host memory and reduced by perseus's MPI channels) and ``ddp`` (DistributedDataParallel on NCCL).
-Then the per-call cost of one small synchronous all-reduce (1 KB, the call returning once the result is
-there): perseus's NCCL launcher (its finalizer spinning on the done event, or sleeping on a blocking-sync
-event) vs ``torch.distributed.all_reduce`` on NCCL followed by a stream synchronize. Rank 0 writes medians and ratios to
-``--out`` (JSON).
+all-reduces through perseus's NCCL launcher), ``perseus_nccl_cycle2ms`` (the same with a 2 ms negotiation
+cycle for every request, instead of the 1 ms device cycle during bursts), ``perseus_stage``
+(PERSEUS_DEVICE_BACKEND=stage: gradients staged through host memory and reduced by perseus's MPI channels)
+and ``ddp`` (DistributedDataParallel on NCCL). Then the per-call cost of one small synchronous all-reduce
+(1 KB, the call returning once the result is there): perseus's NCCL launcher (its finalizer spinning on the
+done event, or sleeping on a blocking-sync event) vs ``torch.distributed.all_reduce`` on NCCL followed by a
+stream synchronize. Rank 0 writes medians and ratios to ``--out`` (JSON).
 
 Several processes on one GPU: NCCL would refuse two ranks on one device, so each rank announces its own
 NCCL_HOSTID and NCCL treats them as separate hosts talking over loopback sockets (correct, not fast), and

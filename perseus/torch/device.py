@@ -65,11 +65,11 @@ class Streams:
         """Inside :meth:`launch`: later work waits for ``event`` (from :meth:`ready`)."""
 
     def done(self):
-        """Inside :meth:`launch`: an event marking the end of the unit's work."""
+        """Inside :meth:`launch`: a token for the end of the unit's work (an event), for :meth:`wait_done`."""
         return None
 
-    def wait_done(self, event) -> None:
-        """On the finalizer thread: return once the work behind ``event`` has finished (GIL released)."""
+    def wait_done(self, done) -> None:
+        """On the finalizer thread: return once the work behind ``done`` has finished (GIL released)."""
 
 
 class HostStreams(Streams):
@@ -88,6 +88,7 @@ class CudaStreams(Streams):
 
     def __init__(self):
         self._streams: dict = {}
+        self._free: dict = {False: [], True: []}  # done events waited for, to record again (by blocking flag)
 
     def ready(self, tensor):
         event = torch.cuda.Event()
@@ -105,12 +106,16 @@ class CudaStreams(Streams):
             torch.cuda.current_stream().wait_event(event)
 
     def done(self):
-        event = torch.cuda.Event(blocking=self.blocking)
+        blocking = self.blocking
+        free = self._free[blocking]
+        event = free.pop() if free else torch.cuda.Event(blocking=blocking)
         event.record()
-        return event
+        return event, blocking
 
-    def wait_done(self, event):
+    def wait_done(self, done):
+        event, blocking = done
         event.synchronize()
+        self._free[blocking].append(event)  # recorded again later (list append/pop: atomic under the GIL)
 
 
 # -- which requests take this path -------------------------------------------------------------------------
@@ -307,9 +312,7 @@ class _Launcher:
                     at += count
             if prescale != 1.0:
                 buf.mul_(prescale)
-            options = torch.distributed.AllreduceOptions()
-            options.reduceOp = _REDUCE[reduce_op]
-            groups[channel].allreduce([buf], options).wait()
+            groups[channel].allreduce([buf], _OPTIONS[reduce_op]).wait()
             if postscale != 1.0:
                 buf.mul_(postscale)
             if not lone:
@@ -420,10 +423,17 @@ class _Launcher:
 
 _TORCH_DTYPES = {0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64, 5: torch.float16,
                  6: torch.bfloat16, 7: torch.float32, 8: torch.float64, 9: torch.bool}
-_REDUCE = {}
+def _options(reduce_op):
+    options = torch.distributed.AllreduceOptions()
+    options.reduceOp = reduce_op
+    return options
+
+
+_OPTIONS = {}  # perseus ReduceOp code -> the backends' all-reduce options (made once)
 if torch.distributed.is_available():
     _R = torch.distributed.ReduceOp
-    _REDUCE = {_SUM: _R.SUM, _AVERAGE: _R.SUM, _MIN: _R.MIN, _MAX: _R.MAX, _PRODUCT: _R.PRODUCT}
+    _OPTIONS = {_SUM: _options(_R.SUM), _AVERAGE: _options(_R.SUM), _MIN: _options(_R.MIN),
+                _MAX: _options(_R.MAX), _PRODUCT: _options(_R.PRODUCT)}
 
 _launcher_lock = threading.Lock()
 _launcher: Optional[_Launcher] = None

@@ -97,10 +97,10 @@ def _np(t: torch.Tensor) -> np.ndarray:
     Raises:
         NotImplementedError: ``t`` is not on the CPU (a path that does not stage device tensors).
     """
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise NotImplementedError(f"perseus: this operation takes CPU tensors only, not tensors on {t.device} "
-                                  "(the collectives and DistributedOptimizer stage GPU tensors through host "
-                                  "memory; DeAR and the sparse embedding layers do not yet); move it to the CPU")
+                                  "(the collectives, DistributedOptimizer and SyncBatchNorm take GPU tensors; "
+                                  "the sparse embedding layers do not yet); move it to the CPU")
     t = t.detach()
     if t.dtype is torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.uint16)

@@ -185,8 +185,8 @@ class SyncBatchNorm(_BatchNorm):
     set must call forward, and later backward, on this module together and in the same order**, including a
     rank whose batch is empty (it contributes nothing to the statistics). In eval mode with running statistics,
     or when the process set has one rank, the module is exactly ``torch.nn.functional.batch_norm`` and makes no
-    collective call. CUDA inputs are supported: the two allreduces stage their small statistics through host
-    memory (docs/gpu.md).
+    collective call. CUDA inputs are supported: the two all-reduces of the statistics take the GPU path
+    (docs/gpu.md).
 
     Args:
         num_features: number of channels ``C`` of an input of shape ``(N, C)`` or ``(N, C, *)``.

@@ -48,7 +48,7 @@ def test_several_nccl_channels(hvd):
     """PERSEUS_NUM_NCCL_STREAMS=3: three groups, units spread over them, many requests in flight at once."""
     from job_env import restart
 
-    old = restart(hvd, {"PERSEUS_NUM_NCCL_STREAMS": "3", "PERSEUS_FUSION_THRESHOLD": "65536"})
+    old = restart(hvd, {"PERSEUS_NUM_NCCL_STREAMS": "3", "PERSEUS_DEVICE_FUSION_THRESHOLD": "65536"})
     try:
         tensors = [torch.full((20_000 + i,), float(i), device="cuda") for i in range(24)]
         handles = [hvd.allreduce_async_(t, op=hvd.Sum, name=f"gpu.ch.{i}") for i, t in enumerate(tensors)]

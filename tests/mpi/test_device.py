@@ -103,6 +103,27 @@ def test_gradients_arriving_during_a_burst_share_units(hvd, monkeypatch):
         restart(hvd, old)
 
 
+def test_several_channels(hvd, monkeypatch):
+    """PERSEUS_NUM_NCCL_STREAMS=3: three groups, and units go to them in turn (unit k to group k % 3)."""
+    from job_env import restart
+
+    old = restart(hvd, {"PERSEUS_NUM_NCCL_STREAMS": "3", "PERSEUS_DEVICE_FUSION_THRESHOLD": "65536"})
+    try:
+        monkeypatch.setattr(device, "_gloo", True)
+        indices = []
+        real = device._Launcher._launch
+        monkeypatch.setattr(device._Launcher, "_launch", lambda self, *a: (indices.append(a[1]), real(self, *a))[1])
+        tensors = [torch.full((20_000 + i,), float(i)) for i in range(24)]  # 80 KB each: a unit per tensor
+        handles = [hvd.allreduce_async_(t, op=hvd.Sum, name=f"dev.ch.{i}") for i, t in enumerate(tensors)]
+        for h in handles:
+            hvd.synchronize(h)
+        assert all(torch.all(t == i * hvd.size()) for i, t in enumerate(tensors))
+        assert len(device._launcher._groups[(0, device._CPU)]) == 3
+        assert {i % 3 for i in indices} == {0, 1, 2}, indices
+    finally:
+        restart(hvd, old)
+
+
 def test_what_nccl_cannot_reduce_is_not_launched(hvd, launcher_on_cpu):
     assert not device.takes([torch.ones(2, dtype=torch.int16)], 1, 1.0, 1.0)
     assert not device.takes([torch.ones(2, dtype=torch.bool)], 1, 1.0, 1.0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 
@@ -146,23 +148,50 @@ def _reduce_compressed(compression, name, tensors, outputs, op, prescale_factor,
 
 
 # -- allreduce ----------------------------------------------------------------------------------------------
+#: True once this job's settings say CPU tensors go straight to the engine (neither PERSEUS_STAGE_CPU_TENSORS
+#: nor PERSEUS_DEVICE_BACKEND=gloo): the per-gradient path tests it before anything else. None until known.
+_plain_cpu: Optional[bool] = None
+
+
+def _forget_plain_cpu() -> None:
+    global _plain_cpu
+    _plain_cpu = None
+
+
+_state.register_job_state(_forget_plain_cpu)
+
+
+def _detour(tensor, in_place, dt, name, op, prescale_factor, postscale_factor, process_set):
+    """The handle of an allreduce of ``tensor`` that does not go straight to the engine: through the GPU
+    launcher (NCCL, or Gloo for tests) or host staging; None when it does go straight (a CPU tensor)."""
+    global _plain_cpu
+    if _plain_cpu is None:
+        _plain_cpu = not (_staging.stage_cpu() or _device.routes_cpu())
+    if (not tensor.is_cpu or _device.routes_cpu()) and _device.takes([tensor], op, prescale_factor,
+                                                                     postscale_factor):
+        src = tensor if in_place else _contig(tensor)
+        out = tensor if in_place else torch.empty_like(src)
+        return _device.allreduce_async([src], [out], [dt], name, op, prescale_factor, postscale_factor,
+                                       process_set, (out,), True)
+    if not _staging.wanted(tensor):
+        return None
+    # Reduced in place on a host copy; copied back into tensor (in place) or a new tensor at synchronize.
+    host = _staging.to_host(tensor)
+    ptr = host.data_ptr()
+    back = (lambda r: _staging.copy_back(tensor, host)) if in_place else (lambda r: _staging.to_device(host, tensor))
+    return _c.allreduce_async(ptr, ptr, name, op, prescale_factor, postscale_factor, process_set, 0, dt, back,
+                              host.shape, host)
+
+
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=global_process_set):
     """Start an allreduce of ``tensor`` into a new tensor; return a handle for :func:`synchronize`."""
     dt = _dtype(tensor)
     op = _op(op, average)
-    if not tensor.is_cpu or _device.routes_cpu():
-        if _device.takes([tensor], op, prescale_factor, postscale_factor):  # NCCL (or gloo for tests)
-            src = _contig(tensor)
-            out = torch.empty_like(src)
-            return _device.allreduce_async([src], [out], [dt], name, op, prescale_factor, postscale_factor,
-                                           process_set, (out,), True)
-    if _staging.wanted(tensor):  # reduced in place on a host copy, copied to a new device tensor at the end
-        host = _staging.to_host(tensor)
-        ptr = host.data_ptr()
-        return _c.allreduce_async(ptr, ptr, name, op, prescale_factor, postscale_factor,
-                                  process_set, 0, dt, lambda r: _staging.to_device(host, tensor), host.shape,
-                                  host)
+    if not (tensor.is_cpu and _plain_cpu):
+        handle = _detour(tensor, False, dt, name, op, prescale_factor, postscale_factor, process_set)
+        if handle is not None:
+            return handle
     src = _contig(tensor)
     out = torch.empty_like(src)
     return _c.allreduce_async(src.data_ptr(), out.data_ptr(), name, op, prescale_factor,
@@ -176,16 +205,10 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     if not tensor.is_contiguous():
         raise ValueError("Tensor is required to be contiguous.")
     op = _op(op, average)
-    if not tensor.is_cpu or _device.routes_cpu():
-        if _device.takes([tensor], op, prescale_factor, postscale_factor):  # NCCL (or gloo for tests)
-            return _device.allreduce_async([tensor], [tensor], [dt], name, op, prescale_factor, postscale_factor,
-                                           process_set, (tensor,), True)
-    if _staging.wanted(tensor):  # reduced on a host copy, copied back into tensor at synchronize
-        host = _staging.to_host(tensor)
-        ptr = host.data_ptr()
-        return _c.allreduce_async(ptr, ptr, name, op, prescale_factor, postscale_factor,
-                                  process_set, 0, dt, lambda r: _staging.copy_back(tensor, host), host.shape,
-                                  host)
+    if not (tensor.is_cpu and _plain_cpu):
+        handle = _detour(tensor, True, dt, name, op, prescale_factor, postscale_factor, process_set)
+        if handle is not None:
+            return handle
     ptr = tensor.data_ptr()
     # (tensor,): synchronize returns the tensor itself, without a Python call.
     return _c.allreduce_async(ptr, ptr, name, op, prescale_factor, postscale_factor, process_set,

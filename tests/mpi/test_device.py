@@ -9,14 +9,20 @@ import time
 import pytest
 import torch
 
-from perseus.torch import device
+from perseus.torch import device, mpi_ops
 
 pytestmark = pytest.mark.timeout(120)
 
 
+def _route_cpu(monkeypatch, on):
+    """What PERSEUS_DEVICE_BACKEND=gloo decides (CPU all-reduces through the launcher), for this test."""
+    monkeypatch.setattr(device, "_gloo", on)
+    monkeypatch.setattr(mpi_ops, "_plain_cpu", None)  # read again
+
+
 @pytest.fixture
 def launcher_on_cpu(monkeypatch):
-    monkeypatch.setattr(device, "_gloo", True)
+    _route_cpu(monkeypatch, True)
 
 
 def _launcher(hvd):
@@ -54,7 +60,7 @@ def test_big_tensor_split_into_units_and_fused_small_ones(hvd, monkeypatch):
 
     old = restart(hvd, {"PERSEUS_DEVICE_FUSION_THRESHOLD": str(1 << 20)})
     try:
-        monkeypatch.setattr(device, "_gloo", True)
+        _route_cpu(monkeypatch, True)
         launched = []
         real = device._Launcher._launch
         monkeypatch.setattr(device._Launcher, "_launch", lambda self, *a: (launched.append(a[-2]), real(self, *a))[1])
@@ -81,7 +87,7 @@ def test_gradients_arriving_during_a_burst_share_units(hvd, monkeypatch):
 
     old = restart(hvd, {"PERSEUS_DEVICE_CYCLE_TIME_MS": "20"})
     try:
-        monkeypatch.setattr(device, "_gloo", True)
+        _route_cpu(monkeypatch, True)
         launched = []
         real = device._Launcher._launch
         monkeypatch.setattr(device._Launcher, "_launch", lambda self, *a: (launched.append(a[-2]), real(self, *a))[1])
@@ -109,7 +115,7 @@ def test_several_channels(hvd, monkeypatch):
 
     old = restart(hvd, {"PERSEUS_NUM_NCCL_STREAMS": "3", "PERSEUS_DEVICE_FUSION_THRESHOLD": "65536"})
     try:
-        monkeypatch.setattr(device, "_gloo", True)
+        _route_cpu(monkeypatch, True)
         indices = []
         real = device._Launcher._launch
         monkeypatch.setattr(device._Launcher, "_launch", lambda self, *a: (indices.append(a[1]), real(self, *a))[1])
@@ -138,14 +144,14 @@ def test_what_nccl_cannot_reduce_is_not_launched(hvd, launcher_on_cpu):
 def test_device_kind_mismatch_names_tensor_and_fix(hvd, monkeypatch):
     if hvd.size() == 1:
         pytest.skip("needs 2+ ranks")
-    monkeypatch.setattr(device, "_gloo", hvd.rank() == 0)
+    _route_cpu(monkeypatch, hvd.rank() == 0)
     start = time.monotonic()
     with pytest.raises(hvd.HorovodInternalError) as info:
         hvd.allreduce(torch.ones(3), name="dev.mismatch")
     message = str(info.value)
     assert "dev.mismatch" in message and "the launcher on CPU memory" in message and "the CPU path" in message
     assert "PERSEUS_DEVICE_BACKEND" in message and time.monotonic() - start < 10
-    monkeypatch.setattr(device, "_gloo", True)
+    _route_cpu(monkeypatch, True)
     assert hvd.allreduce(torch.ones(3), op=hvd.Sum, name="dev.mismatch").tolist() == [hvd.size()] * 3
 
 
@@ -175,7 +181,7 @@ def test_completion_waits_for_the_device_and_keeps_tensors_alive(hvd, monkeypatc
     from job_env import restart
 
     old = restart(hvd, {"PERSEUS_DEVICE_FUSION_THRESHOLD": str(1 << 20)})  # a unit per tensor below
-    monkeypatch.setattr(device, "_gloo", True)
+    _route_cpu(monkeypatch, True)
     hvd.allreduce(torch.ones(1), name="dev.fake.warmup")  # the launcher and its groups exist
     launcher = _launcher(hvd)
     fake = FakeStreams(seed=hvd.rank())
@@ -205,7 +211,7 @@ def test_launcher_failure_fails_every_rank_naming_the_tensor(hvd, monkeypatch):
     tensor's name; perseus can be started again afterwards."""
     from job_env import restart
 
-    monkeypatch.setattr(device, "_gloo", True)
+    _route_cpu(monkeypatch, True)
     hvd.allreduce(torch.ones(1), name="dev.fail.warmup")
     launcher = _launcher(hvd)
     if hvd.rank() == hvd.size() - 1:
@@ -222,5 +228,5 @@ def test_launcher_failure_fails_every_rank_naming_the_tensor(hvd, monkeypatch):
     assert "dev.fail.victim" in str(info.value), str(info.value)
     assert time.monotonic() - start < 20
     restart(hvd, {})
-    monkeypatch.setattr(device, "_gloo", True)
+    _route_cpu(monkeypatch, True)
     assert hvd.allreduce(torch.ones(2), op=hvd.Sum, name="dev.after").tolist() == [hvd.size()] * 2

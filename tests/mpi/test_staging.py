@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from conftest import rank_data
-from perseus.torch import device, staging
+from perseus.torch import device, mpi_ops, staging
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,6 +38,7 @@ def dev(request, monkeypatch):
     # Staging only: neither NCCL (CUDA) nor the gloo launcher (CPU, PERSEUS_DEVICE_BACKEND=gloo) takes over.
     monkeypatch.setattr(device, "_nccl", False)
     monkeypatch.setattr(device, "_gloo", False)
+    monkeypatch.setattr(mpi_ops, "_plain_cpu", None)  # the flags are read again
     if request.param == "cuda":
         torch.cuda.set_device(0)
         # Exact float32 on the GPU, to compare with the CPU path (TF32 would differ in the 3rd digit).
@@ -194,6 +195,7 @@ def test_optimizer_equals_cpu_path(hvd, dev, monkeypatch, compression, sync_bn):
     tag = f"st.opt.{compression}.{dev.kind}"
     with monkeypatch.context() as m:
         m.setattr(staging, "_stage_cpu", False)
+        m.setattr(mpi_ops, "_plain_cpu", None)
         reference = _train(hvd, "cpu", 3, make(), sync_bn, f"{tag}.ref")
     got = _train(hvd, "cuda" if dev.kind == "cuda" else "cpu", 3, make(), sync_bn, tag)
     tol = 1e-3 if compression == "fp16" else 1e-5

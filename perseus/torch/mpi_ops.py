@@ -161,26 +161,36 @@ def _forget_plain_cpu() -> None:
 _state.register_job_state(_forget_plain_cpu)
 
 
-def _detour(tensor, in_place, dt, name, op, prescale_factor, postscale_factor, process_set):
-    """The handle of an allreduce of ``tensor`` that does not go straight to the engine: through the GPU
-    launcher (NCCL, or Gloo for tests) or host staging; None when it does go straight (a CPU tensor)."""
+def _detour(tensors, in_place, dts, name, op, prescale_factor, postscale_factor, process_set, single):
+    """The handle of an allreduce of ``tensors`` (one request when ``single``, else a group) that does not go
+    straight to the engine: through the GPU launcher (NCCL, or Gloo for tests) or host staging; None when
+    it does go straight (CPU tensors). synchronize returns the tensor (single) or the list."""
     global _plain_cpu
     if _plain_cpu is None:
         _plain_cpu = not (_staging.stage_cpu() or _device.routes_cpu())
-    if (not tensor.is_cpu or _device.routes_cpu()) and _device.takes([tensor], op, prescale_factor,
-                                                                     postscale_factor):
-        src = tensor if in_place else _contig(tensor)
-        out = tensor if in_place else torch.empty_like(src)
-        return _device.allreduce_async([src], [out], [dt], name, op, prescale_factor, postscale_factor,
-                                       process_set, (out,), True)
-    if not _staging.wanted(tensor):
+    if (not tensors[0].is_cpu or _device.routes_cpu()) and _device.takes(tensors, op, prescale_factor,
+                                                                         postscale_factor):
+        srcs = list(tensors) if in_place else [_contig(t) for t in tensors]
+        outs = srcs if in_place else [torch.empty_like(t) for t in srcs]
+        return _device.allreduce_async(srcs, outs, dts, name, op, prescale_factor, postscale_factor, process_set,
+                                       (outs[0] if single else outs,), single)
+    if not any(_staging.wanted(t) for t in tensors):
         return None
-    # Reduced in place on a host copy; copied back into tensor (in place) or a new tensor at synchronize.
-    host = _staging.to_host(tensor)
-    ptr = host.data_ptr()
-    back = (lambda r: _staging.copy_back(tensor, host)) if in_place else (lambda r: _staging.to_device(host, tensor))
-    return _c.allreduce_async(ptr, ptr, name, op, prescale_factor, postscale_factor, process_set, 0, dt, back,
-                              host.shape, host)
+    # Reduced in place on host copies; copied back into the tensors (in place) or new tensors at synchronize.
+    hosts = [_staging.to_host(t) for t in tensors]
+    if in_place:
+        def back(_results):
+            return [_staging.copy_back(t, h) for t, h in zip(tensors, hosts)]
+    else:
+        def back(_results):
+            return [_staging.to_device(h, t) for h, t in zip(hosts, tensors)]
+    if single:
+        ptr = hosts[0].data_ptr()
+        return _c.allreduce_async(ptr, ptr, name, op, prescale_factor, postscale_factor, process_set, 0, dts[0],
+                                  lambda r: back(r)[0], hosts[0].shape, hosts[0])
+    bufs = [_np(h) for h in hosts]
+    return _c.grouped_allreduce_async(bufs, bufs, name, op, prescale_factor, postscale_factor, process_set,
+                                      dtypes=dts, finish=back)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -189,7 +199,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
     dt = _dtype(tensor)
     op = _op(op, average)
     if not (tensor.is_cpu and _plain_cpu):
-        handle = _detour(tensor, False, dt, name, op, prescale_factor, postscale_factor, process_set)
+        handle = _detour([tensor], False, [dt], name, op, prescale_factor, postscale_factor, process_set, True)
         if handle is not None:
             return handle
     src = _contig(tensor)
@@ -206,7 +216,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
         raise ValueError("Tensor is required to be contiguous.")
     op = _op(op, average)
     if not (tensor.is_cpu and _plain_cpu):
-        handle = _detour(tensor, True, dt, name, op, prescale_factor, postscale_factor, process_set)
+        handle = _detour([tensor], True, [dt], name, op, prescale_factor, postscale_factor, process_set, True)
         if handle is not None:
             return handle
     ptr = tensor.data_ptr()
@@ -261,19 +271,10 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
     """Start allreduces of a list of tensors, negotiated together; return one handle."""
     dts = [_dtype(t) for t in tensors]
     op = _op(op, average)
-    if tensors and (not tensors[0].is_cpu or _device.routes_cpu()):
-        if _device.takes(tensors, op, prescale_factor, postscale_factor):  # NCCL (or gloo for tests)
-            srcs = [_contig(t) for t in tensors]
-            outs = [torch.empty_like(t) for t in srcs]
-            return _device.allreduce_async(srcs, outs, dts, name, op, prescale_factor, postscale_factor,
-                                           process_set, (outs,), False)
-    if any(_staging.wanted(t) for t in tensors):
-        hosts = [_staging.to_host(t) for t in tensors]
-        bufs = [_np(h) for h in hosts]
-        return _c.grouped_allreduce_async(bufs, bufs, name, op, prescale_factor, postscale_factor,
-                                          process_set, dtypes=dts,
-                                          finish=lambda r: [_staging.to_device(h, t) for h, t in
-                                                            zip(hosts, tensors)])
+    if tensors and not (_plain_cpu and all(t.is_cpu for t in tensors)):
+        handle = _detour(tensors, False, dts, name, op, prescale_factor, postscale_factor, process_set, False)
+        if handle is not None:
+            return handle
     srcs = [_contig(t) for t in tensors]
     outs = [torch.empty_like(t) for t in srcs]
     return _c.grouped_allreduce_async([_np(t) for t in srcs], [_np(o) for o in outs], name, op,
@@ -288,17 +289,10 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     if not all(t.is_contiguous() for t in tensors):
         raise ValueError("Tensor is required to be contiguous.")
     op = _op(op, average)
-    if tensors and (not tensors[0].is_cpu or _device.routes_cpu()):
-        if _device.takes(tensors, op, prescale_factor, postscale_factor):  # NCCL (or gloo for tests)
-            return _device.allreduce_async(tensors, tensors, dts, name, op, prescale_factor, postscale_factor,
-                                           process_set, (list(tensors),), False)
-    if any(_staging.wanted(t) for t in tensors):
-        hosts = [_staging.to_host(t) for t in tensors]
-        bufs = [_np(h) for h in hosts]
-        return _c.grouped_allreduce_async(bufs, bufs, name, op, prescale_factor, postscale_factor,
-                                          process_set, dtypes=dts,
-                                          finish=lambda r: [_staging.copy_back(t, h) for t, h in
-                                                            zip(tensors, hosts)])
+    if tensors and not (_plain_cpu and all(t.is_cpu for t in tensors)):
+        handle = _detour(tensors, True, dts, name, op, prescale_factor, postscale_factor, process_set, False)
+        if handle is not None:
+            return handle
     bufs = [_np(t) for t in tensors]
     return _c.grouped_allreduce_async(bufs, bufs, name, op, prescale_factor, postscale_factor,
                                       process_set, dtypes=dts, finish=lambda r: list(tensors))

@@ -72,12 +72,12 @@ def main() -> int:
         "PERSEUS_ALLREDUCE_ALGORITHM": [k for k, v in ALGS.items() if v == bad[4]][0],
     })
     import perseus.torch as hvd
-    from perseus.common.basics import state
+    from perseus.common.state import runtime
     from perseus.common.knobs import knob
 
     hvd.init()
-    engine = state().engine
-    tuner = state()._tuner
+    engine = runtime().engine
+    tuner = runtime()._tuner
     rank = hvd.rank()
     step = bench_perseus(grads, hvd)
     seq = itertools.count()
@@ -96,7 +96,7 @@ def main() -> int:
     default = (knob("fusion_threshold_bytes").default, knob("inplace_threshold_bytes").default,
                knob("num_channels").default, int(knob("cycle_time_ms").default * 1000), 0)
     max_channels = engine.params(0)[5]
-    topo = state()._topology
+    topo = runtime()._topology
     # 1. the tuner, from the bad setting: every step until every rank's tuner has finished
     search_times = []
     while True:

@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [
     ("perseus.common.exceptions", 1), ("perseus.common.knobs", 1), ("perseus.common.reduce_ops", 1),
     ("perseus.common.partition", 1), ("perseus.common.util", 1), ("perseus.common.dtypes", 1),
-    ("perseus.engine", 2), ("perseus.transport", 2), ("perseus.timeline", 2),
+    ("perseus.engine", 2), ("perseus.transport", 2), ("perseus.timeline", 2), ("perseus._core", 2),
     ("perseus.common", 3), ("perseus.runtime", 3),
     ("perseus.compression", 4), ("perseus.sparse", 4),
     ("perseus.autotune", 5), ("perseus.elastic", 5),
@@ -47,12 +47,22 @@ LAYER_NAMES = {0: "tools (runner, convert)", 1: "base", 2: "engine", 3: "runtime
 # Cycles kept on purpose; docs/architecture.md says why. Each entry is the set of files in the cycle.
 ALLOWED_CYCLES: list[frozenset[str]] = []
 
+# Function-level imports of perseus modules kept on purpose: (importer, imported) -> why.
+ALLOWED_LAZY = {
+    ("perseus.engine.native", "perseus._core"): "the compiled core is loaded after MPI's library, with a clear "
+                                                "error when it was built for another MPI",
+}
+
 # Function-level imports are fine for these top-level packages (optional frameworks, heavy or optional
 # third-party modules, or tools that only some paths need).
 OPTIONAL_TOPLEVEL = {
     "torch", "tensorflow", "keras", "tf_keras", "mxnet", "horovod", "optuna", "libcst", "mpi4py",
     "numpy", "cupy", "ray", "pyspark", "psutil", "yaml", "matplotlib", "scipy", "sklearn",
 }
+
+
+# The compiled core: a module of the engine layer with no Python imports of its own.
+EXTENSION = "perseus._core"
 
 
 def layer_of(mod: str) -> int:
@@ -80,6 +90,8 @@ def _modules(pkg_root: str) -> dict[str, str]:
 
 
 def _resolve(name: str, mods: dict[str, str]) -> str | None:
+    if name == EXTENSION or name.startswith(EXTENSION + "."):
+        return EXTENSION
     while name:
         if name in mods:
             return name
@@ -137,7 +149,8 @@ class _Visitor(ast.NodeVisitor):
             prefix = node.module or ""
         for alias in node.names:
             full = f"{prefix}.{alias.name}"
-            self._add(full if full in self.mods else prefix, node.lineno)
+            known = full in self.mods or full == EXTENSION
+            self._add(full if known else prefix, node.lineno)
 
 
 def python_graph():
@@ -151,11 +164,12 @@ def python_graph():
         v = _Visitor(mod, path.endswith("__init__.py"), mods)
         v.visit(tree)
         graph[mod]
+        graph[EXTENSION]
         for target, line, _inside in v.edges:
             graph[mod].add(target)
             where.setdefault((mod, target), line)
         for target, line in v.hidden:
-            if target.startswith("perseus"):
+            if target.startswith("perseus") and (mod, target) not in ALLOWED_LAZY:
                 hidden.append((mod, target, line))
     return graph, where, hidden
 

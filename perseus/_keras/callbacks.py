@@ -10,7 +10,7 @@ import functools
 
 import numpy as np
 
-from perseus.common.basics import state
+from perseus.common.state import runtime
 from perseus._keras.values import allreduce_value, broadcast_values
 from perseus._keras.aggregation import is_model_parallel, var_key
 
@@ -205,7 +205,7 @@ def make_callbacks(keras):
         def __init__(self, initial_lr, warmup_epochs=5, momentum_correction=True, steps_per_epoch=None,
                      verbose=0):
             def multiplier(epoch):
-                size = state().size()
+                size = runtime().size()
                 epoch += 1.0 / self.steps_per_epoch
                 return 1.0 / size * (epoch * (size - 1) / warmup_epochs + 1)
 
@@ -215,7 +215,7 @@ def make_callbacks(keras):
 
         def on_epoch_end(self, epoch, logs=None):
             super().on_epoch_end(epoch, logs)
-            if epoch == self.end_epoch - 1 and self.verbose > 0 and state().rank() == 0:
+            if epoch == self.end_epoch - 1 and self.verbose > 0 and runtime().rank() == 0:
                 print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
                       f"{_get_lr(self.model.optimizer):g}.")
 

@@ -6,8 +6,8 @@ import functools
 
 import numpy as np
 
-from perseus.common.basics import state as _state
-from perseus.common.elastic import ObjectState
+from perseus.common.state import runtime as _state
+from perseus.elastic.state import ObjectState
 from perseus._keras.values import broadcast_values
 
 __all__ = ["KerasState", "make_elastic_callbacks"]

@@ -83,7 +83,7 @@ def make_embedding_class(keras):
             op = ReduceOp(op)
             if op not in (Average, Sum):
                 raise ValueError(f"perseus DistributedEmbedding: op must be Average or Sum, not {op.name}")
-            ps_id, size, rank = _c.state().process_set_info(process_set)
+            ps_id, size, rank = _c.runtime().process_set_info(process_set)
             if output_dim < size:
                 raise ValueError(f"perseus DistributedEmbedding: output_dim {output_dim} is smaller than the "
                                  f"{size} ranks of the process set; every rank needs at least one column")
@@ -92,7 +92,7 @@ def make_embedding_class(keras):
             self.mask_zero, self.sparse, self.op = bool(mask_zero), bool(sparse), op
             self.process_set = process_set
             self._size, self._rank = size, rank
-            self._job_ranks = list(_c.state().process_set_ranks(ps_id))
+            self._job_ranks = list(_c.runtime().process_set_ranks(ps_id))
             self._widths = even_counts(self.output_dim, size)
             starts = [sum(self._widths[:k]) for k in range(size)]
             self._bounds = [(s, s + w) for s, w in zip(starts, self._widths)]

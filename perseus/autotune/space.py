@@ -7,7 +7,7 @@ values per parameter; a parameter the user set explicitly has one candidate (its
 overrides an explicit choice.
 
 The compressor policy (:data:`POLICY`) is a dimension only when an Espresso compressor takes part
-(:mod:`perseus.autotune.policy`); otherwise it has the one candidate 0 and is searched by no technique, so a
+(:mod:`perseus.common.step_policy`); otherwise it has the one candidate 0 and is searched by no technique, so a
 job without one is tuned exactly as before. Likewise the sparse algorithm (:data:`SPARSE`): a dimension only
 when the job reduces sparse tensors with ``algorithm='auto'`` (:mod:`perseus.sparse.choice`), and DeAR's
 fusion-group size (:data:`DEAR`): only when a ``DistributedOptimizer(schedule='dear')`` takes part.
@@ -19,6 +19,8 @@ import dataclasses
 import itertools
 import random
 from typing import Iterator, Sequence
+
+from perseus.sparse.choice import CHOICES
 
 __all__ = ["ALGORITHMS", "COMPRESSION_POLICIES", "SPARSE_ALGORITHMS", "DEAR_THRESHOLDS", "Config", "Space",
            "PARAMS", "POLICY", "SPARSE", "DEAR", "STEP_PARAMS", "ALL_PARAMS"]
@@ -32,7 +34,7 @@ PARAMS = ("fusion_threshold_bytes", "inplace_threshold_bytes", "channels", "cycl
 #: the compressor's policy: not an engine parameter; applied by the compressor at a step boundary
 POLICY = "compression_policy"
 #: what every 'auto' sparse all-reduce runs ('auto': the per-tensor cost model; perseus.sparse.choice)
-SPARSE_ALGORITHMS = ("auto", "dense", "allgather", "zen", "alltoall")
+SPARSE_ALGORITHMS = CHOICES
 #: the sparse algorithm: not an engine parameter either; applied by the sparse path at a step boundary
 SPARSE = "sparse_algorithm"
 #: DeAR's fusion-group sizes in bytes (Config.dear_threshold indexes it)

@@ -15,7 +15,7 @@ settings are measured once more and the better one is applied for the rest of th
 (:mod:`perseus.autotune.cache`), so that a later run of the same job on the same topology starts from it
 without searching. All collectives of the tuner are named ``perseus.autotune.*``; they belong to no step.
 
-When an Espresso compressor has registered (:mod:`perseus.autotune.policy`) and has made its decision by the
+When an Espresso compressor has registered (:mod:`perseus.common.step_policy`) and has made its decision by the
 time the search starts, its policy is one more dimension of the search: every setting then also carries a
 policy, which the compressor applies at a step boundary agreed on by every rank (not through the TUNE
 request), and each sample skips one more step so that none of its measured steps ran under the old policy.
@@ -39,12 +39,14 @@ import numpy as np
 
 from perseus.autotune import cache as cachelib
 from perseus.autotune.log import TuneLog
-from perseus.autotune.policy import PolicyLink
+from perseus.common.step_policy import PolicyLink
 from perseus.autotune.search import Search
 from perseus.autotune.space import (ALGORITHMS, COMPRESSION_POLICIES, DEAR, DEAR_THRESHOLDS, POLICY, SPARSE,
                                     SPARSE_ALGORITHMS, STEP_PARAMS, Config, Space)
 from perseus.common.reduce_ops import ReduceOp
 from perseus.engine.messages import DType, OpType, Request
+from perseus.sparse import choice
+from perseus.sparse._runtime import signature
 
 __all__ = ["Tuner", "tuned_fixed_params"]
 
@@ -189,7 +191,7 @@ class Tuner:
 
     def _apply(self, config: Config, final: bool = False) -> None:
         # Posted first, on every rank: a compressor switches its policy at the first step boundary at which
-        # any rank has posted it (perseus.autotune.policy); -1 leaves its policy alone.
+        # any rank has posted it (perseus.common.step_policy); -1 leaves its policy alone.
         for name, link in self.links.items():
             link.post(getattr(config, name) if self._tuned[name] else -1, final)
         self._wait(self.engine.tune(0, self._name("tune"), *config.values()))
@@ -380,8 +382,6 @@ class Tuner:
         it to the space and start from the algorithm in force). Only when the sparse path has registered (an
         'auto' sparse all-reduce ran) and its algorithm is not kept (PERSEUS_AUTOTUNE_FIXED, or with
         'explicit' a perseus.sparse.set_policy() of the program)."""
-        from perseus.sparse import choice
-
         if self.sparse.registered() is None:
             return False
         if self._fixed_step[SPARSE] or (self._policy_explicit_kept and choice.policy_explicit()):
@@ -426,8 +426,6 @@ class Tuner:
     def _last_signature(self) -> tuple[int, int]:
         """(digest, bytes) of the last completed step: the engine's digest (which leaves the sparse path out)
         mixed with the sparse tensors' own signature."""
-        from perseus.sparse._runtime import signature
-
         first, steps = self.read_steps(0, max(0, self._step - 1))
         i = self._step - 1 - first  # the step just waited for (a later one may have completed meanwhile)
         if not steps or not 0 <= i < len(steps):

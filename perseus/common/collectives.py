@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from perseus.common.basics import state
+from perseus.common.state import runtime
 from perseus.common.partition import even_counts
 from perseus.common.process_sets import ProcessSet, global_process_set
 from perseus.common.reduce_ops import ReduceOp, reject_adasum
@@ -60,11 +60,11 @@ def _reset_job_state() -> None:
         _barrier_counts.clear()
 
 
-state().register_job_state(_reset_job_state)
+runtime().register_job_state(_reset_job_state)
 
 
 def _info(process_set: ProcessSet):
-    return state().process_set_info(process_set)
+    return runtime().process_set_info(process_set)
 
 
 def _check(array: np.ndarray, what: str) -> DType:
@@ -107,7 +107,7 @@ def _gathered(allocs, finish):
     return done
 
 
-_state = state()
+_state = runtime()
 
 
 def _target(process_set: ProcessSet):
@@ -116,7 +116,7 @@ def _target(process_set: ProcessSet):
     Raises:
         ValueError: not initialised, or the set is not registered / this rank is not a member.
     """
-    engine = _state._engine
+    engine = _state.running_engine()
     if engine is not None and process_set is global_process_set:
         return engine, 0
     ps_id, _, _ = _state.process_set_info(process_set)
@@ -176,7 +176,7 @@ def grouped_allreduce_async(arrays: Sequence[np.ndarray], outputs: Sequence[np.n
             _adasum_dtype(dt)
         items.append(Request(name=base if _single else f"{base}.{i}", dtype=int(dt), shape=arr.shape, input=arr,
                              output=out, reduce_op=op, prescale=pre, postscale=post, priority=priority))
-    return state().engine.submit(ps_id, _ALLREDUCE, items, finish, (arrays, outputs))
+    return runtime().engine.submit(ps_id, _ALLREDUCE, items, finish, (arrays, outputs))
 
 
 def device_allreduce_async(shapes, dtypes, pointers, name, op, prescale_factor, postscale_factor, process_set,
@@ -196,7 +196,7 @@ def device_allreduce_async(shapes, dtypes, pointers, name, op, prescale_factor, 
     names = [base] if single else [f"{base}.{i}" for i in range(len(shapes))]
     items = [Request(name=n, dtype=int(dt), shape=shape, input=ptr, output=ptr, reduce_op=op, prescale=pre,
                      postscale=post) for n, dt, shape, ptr in zip(names, dtypes, shapes, pointers)]
-    handle = state().engine.submit(ps_id, _ALLREDUCE, items, finish, keepalive, int(device))
+    handle = runtime().engine.submit(ps_id, _ALLREDUCE, items, finish, keepalive, int(device))
     register(ps_id, names)
     return handle
 
@@ -218,7 +218,7 @@ def grouped_allgather_async(arrays, allocs, name=None, process_set=global_proces
         shape = tuple(arr.shape) if arr.ndim else (1,)
         items.append(Request(name=base if _single else f"{base}.{i}", dtype=int(dt), shape=shape, input=arr,
                              priority=int(priority)))
-    return state().engine.submit(ps_id, _ALLGATHER, items, _gathered(allocs, finish), arrays)
+    return runtime().engine.submit(ps_id, _ALLGATHER, items, _gathered(allocs, finish), arrays)
 
 
 def broadcast_async(array: np.ndarray, output: np.ndarray, root_rank: int, name=None,
@@ -230,14 +230,14 @@ def broadcast_async(array: np.ndarray, output: np.ndarray, root_rank: int, name=
     """
     ps_id, size, _ = _info(process_set)
     root_rank = int(root_rank)
-    members = state().process_set_ranks(ps_id)
+    members = runtime().process_set_ranks(ps_id)
     if root_rank not in members:
         raise ValueError(f"perseus.broadcast: root_rank {root_rank} is not a rank of the process set "
                          f"(ranks {members}); pass the root's global rank")
     dt = dtype if dtype is not None else _check(array, "broadcast")
     item = Request(name=_name("broadcast", name, ps_id), dtype=int(dt), shape=array.shape, input=array,
                    output=output, root_rank=members.index(root_rank), priority=int(priority))
-    return state().engine.submit(ps_id, _BROADCAST, [item], finish, (array, output))
+    return runtime().engine.submit(ps_id, _BROADCAST, [item], finish, (array, output))
 
 
 def even_splits(first_dim: int, size: int, what: str = "alltoall") -> np.ndarray:
@@ -265,7 +265,7 @@ def alltoall_async(array: np.ndarray, splits: Optional[np.ndarray], alloc: Alloc
                          f"dimension ({shape[0]})")
     item = Request(name=_name("alltoall", name, ps_id), dtype=int(dt), shape=shape, input=array,
                    priority=int(priority), splits=splits.tolist())
-    return state().engine.submit(ps_id, _ALLTOALL, [item], _gathered([alloc], finish), array)
+    return runtime().engine.submit(ps_id, _ALLTOALL, [item], _gathered([alloc], finish), array)
 
 
 def reducescatter_async(array, alloc: Alloc, name=None, op=ReduceOp.AVERAGE, process_set=global_process_set,
@@ -296,7 +296,7 @@ def grouped_reducescatter_async(arrays, allocs, name=None, op=ReduceOp.AVERAGE, 
                              output=out, reduce_op=int(op), prescale=float(prescale_factor),
                              postscale=float(postscale_factor), priority=int(priority)))
     results = [Result(out, None) for out in outputs]
-    return state().engine.submit(ps_id, _REDUCESCATTER, items, lambda _r: finish(results), (arrays, outputs))
+    return runtime().engine.submit(ps_id, _REDUCESCATTER, items, lambda _r: finish(results), (arrays, outputs))
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
@@ -306,7 +306,7 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
         count = _barrier_counts.get(ps_id, 0) + 1
         _barrier_counts[ps_id] = count
     item = Request(name=f"barrier.{count}", dtype=DType.UINT8, shape=())
-    synchronize(state().engine.submit(ps_id, _BARRIER, [item], None, None))
+    synchronize(runtime().engine.submit(ps_id, _BARRIER, [item], None, None))
 
 
 def join(process_set: ProcessSet = global_process_set) -> int:
@@ -315,7 +315,7 @@ def join(process_set: ProcessSet = global_process_set) -> int:
     Returns the rank that joined last.
     """
     ps_id, _, _ = _info(process_set)
-    engine = state().engine
+    engine = runtime().engine
     return engine.wait(engine.join(ps_id))
 
 
@@ -325,7 +325,7 @@ def poll(handle: int) -> bool:
     Raises:
         ValueError: ``handle`` is unknown (already synchronized, or never issued).
     """
-    return state().engine.poll(handle)
+    return runtime().engine.poll(handle)
 
 
 def synchronize(handle: int):
@@ -334,7 +334,7 @@ def synchronize(handle: int):
     Raises:
         PerseusInternalError: the collective failed on this or another rank (MismatchError, StallError).
     """
-    return state().engine.wait(handle)
+    return runtime().engine.wait(handle)
 
 
 def on_done(handle_ids, callback) -> None:
@@ -342,4 +342,4 @@ def on_done(handle_ids, callback) -> None:
 
     The callback runs at once if they have, else on a perseus thread holding the GIL; it must be quick.
     """
-    state().engine.on_done([int(h) for h in handle_ids], callback)
+    runtime().engine.on_done([int(h) for h in handle_ids], callback)

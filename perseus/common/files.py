@@ -28,7 +28,7 @@ from typing import Optional
 import numpy as np
 
 from perseus.common import collectives as _c
-from perseus.common.basics import state
+from perseus.common.state import runtime
 from perseus.common.objects import broadcast_object
 from perseus.common.process_sets import global_process_set
 
@@ -150,10 +150,10 @@ def root_file(path, root_rank: int = 0, process_set=global_process_set):
         OSError: on every rank, when the root cannot read it (the root's error).
         ValueError: this rank is not in ``process_set``, or the set is not registered.
     """
-    _, size, _ = state().process_set_info(process_set)
+    _, size, _ = runtime().process_set_info(process_set)
     if size == 1:
         return path
-    is_root = state().rank() == int(root_rank)
+    is_root = runtime().rank() == int(root_rank)
     manifest = None
     if is_root:
         try:
@@ -193,11 +193,11 @@ def root_call(fn, *args, root_rank: int = 0, process_set=global_process_set, **k
         Exception: whatever ``fn`` raised on the root, on every rank.
         ValueError: this rank is not in ``process_set``, or the set is not registered.
     """
-    _, size, _ = state().process_set_info(process_set)
+    _, size, _ = runtime().process_set_info(process_set)
     if size == 1:
         return fn(*args, **kwargs)
     outcome = None
-    if state().rank() == int(root_rank):
+    if runtime().rank() == int(root_rank):
         try:
             outcome = (True, fn(*args, **kwargs))
         except Exception as e:  # noqa: BLE001 - handed to every rank, raised there

@@ -18,6 +18,10 @@ from typing import Optional
 import numpy as np
 
 from perseus.common.exceptions import NonFiniteGradientError
+from perseus.common.knobs import read_knob
+from perseus.common import collectives as c
+from perseus.common.objects import allgather_object
+from perseus.common.state import runtime
 
 __all__ = ["Guard", "MODES", "mode", "for_optimizer", "refuse"]
 
@@ -29,8 +33,6 @@ _MAX, _INT64, _ALLREDUCE = 4, 4, 0
 
 def mode() -> str:
     """The guard's mode from PERSEUS_NONFINITE_GRADIENTS ('off', 'raise' or 'skip')."""
-    from perseus.common.knobs import read_knob
-
     return str(read_knob("nonfinite_gradients")[0]).lower()
 
 
@@ -70,9 +72,6 @@ class Guard:
         """Collective over the process set, once per step, after the step's gradients were submitted: True
         when every rank's gradients were finite. Otherwise raises NonFiniteGradientError (mode 'raise') or
         returns False (mode 'skip': the caller skips the step), on every rank alike."""
-        from perseus.common import collectives as c
-        from perseus.common.objects import allgather_object
-
         step = self.steps
         self.steps += 1
         self._flag[0] = 1 if self.bad else 0
@@ -99,7 +98,5 @@ class Guard:
 
 
 def _rank_in(process_set) -> int:
-    from perseus.common.basics import state
-
-    _, _, rank = state().process_set_info(process_set)
+    _, _, rank = runtime().process_set_info(process_set)
     return rank

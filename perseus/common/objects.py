@@ -10,7 +10,7 @@ import cloudpickle
 import numpy as np
 
 from perseus.common import collectives as _c
-from perseus.common.basics import state
+from perseus.common.state import runtime
 from perseus.common.process_sets import global_process_set
 
 __all__ = ["broadcast_object", "allgather_object"]
@@ -38,7 +38,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
     """
     name = name or type(obj).__name__
     root_rank = int(root_rank)
-    if state().rank() == root_rank:
+    if runtime().rank() == root_rank:
         payload = np.frombuffer(cloudpickle.dumps(obj), np.uint8).copy()
         length = np.array([payload.size], np.int64)
     else:
@@ -47,7 +47,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
     if payload is None:
         payload = np.empty(int(length[0]), np.uint8)
     data = _broadcast(payload, root_rank, f"{name}.t", process_set)
-    if state().rank() == root_rank:
+    if runtime().rank() == root_rank:
         return obj
     return cloudpickle.loads(data.tobytes())
 

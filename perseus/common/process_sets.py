@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
-__all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "entries", "check_ranks",
-           "comm_ranks", "same_lists", "own_lists", "distinct_sets"]
+__all__ = ["ProcessSet", "global_process_set", "entries", "check_ranks", "comm_ranks", "same_lists", "own_lists",
+           "distinct_sets"]
 
 
 class ProcessSet:
@@ -13,11 +13,13 @@ class ProcessSet:
 
     Build it from a sequence of ranks, or from an mpi4py communicator (only at ``init(process_sets=...)``).
     The object becomes usable once registered: at ``init(process_sets=[...])``, or by
-    :func:`add_process_set` with ``HOROVOD_DYNAMIC_PROCESS_SETS=1``.
+    ``add_process_set()`` with ``HOROVOD_DYNAMIC_PROCESS_SETS=1``; the runtime then sets its id and this rank's
+    job rank (``_member_rank``).
     """
 
     def __init__(self, ranks_or_comm):
         self.process_set_id: Optional[int] = None
+        self._member_rank = -1  # this process's rank in the job, set when the runtime registers the set
         self.mpi_comm = None
         if hasattr(ranks_or_comm, "Get_rank") and hasattr(ranks_or_comm, "Get_group"):
             self.mpi_comm = ranks_or_comm
@@ -42,18 +44,14 @@ class ProcessSet:
         """This process's rank within the set (-1 if not a member), or None while not registered."""
         if self.process_set_id is None:
             return None
-        from perseus.common.basics import state
-
-        me = state().rank()
+        me = self._member_rank
         return self.ranks.index(me) if me in self.ranks else -1
 
     def included(self) -> Optional[bool]:
         """Whether this process belongs to the set, or None while not registered."""
         if self.process_set_id is None:
             return None
-        from perseus.common.basics import state
-
-        return state().rank() in self.ranks
+        return self._member_rank in self.ranks
 
     def __str__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, mpi_comm={self.mpi_comm})"
@@ -70,20 +68,6 @@ class ProcessSet:
 
 global_process_set = ProcessSet([])
 global_process_set.process_set_id = 0
-
-
-def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
-    """Register a new process set after init; see :meth:`perseus.common.basics.PerseusBasics.add_process_set`."""
-    from perseus.common.basics import state
-
-    return state().add_process_set(process_set)
-
-
-def remove_process_set(process_set: ProcessSet) -> bool:
-    """Deregister a process set; see :meth:`perseus.common.basics.PerseusBasics.remove_process_set`."""
-    from perseus.common.basics import state
-
-    return state().remove_process_set(process_set)
 
 
 # -- init(process_sets=...): what every rank passes, and the sets it forms -------------------------------

@@ -14,7 +14,7 @@ finalisation at exit waits for the others too). So start-up alternates three kin
   links) can only fail where MPI or the network fails under them. A rank that fails inside one aborts the
   MPI job (:func:`abort_job`) with a message saying where, since nothing else would reach the others.
 
-This module also keeps the small pieces of start-up that only :mod:`perseus.common.basics` uses.
+This module also keeps the small pieces of start-up that only :mod:`perseus.common.state` uses.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import sys
 import time
 import traceback
 from typing import Any, Optional, Sequence
+from perseus.transport.mpi import load_mpi
 
 __all__ = ["affinity_cores", "await_every_rank", "agree", "abort_job", "topology", "configure_logging",
            "warn_ignored_settings", "install_abort_hook"]
@@ -124,8 +125,6 @@ def abort_job(comm, what: str, exc: BaseException) -> None:
     Writes the reason and this rank's traceback to stderr first.
     """
     try:
-        from perseus.transport.mpi import load_mpi
-
         rank = load_mpi().COMM_WORLD.Get_rank()
     except Exception:  # noqa: BLE001
         rank = "?"

@@ -27,6 +27,8 @@ import numpy as np
 from perseus.common.exceptions import MismatchError
 from perseus.common.process_sets import ProcessSet, global_process_set
 from perseus.common.reduce_ops import ReduceOp
+from perseus.common.state import runtime
+from perseus.common import collectives as c
 
 __all__ = ["Reducer", "Pending", "KeyState", "signature", "CHECK_LEN", "put_check", "verify_check",
            "key_hash"]
@@ -127,14 +129,13 @@ def _forget_at_shutdown(reducer) -> None:
         if _registered:
             return
         _registered = True
-    from perseus.common.basics import state
 
     def reset():
         with _live_lock:
             reducers = list(_live)
         for r in reducers:
             r.reset()
-    state().register_job_state(reset)
+    runtime().register_job_state(reset)
 
 
 class _Refused:
@@ -258,9 +259,8 @@ class Reducer:
             if not isinstance(a, np.ndarray) or a.dtype.kind != "f" and a.dtype != np.uint16:
                 raise ValueError(f"perseus: {type(self).__name__} compresses floating-point gradients only; "
                                  f"{key!r} is {getattr(a, 'dtype', type(a).__name__)}")
-        from perseus.common.basics import state
 
-        _, set_size, rank = state().process_set_info(process_set)
+        _, set_size, rank = runtime().process_set_info(process_set)
         n = _flat_len(arrays)
         st = self._state(key, n, tuple(tuple(a.shape) for a in arrays))
         st.set_size, st.rank = set_size, rank
@@ -314,8 +314,6 @@ class Reducer:
     def _submit(self, key: str, st: KeyState, acc: np.ndarray, process_set: ProcessSet, set_size: int):
         """Encode ``acc`` and start the collective; return a function that waits and gives the dense sum
         (float32, flat, length ``st.size``)."""
-        from perseus.common import collectives as c
-
         payload, ctx = self._encode(acc, st)
         st.step += 1
         self.payload_bytes += payload.nbytes

@@ -25,6 +25,7 @@ collective over the whole job (every rank reduces the same first gradient, as tr
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from typing import Optional
@@ -38,6 +39,8 @@ from perseus.common.reduce_ops import ReduceOp
 from perseus.compression import selectors
 from perseus.compression.base import KeyState, Reducer, signature
 from perseus.compression.topk import sparse_sum
+from perseus.common.state import runtime
+from perseus.common import collectives as c
 
 __all__ = ["HiTopK"]
 
@@ -51,15 +54,13 @@ def _sets():
     Raises:
         NotImplementedError: hosts with different numbers of ranks.
     """
-    from perseus.common.basics import state
-
-    st = state()
+    st = runtime()
     engine = st.engine
     with _topology_lock:
         cached = _topology.get(id(engine))
         if cached is not None and cached is not True:
             return cached
-        base = st._base
+        base = st.base_comm
         me = st.rank()
         pairs = base.allgather((st.cross_rank(), st.local_rank()))
         hosts = 1 + max(c for c, _ in pairs)
@@ -80,7 +81,7 @@ def _sets():
             key = tuple(ranks)
             if key in made:
                 continue
-            made[key] = st._register(ProcessSet(list(ranks)), hidden=True)
+            made[key] = st.register(ProcessSet(list(ranks)), hidden=True)
         mine_c, mine_l = pairs[me]
         result = (made[tuple(local_of[mine_c])], made[tuple(cross_of[mine_l])], hosts, per_host)
         if not _topology:
@@ -126,8 +127,6 @@ class HiTopK(Reducer):
         return f"density={self.density}, error_feedback={self.error_feedback}"
 
     def _submit(self, key: str, st: KeyState, acc: np.ndarray, process_set: ProcessSet, set_size: int):
-        from perseus.common import collectives as c
-
         if process_set is not global_process_set:
             raise ValueError("perseus: Compression.hitopk works on the global process set only")
         local, cross, hosts, per_host = _sets()
@@ -135,19 +134,7 @@ class HiTopK(Reducer):
         st.step += 1
         name = f"{self.kind}.{key}"
         if hosts == 1:  # nothing crosses a host: an exact dense all-reduce
-            out = st.extra.get("dense")
-            if out is None:
-                out = st.extra["dense"] = np.empty(n, np.float32)
-            h = c.allreduce_async(acc, out, name=name, op=ReduceOp.SUM)
-            self.payload_bytes += acc.nbytes
-
-            def collect_dense():
-                c.synchronize(h)
-                if self.error_feedback:
-                    acc.fill(0.0)
-                return out
-            return collect_dense
-
+            return self._submit_dense(st, acc, name)
         counts = even_counts(n, per_host)
         sig = st.extra.setdefault("sig", signature("hitopk", n, per_host))
         j = local.rank()
@@ -159,62 +146,86 @@ class HiTopK(Reducer):
             st.extra["mag"] = np.empty(cnt, np.float32)
             st.extra["dense"] = np.empty(n, np.float32)
             st.extra["selector"] = selectors.choice(max(cnt, 1), self.density, self.selector)
-        shard = st.extra["shard"]
+        h1 = None
         if per_host > 1:
-            h1 = c.reducescatter_async(acc, lambda shape: shard, name=name + ".rs", op=ReduceOp.SUM,
+            h1 = c.reducescatter_async(acc, lambda shape: st.extra["shard"], name=name + ".rs", op=ReduceOp.SUM,
                                        process_set=local)
             self.payload_bytes += acc.nbytes
-        else:
-            h1 = None
+        return functools.partial(self._collect, st, acc, name, h1, sig, (lo, cnt), (local, cross, per_host))
 
-        def collect():
-            if h1 is not None:
-                try:
-                    c.synchronize(h1)
-                except Exception:
-                    # This host disagreed (its reduce-scatter failed): still take part in the exchange between
-                    # hosts, with a payload whose signature cannot match, so the other hosts' ranks fail too,
-                    # naming the key, instead of waiting for a peer that has given up.
-                    poison = np.zeros(1, np.float32)
-                    poison.view(np.uint32)[0] = (sig + 1) & 0xFFFFFFFF
-                    try:
-                        c.synchronize(c.allgather_async(poison, lambda shape: np.empty(shape, np.float32),
-                                                        name=name + ".x", process_set=cross))
-                    except Exception:
-                        pass
-                    self._drop(st)
-                    raise
-            else:
-                shard[:] = acc
-            k = max(1, min(cnt, math.ceil(self.density * cnt))) if cnt else 0
-            mag = st.extra["mag"]
-            np.abs(shard, out=mag)
-            idx = selectors.select(mag, k, st.extra["selector"]) if k else np.empty(0, np.int64)
-            payload = np.empty(2 * k + 1, np.float32)
-            np.take(shard, idx, out=payload[:k])
-            payload[k:2 * k].view(np.int32)[:] = idx
-            payload[2 * k:].view(np.uint32)[0] = sig
-            if self.error_feedback:  # keep the unsent part of the owned slice, nothing elsewhere
+    def _submit_dense(self, st: KeyState, acc: np.ndarray, name: str):
+        """One host: an exact dense all-reduce of ``acc``; returns its collect function."""
+        out = st.extra.get("dense")
+        if out is None:
+            out = st.extra["dense"] = np.empty(acc.size, np.float32)
+        h = c.allreduce_async(acc, out, name=name, op=ReduceOp.SUM)
+        self.payload_bytes += acc.nbytes
+
+        def collect_dense():
+            c.synchronize(h)
+            if self.error_feedback:
                 acc.fill(0.0)
-                own = acc[lo:lo + cnt]
-                own[:] = shard
-                own[idx] = 0.0
-            self.payload_bytes += payload.nbytes
-            h2 = c.allgather_async(payload, lambda shape: np.empty(shape, np.float32), name=name + ".x",
-                                   process_set=cross)
-            res = c.synchronize(h2)
-            off = 0
-            for length in res.received_splits:
-                off += int(length)
-                if length < 1 or res.output[off - 1:off].view(np.uint32)[0] != sig:
-                    raise self._mismatch(st, "the size")
-            summed = sparse_sum(res.output, res.received_splits, st.extra["shard_sum"], trailer=1)
-            dense = st.extra["dense"]
-            if per_host == 1:
-                dense[:] = summed
-                return dense
-            h3 = c.allgather_async(summed, lambda shape: dense, name=name + ".ag", process_set=local)
-            c.synchronize(h3)
-            self.payload_bytes += summed.nbytes
+            return out
+        return collect_dense
+
+    def _collect(self, st: KeyState, acc: np.ndarray, name: str, h1, sig: int, owned: tuple, sets: tuple):
+        """Finish one step: this host's reduce-scatter, the top-k of the owned slice exchanged between hosts,
+        the summed slices gathered within the host. Returns the dense result. Collective over both sets.
+
+        Raises:
+            MismatchError: the hosts disagree about the tensor (its size); every rank raises.
+        """
+        (lo, cnt), (local, cross, per_host) = owned, sets
+        shard = st.extra["shard"]
+        if h1 is not None:
+            self._finish_reduce_scatter(st, h1, name, sig, cross)
+        else:
+            shard[:] = acc
+        k = max(1, min(cnt, math.ceil(self.density * cnt))) if cnt else 0
+        mag = st.extra["mag"]
+        np.abs(shard, out=mag)
+        idx = selectors.select(mag, k, st.extra["selector"]) if k else np.empty(0, np.int64)
+        payload = np.empty(2 * k + 1, np.float32)
+        np.take(shard, idx, out=payload[:k])
+        payload[k:2 * k].view(np.int32)[:] = idx
+        payload[2 * k:].view(np.uint32)[0] = sig
+        if self.error_feedback:  # keep the unsent part of the owned slice, nothing elsewhere
+            acc.fill(0.0)
+            own = acc[lo:lo + cnt]
+            own[:] = shard
+            own[idx] = 0.0
+        self.payload_bytes += payload.nbytes
+        h2 = c.allgather_async(payload, lambda shape: np.empty(shape, np.float32), name=name + ".x",
+                               process_set=cross)
+        res = c.synchronize(h2)
+        off = 0
+        for length in res.received_splits:
+            off += int(length)
+            if length < 1 or res.output[off - 1:off].view(np.uint32)[0] != sig:
+                raise self._mismatch(st, "the size")
+        summed = sparse_sum(res.output, res.received_splits, st.extra["shard_sum"], trailer=1)
+        dense = st.extra["dense"]
+        if per_host == 1:
+            dense[:] = summed
             return dense
-        return collect
+        h3 = c.allgather_async(summed, lambda shape: dense, name=name + ".ag", process_set=local)
+        c.synchronize(h3)
+        self.payload_bytes += summed.nbytes
+        return dense
+
+    def _finish_reduce_scatter(self, st: KeyState, h1, name: str, sig: int, cross) -> None:
+        """Wait for this host's reduce-scatter. If it failed (this host disagreed), still take part in the
+        exchange between hosts, with a payload whose signature cannot match, so the other hosts' ranks fail
+        too, naming the key, instead of waiting for a peer that has given up; then raise its error."""
+        try:
+            c.synchronize(h1)
+        except Exception:
+            poison = np.zeros(1, np.float32)
+            poison.view(np.uint32)[0] = (sig + 1) & 0xFFFFFFFF
+            try:
+                c.synchronize(c.allgather_async(poison, lambda shape: np.empty(shape, np.float32),
+                                                name=name + ".x", process_set=cross))
+            except Exception:
+                pass
+            self._drop(st)
+            raise

@@ -39,6 +39,7 @@ import numpy as np
 from perseus.common.process_sets import ProcessSet
 from perseus.common.reduce_ops import ReduceOp
 from perseus.compression.base import CHECK_LEN, KeyState, Reducer, key_hash, put_check, signature, verify_check
+from perseus.common import collectives as c
 
 __all__ = ["PowerSGD"]
 
@@ -257,8 +258,6 @@ class PowerSGD(Reducer):
             self.payload_bytes += nbytes
 
     def _submit(self, key: str, st: KeyState, acc: np.ndarray, process_set: ProcessSet, set_size: int):
-        from perseus.common import collectives as c
-
         send1 = self.round1(acc, st)
         ex = st.extra
         st.step += 1

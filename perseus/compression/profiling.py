@@ -10,6 +10,8 @@ import numpy as np
 
 from perseus.common.process_sets import ProcessSet
 from perseus.common.reduce_ops import ReduceOp
+from perseus.common.state import runtime
+from perseus.common import collectives as c
 
 __all__ = ["StepProfiler", "fit_affine", "probe_collective", "broadcast_from_first"]
 
@@ -95,10 +97,8 @@ class StepProfiler:
 
 
 def _set_info(process_set: ProcessSet):
-    from perseus.common.basics import state
-
-    ps_id, size, rank = state().process_set_info(process_set)
-    return size, rank, state().process_set_ranks(ps_id)[0]
+    ps_id, size, rank = runtime().process_set_info(process_set)
+    return size, rank, runtime().process_set_ranks(ps_id)[0]
 
 
 def probe_collective(kind: str, process_set: ProcessSet, nbytes=(4096, 65536, 1 << 20), repeats: int = 3,
@@ -108,8 +108,6 @@ def probe_collective(kind: str, process_set: ProcessSet, nbytes=(4096, 65536, 1 
 
     Collective: every rank of ``process_set`` calls it with the same arguments.
     """
-    from perseus.common import collectives as c
-
     best = []
     for nb in nbytes:
         a = np.zeros(max(1, int(nb) // 4), np.float32)
@@ -132,8 +130,6 @@ def probe_collective(kind: str, process_set: ProcessSet, nbytes=(4096, 65536, 1 
 def broadcast_from_first(obj, process_set: ProcessSet, tag: str):
     """The first rank of ``process_set``'s ``obj`` on every rank: pickled to uint8, then two broadcasts
     (the length, then the bytes). Collective: every rank calls it with the same ``tag``."""
-    from perseus.common import collectives as c
-
     _, rank, root = _set_info(process_set)
     if rank == 0:
         data = np.frombuffer(pickle.dumps(obj, protocol=4), np.uint8).copy()

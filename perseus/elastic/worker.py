@@ -5,7 +5,7 @@ The launcher's driver starts each *generation* of the job with ``mpirun`` and te
 where the checkpoint keepers are. :class:`ElasticSession` is the rank's end of that arrangement:
 
 * a connection to the driver, opened by ``init()``: ``hello``, a heartbeat every second, the host-change
-  notifications the driver sends (handed to :data:`perseus.common.elastic.notification_manager`, so the next
+  notifications the driver sends (handed to :data:`perseus.elastic.state.notification_manager`, so the next
   ``commit()`` raises ``HostsUpdatedInterrupt`` on every rank), its aborts after a rank failed elsewhere, and
   its word that every rank has left the training function;
 * the Gemini store (:class:`perseus.elastic.gemini.GeminiStore`): each ``commit()`` goes to this host's keeper
@@ -34,8 +34,12 @@ import traceback
 from typing import Optional
 
 from perseus.common.knobs import read_knob
+from perseus.common.state import runtime
 from perseus.elastic import wire
+from perseus.elastic.notifications import notification_manager
 from perseus.elastic.shm import SharedArena, job_dir
+from perseus.transport.mpi import load_mpi
+from perseus.elastic.gemini import GeminiStore
 
 __all__ = ["launcher_attached", "session", "ElasticSession", "EXIT_RESET", "parse_hosts", "parse_keepers"]
 
@@ -88,9 +92,7 @@ def host_of_rank(hosts: list[tuple[str, int]], rank: int) -> str:
 
 def _network_quiet() -> bool:
     """True when this rank has no collective on the network (the Gemini copies then go)."""
-    from perseus.common.basics import _STATE
-
-    engine = _STATE._engine
+    engine = runtime().running_engine()
     return engine is None or engine.open_requests() == 0
 
 
@@ -135,7 +137,6 @@ class ElasticSession:
         self._sock.settimeout(10.0)
         self.send({"op": "hello", "token": self.token, "rank": rank, "size": size,
                    "generation": self.generation, "host": self.host, "pid": os.getpid()})
-        from perseus.transport.mpi import load_mpi
 
         mpi = load_mpi()
         mpi.COMM_WORLD.Set_errhandler(mpi.ERRORS_RETURN)  # a dead peer is an error to handle, not an abort
@@ -179,8 +180,6 @@ class ElasticSession:
                 return
 
     def _receive(self) -> None:
-        from perseus.common.elastic import notification_manager
-
         while not self._closed.is_set():
             try:
                 ready, _, _ = select.select([self._sock, self._wake_r], [], [], 1.0)
@@ -217,11 +216,9 @@ class ElasticSession:
     def _abort_engine(detail: str) -> None:
         """The driver saw a rank fail: fail this rank's pending collectives now (they would otherwise wait for
         the dead rank until a timeout), so that the training function gets ``HorovodInternalError``."""
-        from perseus.common.basics import _STATE
-
         try:
-            if _STATE.is_initialized():
-                _STATE.engine.abort(f"perseus elastic: {detail}")
+            if runtime().is_initialized():
+                runtime().engine.abort(f"perseus elastic: {detail}")
         except Exception as exc:  # noqa: BLE001 - the engine may be shutting down already
             log.debug("abort after a failure elsewhere: %s", exc)
 
@@ -244,8 +241,6 @@ class ElasticSession:
     # -- Gemini ------------------------------------------------------------------------------------------------
 
     def _make_store(self):
-        from perseus.elastic.gemini import GeminiStore
-
         keepers = parse_keepers(read_knob("elastic_keepers")[0])
         ring = [h for h, _ in self.hosts] or [self.host]
         self.arena = None
@@ -329,7 +324,6 @@ class ElasticSession:
         in-process recovery is allowed (knob ``elastic_in_process``)."""
         if not read_knob("elastic_in_process")[0] or self.force_relaunch:
             return False
-        from perseus.transport.mpi import load_mpi
 
         return hasattr(load_mpi().Comm, "Shrink")
 
@@ -342,11 +336,9 @@ class ElasticSession:
         anew in their old order. The driver is told, and decides whether the smaller job may go on. False (the
         caller then leaves for a relaunch) when MPI cannot shrink the communicator.
         """
-        from perseus.common.basics import _STATE
-
         start = time.monotonic()
         old_rank = self.rank
-        _STATE.shutdown()
+        runtime().shutdown()
         try:
             comm.Revoke()
         except Exception:  # noqa: BLE001 - already revoked by another survivor, or nothing to revoke
@@ -357,7 +349,6 @@ class ElasticSession:
             log.warning("perseus elastic: rank %d cannot re-form the job in process (%s); leaving for a relaunch",
                         old_rank, exc)
             return False
-        from perseus.transport.mpi import load_mpi
 
         new.Set_errhandler(load_mpi().ERRORS_RETURN)
         self.rank, self.size = new.Get_rank(), new.Get_size()
@@ -424,18 +415,13 @@ class ElasticSession:
         if graceful and self.recovered_in_process:
             # MPI_Finalize can wait for ever on a job that lost a process: leave without it.
             try:
-                from perseus.common.basics import _STATE
-
-                _STATE.shutdown()
+                runtime().shutdown()
                 code = 0
             except Exception as exc:  # noqa: BLE001
                 log.warning("perseus elastic: shutdown before the re-form failed: %s", exc)
         elif graceful:
             try:
-                from perseus.common.basics import _STATE
-
-                _STATE.shutdown()
-                from perseus.transport.mpi import load_mpi
+                runtime().shutdown()
 
                 mpi = load_mpi()
                 if mpi.Is_initialized() and not mpi.Is_finalized():

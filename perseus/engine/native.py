@@ -12,6 +12,8 @@ from typing import Any, Callable, Optional
 
 from perseus.common.exceptions import MismatchError, PerseusInternalError, StallError
 from perseus.engine.stall import main_thread_location
+from perseus.engine.messages import DType, OpType, Request
+from perseus.transport.mpi import load_mpi
 
 __all__ = ["load_core", "Engine", "ENGINE_SETTINGS"]
 
@@ -36,10 +38,10 @@ def load_core():
     global _core
     if _core is not None:
         return _core
-    from perseus.transport.mpi import load_mpi
-
     MPI = load_mpi()
     try:
+        # Imported here, not at module level: the compiled core links against the MPI library, which
+        # load_mpi() has just loaded, and a core built for another MPI must fail with this message.
         from perseus import _core as core
     except ImportError as exc:
         raise ImportError(
@@ -117,8 +119,6 @@ class Engine:
         it becomes ready on every rank, so every rank switches at the same point. Values out of range
         (channels above those created) fail the request with ValueError on every rank.
         """
-        from perseus.engine.messages import DType, OpType, Request
-
         # The values travel as the shape: negotiation compares them across ranks.
         item = Request(name=name, dtype=DType.UINT8, shape=(int(fusion_threshold_bytes), int(inplace_threshold_bytes),
                                                              int(channels), int(cycle_time_us), int(algorithm)))

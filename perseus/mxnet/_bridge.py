@@ -28,7 +28,7 @@ import numpy as np
 from mxnet.base import MXNetError
 
 from perseus.common import collectives as _c
-from perseus.common.basics import state
+from perseus.common.state import runtime
 from perseus.common.exceptions import MismatchError, PerseusInternalError
 from perseus.engine.messages import DType
 
@@ -201,7 +201,7 @@ class Output:
 def ps_info(process_set):
     """``(id, size, rank_in_set)``; PerseusMXNetValueError when the set is unusable on this rank."""
     try:
-        return state().process_set_info(process_set)
+        return runtime().process_set_info(process_set)
     except ValueError as exc:
         raise PerseusMXNetValueError(str(exc)) from None
 

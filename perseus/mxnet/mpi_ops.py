@@ -24,7 +24,8 @@ from perseus.common.api import (  # noqa: F401 - re-exported
     is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
     nccl_built, rank, rocm_built, shutdown, size, start_timeline, stop_timeline,
 )
-from perseus.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from perseus.common.process_sets import ProcessSet, global_process_set
+from perseus.lifecycle import add_process_set, remove_process_set
 from perseus.common.reduce_ops import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, reject_adasum,
                                        resolve_op)
 from perseus.common.exceptions import PerseusInternalError

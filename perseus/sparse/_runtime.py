@@ -19,11 +19,16 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from perseus.common.basics import state
+from perseus.common.state import runtime
 from perseus.common.exceptions import MismatchError
 from perseus.common.reduce_ops import ReduceOp
 from perseus.sparse import choice
 from perseus.sparse.hashing import Seeds, h0_checksum
+from perseus.common.exceptions import PerseusInternalError
+from perseus.common.process_sets import global_process_set
+from perseus.common import collectives as c
+from perseus.compression.base import CHECK_LEN, put_check, verify_check
+from perseus.compression.profiling import fit_affine, probe_collective
 
 log = logging.getLogger("perseus")
 
@@ -73,12 +78,10 @@ class SparseHandle:
         return self._result
 
     def _engine_failure(self):
-        from perseus.common.exceptions import PerseusInternalError
-
         engine = self._engine
         if engine is None:
             return None
-        if state()._engine is not engine:
+        if runtime().running_engine() is not engine:
             return PerseusInternalError(f"perseus.sparse_allreduce({self.name!r}): perseus was shut down")
         message = engine.failed
         return None if message is None else PerseusInternalError(f"perseus.sparse_allreduce({self.name!r}): "
@@ -270,8 +273,6 @@ def tensor_state(ps_id: int, name: str) -> TensorState:
 def stats(name: str, process_set=None) -> Optional[SparseStats]:
     """The :class:`SparseStats` of the latest finished call under ``name`` on this rank (the name given to
     the call, e.g. ``grad.emb.weight`` for DistributedOptimizer's gradient of ``emb.weight``), or None."""
-    from perseus.common.process_sets import global_process_set
-
     ps = global_process_set if process_set is None else process_set
     ps_id = ps.process_set_id or 0
     full = name if name.startswith("sparse.") else f"sparse.{name}"
@@ -322,7 +323,7 @@ _sets_lock = threading.Lock()
 
 
 def set_state(process_set) -> SetState:
-    st = state()
+    st = runtime()
     ps_id, size, rank = st.process_set_info(process_set)
     with _sets_lock:
         ss = _sets.get(ps_id)
@@ -332,7 +333,7 @@ def set_state(process_set) -> SetState:
 
 
 def settings():
-    return state().settings
+    return runtime().settings
 
 
 def ensure_seeds(ss: SetState, process_set) -> Seeds:
@@ -343,8 +344,6 @@ def ensure_seeds(ss: SetState, process_set) -> Seeds:
     with ss.lock:
         if ss.seeds is not None:
             return ss.seeds
-        from perseus.common import collectives as c
-        from perseus.compression.base import CHECK_LEN, put_check, verify_check
 
         cfg = settings()
         k = int(cfg.zen_hash_funcs)
@@ -399,8 +398,6 @@ def ensure_link(ss: SetState, process_set) -> choice.Link:
     with ss.lock:
         if ss.link is not None:
             return ss.link
-        from perseus.common import collectives as c
-        from perseus.compression.profiling import fit_affine, probe_collective
 
         cfg = settings()
         lat_us, mbit = float(cfg.sparse_latency_us), float(cfg.sparse_bandwidth_mbit)
@@ -435,7 +432,7 @@ def _reset() -> None:
     choice._forget_tuned()
 
 
-state().register_job_state(_reset)
+runtime().register_job_state(_reset)
 
 
 # -- one call -------------------------------------------------------------------------------------------------

@@ -47,6 +47,8 @@ import dataclasses
 import math
 from typing import Dict, Iterable, Optional
 
+from perseus.common.step_policy import Following
+
 __all__ = ["ALGORITHMS", "CHOICES", "Link", "Workload", "Prediction", "predict", "choose", "choose_measured",
            "set_policy", "policy", "DEFAULT_LINK", "EXPLORE_WINDOW", "EXPLORE_SAMPLES"]
 
@@ -234,7 +236,7 @@ def _forget_tuned() -> None:
     global _policy, _following
     if not _policy_explicit:
         _policy = None
-    _following = None
+    _following = Following("sparse")
 
 
 def policy_explicit() -> bool:
@@ -243,36 +245,27 @@ def policy_explicit() -> bool:
 
 
 class _SparsePath:
-    """The sparse all-reduce path's identity with the autotuner (perseus.autotune.policy, link 'sparse')."""
+    """The sparse all-reduce path's identity with the autotuner (perseus.common.step_policy, link 'sparse')."""
 
 
 _PARTICIPANT = _SparsePath()
-_following = None  # perseus.autotune.policy.Following('sparse'), made at first use
+_following = Following("sparse")
 
 
 def follow_tuner(key: str, process_set) -> None:
     """Called at every 'auto' sparse all-reduce of the global process set, before its choice: under the
-    autotuner, at step boundaries, the per-step agreement of perseus.autotune.policy (one small all-reduce
+    autotuner, at step boundaries, the per-step agreement of perseus.common.step_policy (one small all-reduce
     while the tuner may still switch), then the algorithm the tuner chose for this step on every rank
     (:func:`set_policy`). Without a tuner: nothing. Collective while following (every rank calls it at the
     same calls, which the identical sequence of sparse all-reduces gives)."""
-    global _following
-    if _following is None:
-        from perseus.autotune.policy import Following
-
-        _following = Following("sparse")
     code = _following.at_call(_PARTICIPANT, key, process_set)
     if code is not None:
-        from perseus.autotune.space import SPARSE_ALGORITHMS
-
-        set_policy(None if code == 0 else SPARSE_ALGORITHMS[code], _by_tuner=True)
+        set_policy(None if code == 0 else CHOICES[code], _by_tuner=True)
 
 
 def tuned_index() -> int:
-    """The policy in force as an index into perseus.autotune.space.SPARSE_ALGORITHMS (0: 'auto')."""
-    from perseus.autotune.space import SPARSE_ALGORITHMS
-
-    return 0 if _policy is None else SPARSE_ALGORITHMS.index(_policy)
+    """The policy in force as an index into :data:`CHOICES` (0: 'auto'); the tuner's sparse dimension."""
+    return 0 if _policy is None else CHOICES.index(_policy)
 
 
 def prior_imbalance(n: int, total: float) -> float:

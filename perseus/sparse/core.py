@@ -9,6 +9,7 @@ import numpy as np
 from perseus.common.process_sets import ProcessSet, global_process_set
 from perseus.common.reduce_ops import ReduceOp
 from perseus.sparse import _runtime, _wire, allgather, choice, columns, dense, zen
+from perseus.common.collectives import _name
 
 __all__ = ["sparse_allreduce_async", "sparse_allreduce", "resolve_algorithm"]
 
@@ -80,9 +81,44 @@ def sparse_allreduce_async(rows, values, num_rows: Optional[int], name: Optional
         ValueError: bad rows, shapes, op or algorithm (on the caller's thread).
         MismatchError, from ``wait()`` on every rank: the ranks disagree about the tensor.
     """
-    from perseus.common.collectives import _name
-
     algorithm = resolve_algorithm(algorithm)
+    op, rows, values2, num_rows, row_shape = _checked(rows, values, num_rows, name, op, algorithm, coalesced)
+    ss = _runtime.set_state(process_set)
+    engine = _runtime.runtime().engine
+    full = f"sparse.{name}" if name is not None else _name("sparse", None, ss.ps_id)
+    ts = _runtime.tensor_state(ss.ps_id, full)
+    ts.table = (num_rows, row_shape, values2.dtype.str)
+    algorithm, how, predicted = _algorithm(algorithm, ts, ss, process_set, full, num_rows, values2)
+    handle = _runtime.SparseHandle(full[len("sparse."):], algorithm, engine)
+    if ss.size == 1:
+        ts.inflight = handle
+        local = _wire.Table(full, num_rows, row_shape, values2.dtype, int(op), algorithm)
+        call = _runtime.Call(engine, ss, local, rows, values2, handle, ts, how, predicted)
+        ts.calls += 1
+        call.finish(rows, values2.copy(), True, nnz=[rows.size], union=rows.size)
+        return handle
+    seed = 0
+    if algorithm == "zen":
+        seed = _runtime.ensure_seeds(ss, process_set).h0
+    table = _wire.Table(full, num_rows, row_shape, values2.dtype, int(op), algorithm, seed)
+    call = _runtime.Call(engine, ss, table, rows, values2, handle, ts, how, predicted)
+    ts.calls += 1
+    ts.inflight = handle
+    try:
+        _STARTS[algorithm](call)
+    except BaseException as exc:
+        handle._resolve(error=exc)
+        raise
+    return handle
+
+
+def _checked(rows, values, num_rows, name, op, algorithm: str, coalesced: bool):
+    """sparse_allreduce_async's arguments checked and normalised: ``(op, rows as int64, values as a
+    (rows, width) array, num_rows, row_shape)``, duplicates summed unless ``coalesced``. Local.
+
+    Raises:
+        ValueError: bad rows, shapes, dtype, op, or an algorithm that needs ``num_rows`` without it.
+    """
     op = ReduceOp(int(op))
     if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
         raise ValueError(f"perseus.sparse_allreduce: only Sum and Average apply to sparse tensors, not {op.name}")
@@ -112,12 +148,13 @@ def sparse_allreduce_async(rows, values, num_rows: Optional[int], name: Optional
         rows, values2 = zen.coalesce(rows, values2)
     else:
         rows = rows.astype(np.int64, copy=False)
+    return op, rows, values2, num_rows, row_shape
 
-    ss = _runtime.set_state(process_set)
-    engine = _runtime.state().engine
-    full = f"sparse.{name}" if name is not None else _name("sparse", None, ss.ps_id)
-    ts = _runtime.tensor_state(ss.ps_id, full)
-    ts.table = (num_rows, row_shape, values2.dtype.str)
+
+def _algorithm(algorithm: str, ts, ss, process_set, full: str, num_rows, values2):
+    """The algorithm this call runs, why (``how``) and the predictions 'auto' chose from (or None); records
+    the choice in the tensor's state. Collective under the autotuner (:func:`choice.follow_tuner`)."""
+    width = values2.shape[1]
     if algorithm == "auto":
         if ss.ps_id == 0:
             choice.follow_tuner(full, process_set)  # under the autotuner: the step's algorithm, agreed
@@ -131,27 +168,7 @@ def sparse_allreduce_async(rows, values, num_rows: Optional[int], name: Optional
         setup = setup or ss.seeds is None or (num_rows <= zen.BITMAP_MAX_ROWS and
                                               not zen.is_cached(num_rows, ss.size, ss.seeds.h0))
     ts.remember(ts.calls, algorithm, None if predicted is None else predicted[algorithm].seconds, setup)
-    handle = _runtime.SparseHandle(full[len("sparse."):], algorithm, engine)
-    if ss.size == 1:
-        ts.inflight = handle
-        local = _wire.Table(full, num_rows, row_shape, values2.dtype, int(op), algorithm)
-        call = _runtime.Call(engine, ss, local, rows, values2, handle, ts, how, predicted)
-        ts.calls += 1
-        call.finish(rows, values2.copy(), True, nnz=[rows.size], union=rows.size)
-        return handle
-    seed = 0
-    if algorithm == "zen":
-        seed = _runtime.ensure_seeds(ss, process_set).h0
-    table = _wire.Table(full, num_rows, row_shape, values2.dtype, int(op), algorithm, seed)
-    call = _runtime.Call(engine, ss, table, rows, values2, handle, ts, how, predicted)
-    ts.calls += 1
-    ts.inflight = handle
-    try:
-        _STARTS[algorithm](call)
-    except BaseException as exc:
-        handle._resolve(error=exc)
-        raise
-    return handle
+    return algorithm, how, predicted
 
 
 def sparse_allreduce(rows, values, num_rows, name=None, op=ReduceOp.AVERAGE, process_set=global_process_set,

@@ -32,6 +32,7 @@ import numpy as np
 
 from perseus.sparse import _wire
 from perseus.sparse.hashing import Seeds, owner_of, slot_of
+from perseus.sparse._runtime import settings
 
 __all__ = ["coalesce", "bucket_partition", "hash_partition", "partition", "OwnedRows", "owned_rows",
            "encode_bitmap", "decode_bitmap", "push_imbalance", "pull_imbalance", "pack_push", "aggregate",
@@ -369,8 +370,6 @@ def assemble(rows_parts, value_parts, width: int, dtype, divisor: Optional[int] 
 # -- the stages ----------------------------------------------------------------------------------------------
 def start(call) -> None:
     """Partition and push (caller's thread); the owner's sum and the pull follow on the worker."""
-    from perseus.sparse._runtime import settings
-
     t, n, rank = call.table, call.n, call.rank
     cfg = settings()
     seeds = call.set.seeds

@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from perseus.common import collectives as _c
-from perseus.common.basics import state
+from perseus.common.state import runtime
 from perseus.common.exceptions import MismatchError, NotAMemberError, PerseusInternalError
 from perseus.engine.messages import DType
 from perseus.tensorflow import _await
@@ -108,7 +108,7 @@ def ps_info(process_set):
         tf.errors.InvalidArgumentError: this rank is not a member of the set (as Horovod's TensorFlow ops).
     """
     try:
-        return state().process_set_info(process_set)
+        return runtime().process_set_info(process_set)
     except NotAMemberError as exc:
         raise tf.errors.InvalidArgumentError(None, None, str(exc)) from None
 

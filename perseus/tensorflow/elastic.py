@@ -1,7 +1,7 @@
 """Elastic training for TensorFlow 2 (Horovod's ``horovod.tensorflow.elastic``).
 
 ``TensorFlowKerasState`` keeps a Keras model and optimizer, ``TensorFlowState`` a list of ``tf.Variable``;
-``run`` is the retry loop of :mod:`perseus.common.elastic` (a rank that dies cannot be replaced: perseus has no
+``run`` is the retry loop of :mod:`perseus.elastic.state` (a rank that dies cannot be replaced: perseus has no
 elastic launcher yet). TF1 sessions are not supported.
 """
 
@@ -12,9 +12,9 @@ import re
 
 import tensorflow as tf
 
-from perseus.common.elastic import ObjectState, run_fn
+from perseus.elastic.state import ObjectState, run_fn
 from perseus.common.exceptions import HorovodInternalError
-from perseus.common.basics import state as _runtime
+from perseus.common.state import runtime as _runtime
 from perseus._keras.elastic import KerasState as TensorFlowKerasState
 from perseus.tensorflow.functions import broadcast_object, broadcast_variables
 from perseus.tensorflow.mpi_ops import init, rank, shutdown
@@ -71,7 +71,7 @@ _GRAPH_FAILURE = re.compile(r"perseus\.[a-z_]+\(|perseus_collective_failed")
 
 def run(func):
     """Decorator running ``func(state, *args, **kwargs)`` in the elastic retry loop (see
-    :func:`perseus.common.elastic.run_fn`): on ``HorovodInternalError`` every rank restores its last commit,
+    :func:`perseus.elastic.state.run_fn`): on ``HorovodInternalError`` every rank restores its last commit,
     perseus restarts, the state is synced from rank 0 and ``func`` runs again. A perseus collective that
     failed inside a TF graph reaches Python as a ``tf.errors.OpError`` (``UnknownError``,
     ``FailedPreconditionError``); such errors count as ``HorovodInternalError`` here, as with Horovod."""

@@ -368,13 +368,13 @@ class _DeAR(torch.optim.Optimizer):
 
     def _dear_follow_tuner(self):
         """Under the autotuner (global process set): the group size is a search dimension
-        (perseus.autotune.policy, link 'dear'); while the tuner may change it, each step ends with one small
+        (perseus.common.step_policy, link 'dear'); while the tuner may change it, each step ends with one small
         all-reduce so that every rank takes the same size from the same backward on. Collective."""
         if self.process_set is not global_process_set:
             return
         following = self.__dict__.get("_dear_following")
         if following is None:
-            from perseus.autotune.policy import Following
+            from perseus.common.step_policy import Following
 
             following = self._dear_following = Following("dear")
         code = following.at_call(self, "dear.step", self.process_set)

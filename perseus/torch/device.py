@@ -35,13 +35,13 @@ import numpy as np
 import torch
 
 from perseus.common import collectives as _c
-from perseus.common.basics import state
+from perseus.common.state import runtime
 from perseus.common.knobs import external, set_external_default
 from perseus.common.process_sets import global_process_set
 
 __all__ = ["backend", "routes_cpu", "takes", "allreduce_async", "Streams", "CudaStreams", "HostStreams"]
 
-_state = state()
+_state = runtime()
 
 # What NCCL (and gloo) reduce: the engine's dtype codes.
 _FLOATS = {torch.float16, torch.bfloat16, torch.float32, torch.float64}

@@ -91,7 +91,7 @@ def _reset_names() -> None:
         _names.clear()
 
 
-_c.state().register_job_state(_reset_names)
+_c.runtime().register_job_state(_reset_names)
 
 
 class _Plan:
@@ -186,7 +186,7 @@ class DistributedEmbedding(nn.Module):
                 raise ValueError("Padding_idx must be within num_embeddings")
             if padding_idx < 0:
                 padding_idx += num_embeddings
-        ps_id, size, rank = _c.state().process_set_info(process_set)
+        ps_id, size, rank = _c.runtime().process_set_info(process_set)
         if embedding_dim < size:
             raise ValueError(f"perseus.DistributedEmbedding: embedding_dim {embedding_dim} is smaller than the "
                              f"{size} ranks of the process set; every rank needs at least one column")
@@ -196,7 +196,7 @@ class DistributedEmbedding(nn.Module):
         self.process_set, self.op = process_set, op
         self.name = name if name is not None else _default_name(ps_id)
         self._ps_id, self._size, self._rank = ps_id, size, rank
-        self._job_ranks = list(_c.state().process_set_ranks(ps_id))
+        self._job_ranks = list(_c.runtime().process_set_ranks(ps_id))
         self._widths = even_counts(embedding_dim, size)
         starts = [sum(self._widths[:k]) for k in range(size)]
         self._bounds = [(s, s + w) for s, w in zip(starts, self._widths)]
@@ -636,7 +636,7 @@ def _reset_orders() -> None:
         _orders.clear()
 
 
-_c.state().register_job_state(_reset_orders)
+_c.runtime().register_job_state(_reset_orders)
 
 
 def full_state_dict(model: nn.Module, root_rank: Optional[int] = 0):
@@ -648,7 +648,7 @@ def full_state_dict(model: nn.Module, root_rank: Optional[int] = 0):
     its columns), and into ``nn.Embedding`` as well.
     """
     state = model.state_dict()
-    me = _c.state().rank()
+    me = _c.runtime().rank()
     keep = root_rank is None or me == int(root_rank)
     for name, module in model.named_modules():
         if not isinstance(module, DistributedEmbedding):

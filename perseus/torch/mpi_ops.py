@@ -14,7 +14,8 @@ from perseus.common.api import (  # noqa: F401 - re-exported
     rank, rocm_built, shutdown, size, start_timeline, stop_timeline,
 )
 from perseus.common.exceptions import HorovodInternalError
-from perseus.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from perseus.common.process_sets import ProcessSet, global_process_set
+from perseus.lifecycle import add_process_set, remove_process_set
 from perseus.common.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum, resolve_op
 from perseus.compression import Pending, Reducer
 from perseus.engine.messages import DType
@@ -55,7 +56,7 @@ def synchronize(handle):
     return _state.engine.wait(handle)
 
 
-_state = _c.state()
+_state = _c.runtime()
 
 
 def cuda_built() -> bool:

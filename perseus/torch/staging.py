@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from perseus.common.basics import state
+from perseus.common.state import runtime
 
 __all__ = ["DeviceOps", "CudaOps", "HostOps", "wanted", "to_host", "host_empty", "to_device", "copy_back",
            "stage_cpu"]
@@ -105,7 +105,7 @@ def stage_cpu() -> bool:
     """Whether CPU tensors are staged too (``PERSEUS_STAGE_CPU_TENSORS``, as loaded by ``init()``)."""
     global _stage_cpu
     if _stage_cpu is None:
-        _stage_cpu = bool(state().settings.stage_cpu_tensors)
+        _stage_cpu = bool(runtime().settings.stage_cpu_tensors)
     return _stage_cpu
 
 
@@ -114,7 +114,7 @@ def _forget() -> None:
     _stage_cpu = None
 
 
-state().register_job_state(_forget)
+runtime().register_job_state(_forget)
 
 
 def _ops(t: torch.Tensor) -> DeviceOps:

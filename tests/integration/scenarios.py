@@ -20,9 +20,9 @@ def main(mode: str) -> None:
             time.sleep(60)  # never submits "lonely"
     elif mode in ("transport_error", "transport_error_caught"):
         if rank == 1:
-            from perseus.common.basics import state
+            from perseus.common.state import runtime
 
-            state().engine._native.fail_next_collective("simulated transport failure")
+            runtime().engine._native.fail_next_collective("simulated transport failure")
         try:
             hvd.allreduce(torch.ones(1 << 16), name="doomed")
         except hvd.HorovodInternalError as exc:

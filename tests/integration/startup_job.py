@@ -11,7 +11,8 @@ import sys
 import torch
 
 import perseus.torch as hvd
-from perseus.common import basics, startup
+from perseus.autotune import service
+from perseus.common import startup, state
 from perseus.engine import native
 from perseus.transport.mpi import load_mpi
 
@@ -37,14 +38,14 @@ def _patches(stage: str) -> list:
     import perseus.autotune.techniques as techniques
 
     return {
-        "settings": [(basics, "load_settings", _bad_setting)],
+        "settings": [(state, "load_settings", _bad_setting)],
         "core": [(native, "load_core", _no_core)],
         "optuna": [(techniques, "_optuna", _no_optuna)],
         "topology": [(startup, "topology", _fail)],
         "channels": [(native.Engine, "add_process_set", _fail)],
         "engine_start": [(native.Engine, "start", _fail)],
-        "tuner": [(basics, "_make_tuner", _fail)],
-        "process_sets": [(basics.PerseusBasics, "_add_set", _fail)],
+        "tuner": [(service, "make_tuner", _fail)],
+        "process_sets": [(state.Runtime, "_add_set", _fail)],
     }.get(stage, [])
 
 

@@ -29,9 +29,9 @@ def model():
 
 
 def _train(hvd, net, schedule, steps=None, max_steps=400):
-    from perseus.common.basics import state
+    from perseus.common.state import runtime
 
-    tuner = state()._tuner
+    tuner = runtime().service("tuner")
     opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9),
                                    named_parameters=net.named_parameters(), schedule=schedule)
     g = torch.Generator().manual_seed(100 + hvd.rank())

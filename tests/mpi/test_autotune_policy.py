@@ -30,9 +30,9 @@ def _train_until_tuned(hvd, es, model, max_steps=400, jitter=True):
     """Train until every rank's tuner has finished, then 3 steps more. Returns the tuner, per step what this
     rank used: (policy, option of every gradient, whether the per-step agreement had stopped), and a function
     that trains n steps more."""
-    from perseus.common.basics import state
+    from perseus.common.state import runtime
 
-    tuner = state()._tuner
+    tuner = runtime().service("tuner")
     assert tuner is not None
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
                                    named_parameters=model.named_parameters(), compression=es)
@@ -138,9 +138,9 @@ def test_policy_and_engine_parameters_searched_together(hvd):
         es = hvd.Compression.espresso(density=0.1)
         other = Espresso(density=0.1)  # only one Espresso per job follows the tuner: the first one created
         model = mlp()
-        from perseus.common.basics import state
+        from perseus.common.state import runtime
 
-        tuner = state()._tuner
+        tuner = runtime().service("tuner")
         if hvd.rank() == 1:  # this rank's tuner hears of every setting late: its compressor must wait for it
             post = tuner.policy.post
 
@@ -159,7 +159,7 @@ def test_policy_and_engine_parameters_searched_together(hvd):
         assert other._autotune is None
         _check_same_everywhere(hvd, es, model, tuner, record)
         assert hvd.allreduce(torch.tensor([es._autotune.waits]), name="policy.waits", op=hvd.Sum).item() >= 1
-        assert tuple(state().engine.params(0))[:5] == tuner.result.values()
+        assert tuple(runtime().engine.params(0))[:5] == tuner.result.values()
         assert tuner.samples >= 3
     finally:
         restart(hvd, old)

@@ -31,10 +31,10 @@ class Model(nn.Module):
 def _train_until_tuned(hvd, model, max_steps=400):
     """Train until every rank's tuner has ended, then 3 steps more; per step, the algorithm the embedding's
     gradient took and whether the sparse path still follows the tuner."""
-    from perseus.common.basics import state
+    from perseus.common.state import runtime
     from perseus.sparse import choice, stats
 
-    tuner = state()._tuner
+    tuner = runtime().service("tuner")
     assert tuner is not None
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters(), sparse_algorithm="auto")

@@ -235,9 +235,9 @@ def test_large_reducescatter_and_allgather_with_each_algorithm(hvd, algorithm):
     # factors and Average. Small integers: sums are exact whatever order the ring combines ranks in.
     old = restart(hvd, {"PERSEUS_ALLREDUCE_ALGORITHM": algorithm})
     try:
-        from perseus.common.basics import state
+        from perseus.common.state import runtime
 
-        assert state().engine.params(0)[4] == {"auto": 0, "mpi": 1, "ring": 2}[algorithm]
+        assert runtime().engine.params(0)[4] == {"auto": 0, "mpi": 1, "ring": 2}[algorithm]
         size, rank = hvd.size(), hvd.rank()
         for dtype in ("float32", "bfloat16", "int64", "float64"):
             for op, pre, post in (("Sum", 1.0, 1.0), ("Average", 1.0, 1.0), ("Max", 1.0, 1.0), ("Sum", 2.0, 0.5)):

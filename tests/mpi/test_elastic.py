@@ -10,8 +10,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import perseus.torch.elastic as elastic
-from perseus.common import elastic as common_elastic
-from perseus.common.elastic import HostUpdateResult, ObjectState
+from perseus.elastic import state as common_elastic
+from perseus.elastic.state import HostUpdateResult, ObjectState
 from perseus.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
 pytestmark = pytest.mark.timeout(120)

@@ -13,7 +13,7 @@ import torch
 
 import perseus.torch as hvd
 from perseus import sparse
-from perseus.common.basics import state
+from perseus.common.state import runtime
 from perseus.common.exceptions import HorovodInternalError
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -129,7 +129,7 @@ def _draw(r):
 
 
 def test_hash_partitioner_with_overflow():
-    cfg = state().settings
+    cfg = runtime().settings
     saved = (cfg.zen_partitioner, cfg.zen_hash_funcs, cfg.zen_load_factor, cfg.zen_serial_fraction)
     try:
         cfg.zen_partitioner, cfg.zen_hash_funcs, cfg.zen_load_factor, cfg.zen_serial_fraction = "check", 1, 8.0, 0.0

@@ -17,12 +17,12 @@ OPS = {"sum": 1, "min": 3, "max": 4, "product": 5}
 def engines(hvd):
     from mpi4py import MPI
 
-    from perseus.common.basics import state
+    from perseus.common.state import runtime
     from perseus.engine.native import ENGINE_SETTINGS, Engine
 
     made = {}
     for algorithm in ("mpi", "ring", "auto"):
-        values = {name: getattr(state().settings, name) for name in ENGINE_SETTINGS}
+        values = {name: getattr(runtime().settings, name) for name in ENGINE_SETTINGS}
         # Small thresholds: a 70000-element tensor is reduced in place in several units.
         values.update(allreduce_algorithm=algorithm, fusion_threshold_bytes=64 << 10,
                       inplace_threshold_bytes=16 << 10, cycle_time_ms=0.0)

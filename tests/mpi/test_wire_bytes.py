@@ -26,9 +26,9 @@ def test_allreduce_sends_two_size_minus_one_over_size_of_the_buffer(hvd, algorit
     old = {"PERSEUS_ALLREDUCE_ALGORITHM": os.environ.get("PERSEUS_ALLREDUCE_ALGORITHM")}
     try:
         restart(hvd, {"PERSEUS_ALLREDUCE_ALGORITHM": algorithm})
-        from perseus.common.basics import state
+        from perseus.common.state import runtime
 
-        assert state().engine.params(0)[4] == {"mpi": 1, "ring": 2}[algorithm]
+        assert runtime().engine.params(0)[4] == {"mpi": 1, "ring": 2}[algorithm]
         size = hvd.size()
         count = 6 * 50000  # float32 elements: every ring segment the same size for 2 and 3 ranks
         start = hvd.wire_bytes()

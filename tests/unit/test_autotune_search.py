@@ -285,7 +285,7 @@ class _Ranks:
     def __init__(self, monkeypatch):
         self.others = (0, False)
         self.calls = []
-        import perseus.autotune.policy as policy
+        import perseus.common.step_policy as policy
 
         def fake_max(name, process_set, posted, ended):
             assert name.startswith("perseus.autotune.policy.")
@@ -297,7 +297,7 @@ class _Ranks:
 def test_follower_applies_a_proposal_at_a_step_boundary_only(monkeypatch):
     import threading
 
-    from perseus.autotune.policy import PolicyLink
+    from perseus.common.step_policy import PolicyLink
 
     ranks = _Ranks(monkeypatch)
     link = PolicyLink()
@@ -324,8 +324,8 @@ def test_follower_applies_a_proposal_at_a_step_boundary_only(monkeypatch):
 
 
 def test_follower_stops_when_a_tuner_ended_and_fails_clearly_when_one_never_hears(monkeypatch):
-    from perseus.autotune import policy
-    from perseus.autotune.policy import PolicyLink
+    from perseus.common import step_policy as policy
+    from perseus.common.step_policy import PolicyLink
     from perseus.common.exceptions import PerseusInternalError
 
     ranks = _Ranks(monkeypatch)

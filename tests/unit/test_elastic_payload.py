@@ -1,5 +1,5 @@
 """Unit tests for what an elastic rank hands to the checkpoint keepers: state payloads (perseus.torch.elastic,
-perseus.common.elastic) and the launcher variables a rank parses (perseus.elastic.worker). One process."""
+perseus.elastic.state) and the launcher variables a rank parses (perseus.elastic.worker). One process."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import perseus.torch as hvd
-from perseus.common.elastic import ObjectState
+from perseus.elastic.state import ObjectState
 from perseus.elastic import worker
 from perseus.torch.elastic import ElasticSampler, TorchState
 

@@ -1,4 +1,4 @@
-"""Unit tests for the elastic state API (perseus.common.elastic, perseus.torch.elastic), in one process.
+"""Unit tests for the elastic state API (perseus.elastic.state, perseus.torch.elastic), in one process.
 
 perseus runs as a one-rank job here (MPI singleton); the retry loop's reset really restarts perseus.
 """
@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader, Dataset
 
 import perseus.torch as hvd
 import perseus.torch.elastic as elastic
-from perseus.common import elastic as common_elastic
-from perseus.common.elastic import HostUpdateResult, ObjectState, State, run_fn
+from perseus.elastic import state as common_elastic
+from perseus.elastic.state import HostUpdateResult, ObjectState, State, run_fn
 from perseus.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt, PerseusInternalError
 from perseus.torch.elastic import sampler as sampler_module
 from perseus.torch.elastic import state as state_module

@@ -1720,8 +1720,8 @@ def test_wire_bytes_are_per_process_set_and_only_grow(make_sim):
 
 def test_wire_bytes_before_init_is_a_value_error():
     from perseus.common import api
-    from perseus.common.basics import PerseusBasics
+    from perseus.common.state import Runtime
 
     with pytest.raises(ValueError, match="not been initialized"):
-        PerseusBasics().wire_bytes()
+        Runtime().wire_bytes()
     assert api.wire_bytes.__self__ is api._basics and "wire_bytes" in api.__all__

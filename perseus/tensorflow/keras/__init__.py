@@ -7,7 +7,8 @@
 
 from tensorflow import keras as _keras
 
-from perseus.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from perseus.common.process_sets import ProcessSet, global_process_set
+from perseus.lifecycle import add_process_set, remove_process_set
 from perseus.common.reduce_ops import Average, Sum
 from perseus._keras import frontend as _frontend
 from perseus._keras.embedding import make_embedding_class as _make_embedding_class

@@ -11,11 +11,11 @@
 In a job started by ``mpirun``/``perseusrun`` (perseus has no elastic launcher yet), ``run`` recovers from a
 collective that failed on every rank: each rank restores its last commit, perseus restarts, state is synced from
 rank 0 and ``train`` is called again, at most ``PERSEUS_ELASTIC_RESET_LIMIT`` times (default 3). A rank that died
-cannot be replaced. See :mod:`perseus.common.elastic`.
+cannot be replaced. See :mod:`perseus.elastic.state`.
 """
 
-from perseus.common.elastic import ObjectState, run_fn  # noqa: F401 - ObjectState: convenience attribute
-from perseus.common.basics import state as _runtime
+from perseus.elastic.state import ObjectState, run_fn  # noqa: F401 - ObjectState: convenience attribute
+from perseus.common.state import runtime as _runtime
 from perseus.torch.elastic.sampler import ElasticSampler
 from perseus.torch.elastic.state import TorchState
 from perseus.torch.mpi_ops import init, shutdown

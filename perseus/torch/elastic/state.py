@@ -7,7 +7,7 @@ import inspect
 
 import torch
 
-from perseus.common.elastic import ObjectState, _check_attribute_names
+from perseus.elastic.state import ObjectState, _check_attribute_names
 from perseus.common.knobs import read_knob
 from perseus.torch.elastic.snapshot import Snapshotter
 from perseus.torch.elastic.sampler import ElasticSampler

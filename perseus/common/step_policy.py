@@ -1,4 +1,5 @@
-"""The tuner's hold on what switches at training steps: Espresso's policy (``'espresso'``, ``'dense'`` or
+"""What switches at training steps every rank agrees on, and the tuner's hold on it: Espresso's policy
+(``'espresso'``, ``'dense'`` or
 ``'all-compressed'``) and the algorithm of sparse all-reduces (``'auto'``, ``'zen'``, ...).
 
 An engine parameter switches through a TUNE request, which the engine negotiates: every rank switches at the
@@ -41,6 +42,7 @@ import numpy as np
 
 from perseus.common.exceptions import PerseusInternalError
 from perseus.common.reduce_ops import ReduceOp
+from perseus.common.state import runtime
 from perseus.engine.messages import DType, OpType, Request
 
 __all__ = ["PolicyLink", "Follower", "Following", "attach", "WAIT_S"]
@@ -154,9 +156,7 @@ class Follower:
 
 def _max(name: str, process_set, posted: int, ended: bool) -> tuple[int, bool]:
     """The per-step all-reduce (MAX over ``process_set``) of ``(posted, ended)``."""
-    from perseus.common.basics import state
-
-    st = state()
+    st = runtime()
     ps_id, size, _ = st.process_set_info(process_set)
     buf = np.array([posted, int(ended)], np.int64)
     if size > 1:
@@ -180,9 +180,7 @@ class Following:
     def at_call(self, participant, key: str, process_set) -> Optional[int]:
         """The setting index to use from this call on, or None to keep the one in force. Collective while
         following (see :meth:`Follower.at_call`)."""
-        from perseus.common.basics import state
-
-        tuner = state()._tuner
+        tuner = runtime().service("tuner")
         if tuner is None:
             return None
         if self._tuner is None or self._tuner() is not tuner:
@@ -197,9 +195,7 @@ def attach(compressor, link: str = "policy") -> tuple[Optional[Follower], bool]:
     """Register ``compressor`` with this job's tuner: ``(follower or None, whether a tuner was there to ask)``.
     Without a tuner (no autotuning, or perseus not initialised yet) the caller may ask again later.
     ``link``: ``'policy'`` (a compressor) or ``'sparse'`` (the sparse all-reduce path)."""
-    from perseus.common.basics import state
-
-    tuner = state()._tuner
+    tuner = runtime().service("tuner")
     if tuner is None:
         return None, False
     return getattr(tuner, link).register(compressor), True

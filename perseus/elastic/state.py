@@ -18,11 +18,10 @@ What this gives a *static* job (started by ``mpirun``/``perseusrun``, no host di
 * The number of resets is capped (:data:`DEFAULT_RESET_LIMIT`, or ``PERSEUS_ELASTIC_RESET_LIMIT``), so an error
   that comes back at every attempt ends the job with a clear message instead of looping forever.
 
-Seam for an elastic launcher: host-change notifications reach the workers through :data:`notification_manager`.
-In a static job nothing is attached to it, so no notification ever arrives. A future elastic launcher installs
-a notification source with :func:`set_notification_source`; the source calls
-``notification_manager.handle_hosts_updated(timestamp, update)`` when the driver reports a change, and every
-``State`` registered by a running ``run`` loop queues it for its next ``commit()``/``check_host_updates()``.
+Under the elastic launcher (``perseusrun --host-discovery-script``) host changes reach the ranks through
+:data:`~perseus.elastic.notifications.notification_manager`, whose source is the rank's session with the
+launcher (:mod:`perseus.elastic.worker`); in a static job nothing is attached to it, so no notification ever
+arrives.
 """
 
 from __future__ import annotations
@@ -31,12 +30,14 @@ import copy
 import functools
 import logging
 import queue
-import threading
-from enum import IntFlag
-from typing import Callable, Optional
+from typing import Optional
 
 from perseus.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from perseus.common.knobs import knob, read_knob
+from perseus.common.state import runtime
+from perseus.elastic import worker
+from perseus.elastic.notifications import (HostUpdateResult, WorkerNotificationManager, has_notification_source,
+                                           notification_manager, set_notification_source)
 
 __all__ = [
     "HostUpdateResult",
@@ -59,74 +60,6 @@ DEFAULT_RESET_LIMIT = knob("elastic_reset_limit").default
 RESET_LIMIT_ENV = knob("elastic_reset_limit").env[0]
 
 
-class HostUpdateResult(IntFlag):
-    """What changed in the set of hosts (as Horovod's ``horovod.runner.elastic.worker.HostUpdateResult``)."""
-
-    no_update = 0
-    removed = 1
-    added = 2
-    mixed = removed | added
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Notification seam
-# ---------------------------------------------------------------------------------------------------------
-
-_source_factory: Optional[Callable[["WorkerNotificationManager"], object]] = None
-
-
-def set_notification_source(factory: Optional[Callable[["WorkerNotificationManager"], object]]) -> None:
-    """Install how this worker hears about host changes (for an elastic launcher; ``None`` removes it).
-
-    ``factory(manager)`` is called once, by the first ``run`` loop to start, and returns the running source
-    (kept alive by the manager). The source calls ``manager.handle_hosts_updated(timestamp, update)`` for every
-    change the launcher's driver reports.
-    """
-    global _source_factory
-    _source_factory = factory
-
-
-class WorkerNotificationManager:
-    """Hands host-change notifications to the :class:`State` objects of running ``run`` loops."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._listeners: set = set()
-        self._source = None
-
-    def init(self) -> None:
-        """Start the notification source if one is installed and not yet started (no-op in a static job)."""
-        with self._lock:
-            if self._source is None and _source_factory is not None:
-                self._source = _source_factory(self)
-
-    @property
-    def attached(self) -> bool:
-        """True once an elastic launcher's notification source is running in this process."""
-        return self._source is not None
-
-    def register_listener(self, listener) -> None:
-        with self._lock:
-            self._listeners.add(listener)
-
-    def remove_listener(self, listener) -> None:
-        with self._lock:
-            self._listeners.discard(listener)
-
-    def handle_hosts_updated(self, timestamp, update_res=HostUpdateResult.no_update) -> None:
-        """Called by the notification source: pass the change to every registered state."""
-        with self._lock:
-            listeners = list(self._listeners)
-        for listener in listeners:
-            listener.on_hosts_updated(timestamp, update_res)
-
-    def _detach(self) -> None:
-        """Forget the running source (tests; a launcher shutting its source down)."""
-        with self._lock:
-            self._source = None
-
-
-notification_manager = WorkerNotificationManager()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -420,21 +353,16 @@ def run_fn(func, reset, init_on=None):
 def _launcher_session():
     """The elastic launcher's session for this rank (perseus must be initialised), or None in a job
     without one."""
-    from perseus.elastic import worker
-
     if not worker.launcher_attached():
         return None
-    from perseus.common.basics import _STATE
-
-    if not _STATE.is_initialized():
+    if not runtime().is_initialized():
         raise ValueError("perseus elastic: call init() before the function decorated with elastic.run")
-    global _source_factory
-    if _source_factory is None:
+    if not has_notification_source():
         # The driver connection delivers host changes: mark the manager attached (reset_limit and the error
         # messages then speak of a launcher).
-        _source_factory = lambda manager: worker.session(_STATE.rank(), _STATE.size())  # noqa: E731
+        set_notification_source(lambda manager: worker.session(runtime().rank(), runtime().size()))
     notification_manager.init()
-    return worker.session(_STATE.rank(), _STATE.size())
+    return worker.session(runtime().rank(), runtime().size())
 
 
 def _run_relaunched(session, func, state, args, kwargs, init_on):
@@ -453,8 +381,6 @@ def _run_relaunched(session, func, state, args, kwargs, init_on):
     same commit; the driver starts the next generation on the new hosts. An exception from ``func`` itself is
     reported to the driver, which ends the job, and propagates.
     """
-    from perseus.common.basics import state as _runtime
-
     state._elastic_session = session
     notification_manager.register_listener(state)
     try:
@@ -470,7 +396,7 @@ def _run_relaunched(session, func, state, args, kwargs, init_on):
                 log.warning("perseus elastic: rank %d: %s: %s", session.rank, type(e).__name__, e)
                 state.restore()
                 if not (init_on is not None and session.in_process
-                        and session.recover_in_process(_runtime().world_comm(), init_on)):
+                        and session.recover_in_process(runtime().world_comm(), init_on)):
                     session.leave_for_reset(e, graceful=False)
                 state.on_reset()
             except HostsUpdatedInterrupt as e:

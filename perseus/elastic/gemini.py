@@ -39,7 +39,7 @@ import threading
 import time
 from typing import Callable, Optional, Sequence, Union
 
-from perseus.elastic import wire
+from perseus.elastic import protocol
 
 __all__ = ["placement", "recovery_probability", "GeminiStore"]
 
@@ -306,11 +306,11 @@ class GeminiStore:
 
     def _open(self, host: str) -> socket.socket:
         address, port = self.keepers[host]
-        sock = wire.connect(address, port, timeout=self.CONNECT_TIMEOUT_S)
+        sock = protocol.connect(address, port, timeout=self.CONNECT_TIMEOUT_S)
         try:
             sock.settimeout(self.IO_TIMEOUT_S)
-            wire.send_msg(sock, {"op": "hello", "token": self.token})
-            reply, _ = wire.recv_msg(sock)
+            protocol.send_msg(sock, {"op": "hello", "token": self.token})
+            reply, _ = protocol.recv_msg(sock)
             if reply.get("op") != "ok":
                 raise ConnectionRefusedError(f"keeper of {host} at {address}:{port} refused the hello: "
                                              f"{reply.get('detail', reply)}")
@@ -336,8 +336,8 @@ class GeminiStore:
 
     def _query(self, host: str, header: dict) -> tuple[dict, list[bytearray]]:
         def talk(sock):
-            wire.send_msg(sock, header)
-            return wire.recv_msg(sock)
+            protocol.send_msg(sock, header)
+            return protocol.recv_msg(sock)
 
         with self._query_lock:
             return self._exchange(self._query_conns, host, talk)
@@ -383,8 +383,8 @@ class GeminiStore:
         header = {"op": "put_files", "version": job.version, "owner": job.owner, "parts": descs}
 
         def talk(sock):
-            wire.send_msg(sock, header, inline)
-            return wire.recv_msg(sock)[0]
+            protocol.send_msg(sock, header, inline)
+            return protocol.recv_msg(sock)[0]
 
         try:
             reply = self._exchange(self._local_conns, host, talk)
@@ -437,16 +437,16 @@ class GeminiStore:
         views = [memoryview(p).cast("B") for p in job.parts]
         sizes = [v.nbytes for v in views]
         key = {"version": job.version, "owner": job.owner}
-        wire.send_msg(sock, dict(key, op="put_begin", nbytes_total=sum(sizes), parts=sizes))
+        protocol.send_msg(sock, dict(key, op="put_begin", nbytes_total=sum(sizes), parts=sizes))
         for i, view in enumerate(views):
             for offset in range(0, view.nbytes, self.chunk_bytes):
                 if self._closed:
                     raise ConnectionAbortedError("the store was closed")
                 self._wait_for_gap()
-                wire.send_msg(sock, dict(key, op="put_chunk", part=i, offset=offset),
+                protocol.send_msg(sock, dict(key, op="put_chunk", part=i, offset=offset),
                               [view[offset:offset + self.chunk_bytes]])
-        wire.send_msg(sock, dict(key, op="put_end"))
-        return wire.recv_msg(sock)[0]
+        protocol.send_msg(sock, dict(key, op="put_end"))
+        return protocol.recv_msg(sock)[0]
 
     def hurry(self) -> None:
         """The training waits for the version in flight (its next commit, a flush, a failure): send the rest of

@@ -11,7 +11,7 @@ happens when the launcher that started it (through a pipe or ``ssh``) is gone.
 Run as ``python -m perseus.elastic.keeper [--bind ADDR] [--port PORT]``. The first line of stdin is the job's
 token (so that it never shows in ``ps``); once listening the keeper prints one line ``PERSEUS_KEEPER_PORT
 <port>`` to stdout. It serves any number of TCP connections, one thread each, with the messages of
-:mod:`perseus.elastic.wire`. A connection starts with ``{"op": "hello", "token": T}`` (answered ``ok``, or
+:mod:`perseus.elastic.protocol`. A connection starts with ``{"op": "hello", "token": T}`` (answered ``ok``, or
 ``error`` and closed on a wrong token); then:
 
 * ``put_begin`` {version, owner, nbytes_total, parts: [sizes]}, ``put_chunk`` {version, owner, part, offset}
@@ -50,7 +50,7 @@ import time
 from typing import Optional, Sequence
 
 from perseus.elastic.shm import job_dir, owner_pid, pid_alive
-from perseus.elastic.wire import MAX_HEADER_BYTES, WireError, send_msg
+from perseus.elastic.protocol import MAX_HEADER_BYTES, WireError, send_msg
 
 __all__ = ["KeeperProcess", "start_keeper", "serve", "main", "PORT_LINE"]
 

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from perseus.elastic import wire
+from perseus.elastic import protocol
 
 __all__ = ["RankLink", "Event", "RankServer"]
 
@@ -80,8 +80,8 @@ class RankServer:
         sock.settimeout(15.0)
         link = RankLink(sock)
         try:
-            header, _ = wire.recv_msg(sock)
-        except (OSError, wire.WireError):
+            header, _ = protocol.recv_msg(sock)
+        except (OSError, protocol.WireError):
             sock.close()
             return
         if header.get("op") != "hello" or header.get("token") != self.token:
@@ -95,8 +95,8 @@ class RankServer:
         self.events.put(Event("hello", link, header))
         while True:
             try:
-                header, _ = wire.recv_msg(sock)
-            except (OSError, wire.WireError):
+                header, _ = protocol.recv_msg(sock)
+            except (OSError, protocol.WireError):
                 break
             link.last_seen = time.monotonic()
             if header.get("op") != "heartbeat":
@@ -112,7 +112,7 @@ class RankServer:
         """Send ``header`` to one rank; False if its connection is gone."""
         with link.lock:
             try:  # small messages: the kernel's buffer takes them even from a stopped rank
-                wire.send_msg(link.sock, header)
+                protocol.send_msg(link.sock, header)
                 return True
             except OSError:
                 return False

@@ -35,7 +35,7 @@ from typing import Optional
 
 from perseus.common.knobs import read_knob
 from perseus.common.state import runtime
-from perseus.elastic import wire
+from perseus.elastic import protocol
 from perseus.elastic.notifications import notification_manager
 from perseus.elastic.shm import SharedArena, job_dir
 from perseus.transport.mpi import load_mpi
@@ -130,7 +130,7 @@ class ElasticSession:
         self._closed = threading.Event()
         address, _, port = read_knob("elastic_driver")[0].rpartition(":")
         try:
-            self._sock = wire.connect(address, int(port), timeout=10.0)
+            self._sock = protocol.connect(address, int(port), timeout=10.0)
         except OSError as exc:
             raise ConnectionError(f"perseus elastic: rank {rank} cannot reach the launcher's driver at "
                                   f"{address}:{port}: {exc}; the launcher has probably stopped") from None
@@ -169,7 +169,7 @@ class ElasticSession:
         """Send one message to the driver; False if the connection is gone (the driver then sees a drop)."""
         with self._send_lock:
             try:
-                wire.send_msg(self._sock, header)
+                protocol.send_msg(self._sock, header)
                 return True
             except OSError:
                 return False
@@ -197,8 +197,8 @@ class ElasticSession:
                     os._exit(128 + signal.SIGTERM)
             if self._sock in ready:
                 try:
-                    header, _ = wire.recv_msg(self._sock)
-                except (OSError, wire.WireError):
+                    header, _ = protocol.recv_msg(self._sock)
+                except (OSError, protocol.WireError):
                     return
                 op = header.get("op")
                 if op == "go":

@@ -10,23 +10,23 @@ from __future__ import annotations
 
 import numpy as np
 
-from perseus.sparse import _wire
+from perseus.sparse import _format
 
 __all__ = ["pack", "unpack", "start"]
 
 
-def pack(table: _wire.Table, rows: np.ndarray, values: np.ndarray, rank: int) -> np.ndarray:
+def pack(table: _format.Table, rows: np.ndarray, values: np.ndarray, rank: int) -> np.ndarray:
     m = rows.size
-    w = _wire.Writer(8 * _wire.HEADER + _wire.pad8(m * table.index_dtype.itemsize) + _wire.pad8(m * table.row_bytes))
+    w = _format.Writer(8 * _format.HEADER + _format.pad8(m * table.index_dtype.itemsize) + _format.pad8(m * table.row_bytes))
     w.put(table.header(m, rank))
     w.section(table.index_dtype, m)[...] = rows
     w.section(table.dtype, m * table.width)[...] = values.reshape(-1)
     return w.buf
 
 
-def unpack(table: _wire.Table, buf: np.ndarray, splits, api: str = "sparse_allreduce"):
+def unpack(table: _format.Table, buf: np.ndarray, splits, api: str = "sparse_allreduce"):
     """``(rows, values, counts, headers)``: every rank's rows (int64) and values concatenated in rank order."""
-    headers, readers = _wire.blocks(table, buf, splits, api)
+    headers, readers = _format.blocks(table, buf, splits, api)
     counts = np.array([int(h[6]) for h in headers], np.int64)
     total = int(counts.sum())
     rows = np.empty(total, np.int64)
@@ -53,7 +53,7 @@ def start(call) -> None:
     t, n, rank = call.table, call.n, call.rank
     blob = pack(t, call.rows, call.values, rank)
     call.sent += blob.size
-    hid = _wire.submit_bytes(call.engine, call.ps_id, _wire.ALLGATHER, t.name, blob)
+    hid = _format.submit_bytes(call.engine, call.ps_id, _format.ALLGATHER, t.name, blob)
 
     def gathered():
         (buf, splits), = call.engine.wait(hid)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from perseus.sparse import _wire
+from perseus.sparse import _format
 
 __all__ = ["column_bounds", "start"]
 
@@ -32,15 +32,15 @@ def start(call) -> None:
     m = call.rows.size
     bounds = column_bounds(t.width, n)
     x, item = t.index_dtype.itemsize, t.dtype.itemsize
-    total = sum(8 * _wire.HEADER + _wire.pad8(m * x) + _wire.pad8(m * (c1 - c0) * item) for c0, c1 in bounds)
-    w = _wire.Writer(total)
+    total = sum(8 * _format.HEADER + _format.pad8(m * x) + _format.pad8(m * (c1 - c0) * item) for c0, c1 in bounds)
+    w = _format.Writer(total)
     for c0, c1 in bounds:
         w.put(t.header(m, rank))
         w.section(t.index_dtype, m)[...] = call.rows
         w.section(t.dtype, m * (c1 - c0)).reshape(m, c1 - c0)[...] = call.values[:, c0:c1]
         w.end_block()
     call.sent += w.buf.size - w.block_sizes[rank]
-    hid = _wire.submit_bytes(call.engine, call.ps_id, _wire.ALLTOALL, t.name, w.buf, w.block_sizes)
+    hid = _format.submit_bytes(call.engine, call.ps_id, _format.ALLTOALL, t.name, w.buf, w.block_sizes)
     call.after([hid], lambda: _sum_stage(call, hid, bounds))
 
 
@@ -48,7 +48,7 @@ def _sum_stage(call, hid, bounds) -> None:
     t, n, rank = call.table, call.n, call.rank
     (buf, splits), = call.engine.wait(hid)
     call.received += int(buf.size - splits[rank])
-    headers, readers = _wire.blocks(t, buf, splits)
+    headers, readers = _format.blocks(t, buf, splits)
     call.peer_times(headers)
     counts = np.array([int(h[6]) for h in headers], np.int64)
     c0, c1 = bounds[rank]
@@ -63,12 +63,12 @@ def _sum_stage(call, hid, bounds) -> None:
         if c and cols:
             sums[inv[off:off + c]] += v
         off += c
-    w = _wire.Writer(8 * (_wire.HEADER + n) + _wire.pad8(sums.nbytes))
+    w = _format.Writer(8 * (_format.HEADER + n) + _format.pad8(sums.nbytes))
     w.put(t.header(int(union.size), rank))
     w.put(counts)
     w.section(t.dtype, sums.size)[...] = sums.reshape(-1)
     call.sent += w.buf.size
-    hid2 = _wire.submit_bytes(call.engine, call.ps_id, _wire.ALLGATHER, t.name + ".pull", w.buf)
+    hid2 = _format.submit_bytes(call.engine, call.ps_id, _format.ALLGATHER, t.name + ".pull", w.buf)
     rows = union.astype(np.int64)
     call.after([hid2], lambda: _gather_stage(call, hid2, bounds, rows, counts))
 
@@ -79,10 +79,10 @@ def _gather_stage(call, hid, bounds, rows, counts) -> None:
     call.received += int(buf.size - splits[rank])
     u = rows.size
     values = np.empty((u, t.width), t.dtype)
-    headers, readers = _wire.blocks(t, buf, splits)
+    headers, readers = _format.blocks(t, buf, splits)
     for k, (h, r) in enumerate(zip(headers, readers)):
         if int(h[6]) != u:
-            raise _wire.MismatchError(f"perseus.sparse_allreduce({t.name!r}): rank {k} summed {int(h[6])} rows, "
+            raise _format.MismatchError(f"perseus.sparse_allreduce({t.name!r}): rank {k} summed {int(h[6])} rows, "
                                       f"this rank {u}")
         r.section(np.int64, n)
         c0, c1 = bounds[k]

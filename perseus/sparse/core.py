@@ -8,7 +8,7 @@ import numpy as np
 
 from perseus.common.process_sets import ProcessSet, global_process_set
 from perseus.common.reduce_ops import ReduceOp
-from perseus.sparse import _runtime, _wire, allgather, choice, columns, dense, zen
+from perseus.sparse import _runtime, _format, allgather, choice, columns, dense, zen
 from perseus.common.collectives import _name
 
 __all__ = ["sparse_allreduce_async", "sparse_allreduce", "resolve_algorithm"]
@@ -92,7 +92,7 @@ def sparse_allreduce_async(rows, values, num_rows: Optional[int], name: Optional
     handle = _runtime.SparseHandle(full[len("sparse."):], algorithm, engine)
     if ss.size == 1:
         ts.inflight = handle
-        local = _wire.Table(full, num_rows, row_shape, values2.dtype, int(op), algorithm)
+        local = _format.Table(full, num_rows, row_shape, values2.dtype, int(op), algorithm)
         call = _runtime.Call(engine, ss, local, rows, values2, handle, ts, how, predicted)
         ts.calls += 1
         call.finish(rows, values2.copy(), True, nnz=[rows.size], union=rows.size)
@@ -100,7 +100,7 @@ def sparse_allreduce_async(rows, values, num_rows: Optional[int], name: Optional
     seed = 0
     if algorithm == "zen":
         seed = _runtime.ensure_seeds(ss, process_set).h0
-    table = _wire.Table(full, num_rows, row_shape, values2.dtype, int(op), algorithm, seed)
+    table = _format.Table(full, num_rows, row_shape, values2.dtype, int(op), algorithm, seed)
     call = _runtime.Call(engine, ss, table, rows, values2, handle, ts, how, predicted)
     ts.calls += 1
     ts.inflight = handle

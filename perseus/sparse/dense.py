@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from perseus.sparse import _wire
+from perseus.sparse import _format
 
 __all__ = ["start"]
 
@@ -27,7 +27,7 @@ def start(call) -> None:
     present[t.rows + call.rank] = ns / 1e9 if ns >= 0 else -1.0
     present[t.rows + n + call.rank] = index + 1
     call.sent += table.nbytes + present.nbytes
-    hid = _wire.submit_allreduce(call.engine, call.ps_id, [t.name, t.name + ".rows"], [table, present],
+    hid = _format.submit_allreduce(call.engine, call.ps_id, [t.name, t.name + ".rows"], [table, present],
                                  [t.op, 1])
 
     def reduced():

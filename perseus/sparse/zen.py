@@ -30,7 +30,7 @@ from typing import Optional
 
 import numpy as np
 
-from perseus.sparse import _wire
+from perseus.sparse import _format
 from perseus.sparse.hashing import Seeds, owner_of, slot_of
 from perseus.sparse._runtime import settings
 
@@ -252,12 +252,12 @@ def receive_imbalance(counts: np.ndarray) -> float:
 _EXT = 3  # pull extension words: format (0 bitmap, 1 rows), owned rows |I_j|, index items
 
 
-def pack_push(table: _wire.Table, rows: np.ndarray, values: np.ndarray, perm: np.ndarray, counts: np.ndarray,
-              rank: int) -> _wire.Writer:
+def pack_push(table: _format.Table, rows: np.ndarray, values: np.ndarray, perm: np.ndarray, counts: np.ndarray,
+              rank: int) -> _format.Writer:
     """One block per owner: header, rows (index dtype), values; ``writer.block_sizes`` are the splits."""
     x, rb = table.index_dtype.itemsize, table.row_bytes
-    total = sum(_wire.HEADER * 8 + _wire.pad8(c * x) + _wire.pad8(c * rb) for c in counts.tolist())
-    w = _wire.Writer(total)
+    total = sum(_format.HEADER * 8 + _format.pad8(c * x) + _format.pad8(c * rb) for c in counts.tolist())
+    w = _format.Writer(total)
     off = 0
     for c in counts.tolist():
         sel = perm[off:off + c]
@@ -270,10 +270,10 @@ def pack_push(table: _wire.Table, rows: np.ndarray, values: np.ndarray, perm: np
     return w
 
 
-def aggregate(table: _wire.Table, buf: np.ndarray, splits, api: str = "sparse_allreduce"):
+def aggregate(table: _format.Table, buf: np.ndarray, splits, api: str = "sparse_allreduce"):
     """At an owner: ``(rows, sums, counts_from, headers)``: the sorted union of the rows received, their
     values summed source by source in rank order, how many rows each source sent, and the headers."""
-    headers, readers = _wire.blocks(table, buf, splits, api)
+    headers, readers = _format.blocks(table, buf, splits, api)
     counts = np.array([int(h[6]) for h in headers], np.int64)
     idx = [r.section(table.index_dtype, c) for r, c in zip(readers, counts.tolist())]
     vals = [r.section(table.dtype, c * table.width).reshape(c, table.width) for r, c in zip(readers, counts.tolist())]
@@ -290,7 +290,7 @@ def aggregate(table: _wire.Table, buf: np.ndarray, splits, api: str = "sparse_al
     return union.astype(np.int64), sums, counts, headers
 
 
-def pack_pull(table: _wire.Table, owned: Optional[np.ndarray], union: np.ndarray, sums: np.ndarray,
+def pack_pull(table: _format.Table, owned: Optional[np.ndarray], union: np.ndarray, sums: np.ndarray,
               counts_from: np.ndarray, rank: int) -> np.ndarray:
     """An owner's pull blob: header, (format, |I_j|, index items), per-source counts, index section, sums.
     ``owned`` None (a table too large for bitmaps): row ids."""
@@ -300,9 +300,9 @@ def pack_pull(table: _wire.Table, owned: Optional[np.ndarray], union: np.ndarray
     use_rows = owned is None or union.size * x < bitmap_bytes
     index_items = union.size if use_rows else bitmap_bytes
     index_bytes = union.size * x if use_rows else bitmap_bytes
-    total = 8 * (_wire.HEADER + _EXT + counts_from.size) + _wire.pad8(index_bytes) + \
-        _wire.pad8(union.size * table.row_bytes)
-    w = _wire.Writer(total)
+    total = 8 * (_format.HEADER + _EXT + counts_from.size) + _format.pad8(index_bytes) + \
+        _format.pad8(union.size * table.row_bytes)
+    w = _format.Writer(total)
     w.put(table.header(int(union.size), rank))
     w.put(np.array([1 if use_rows else 0, n_owned, index_items], np.int64))
     w.put(counts_from.astype(np.int64))
@@ -314,10 +314,10 @@ def pack_pull(table: _wire.Table, owned: Optional[np.ndarray], union: np.ndarray
     return w.buf
 
 
-def unpack_pull(table: _wire.Table, buf: np.ndarray, splits, owned: Optional[OwnedRows],
+def unpack_pull(table: _format.Table, buf: np.ndarray, splits, owned: Optional[OwnedRows],
                 api: str = "sparse_allreduce"):
     """Every owner's part: ``(rows per owner, values per owner, counts[j, i], index bytes)``."""
-    headers, readers = _wire.blocks(table, buf, splits, api)
+    headers, readers = _format.blocks(table, buf, splits, api)
     n = len(headers)
     rows, vals = [], []
     counts = np.zeros((n, n), np.int64)
@@ -328,7 +328,7 @@ def unpack_pull(table: _wire.Table, buf: np.ndarray, splits, owned: Optional[Own
         counts[j] = r.section(np.int64, n)
         mine = None if owned is None else owned.owned(j)
         if (-1 if mine is None else mine.size) != n_owned:
-            raise _wire.MismatchError(
+            raise _format.MismatchError(
                 f"perseus.{api}({table.name!r}): owner {j} partitions the table differently ({n_owned} rows "
                 f"owned, this rank computes {-1 if mine is None else mine.size}); the ranks' partition hashes "
                 "differ")
@@ -339,7 +339,7 @@ def unpack_pull(table: _wire.Table, buf: np.ndarray, splits, owned: Optional[Own
             got = decode_bitmap(mine, r.section(np.uint8, items))
             index_bytes += items
         if got.size != u:
-            raise _wire.MismatchError(f"perseus.{api}({table.name!r}): owner {j}'s bitmap holds {got.size} rows but "
+            raise _format.MismatchError(f"perseus.{api}({table.name!r}): owner {j}'s bitmap holds {got.size} rows but "
                                       f"its header says {u}")
         rows.append(got)
         vals.append(r.section(table.dtype, u * table.width).reshape(u, table.width))
@@ -380,7 +380,7 @@ def start(call) -> None:
     owned = owned_rows(t.rows, n, seeds.h0) if t.rows <= BITMAP_MAX_ROWS else None
     w = pack_push(t, call.rows, call.values, perm, counts, rank)
     call.sent += w.buf.size - w.block_sizes[rank]
-    hid = _wire.submit_bytes(call.engine, call.ps_id, _wire.ALLTOALL, t.name, w.buf, w.block_sizes)
+    hid = _format.submit_bytes(call.engine, call.ps_id, _format.ALLTOALL, t.name, w.buf, w.block_sizes)
     call.after([hid], lambda: _owner_stage(call, hid, owned))
 
 
@@ -392,7 +392,7 @@ def _owner_stage(call, hid, owned: OwnedRows) -> None:
     call.peer_times(headers)
     blob = pack_pull(t, None if owned is None else owned.owned(rank), union, sums, counts_from, rank)
     call.sent += blob.size
-    hid2 = _wire.submit_bytes(call.engine, call.ps_id, _wire.ALLGATHER, t.name + ".pull", blob)
+    hid2 = _format.submit_bytes(call.engine, call.ps_id, _format.ALLGATHER, t.name + ".pull", blob)
     call.after([hid2], lambda: _pull_stage(call, hid2, owned))
 
 

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from perseus.elastic import wire
+from perseus.elastic import protocol
 from perseus.elastic.discovery import Blacklist, DiscoveryError, HostDiscovery, parse_discovery_output
 from perseus.elastic.driver import ElasticDriver, JobFailed
 from perseus.runner.hosts import HostSlots
@@ -99,20 +99,20 @@ def test_too_few_hosts_fails_naming_min_np(tmp_path):
 FAKE_RANK = textwrap.dedent("""
     import os, socket, sys, time
     sys.path.insert(0, {repo!r})
-    from perseus.elastic import wire
+    from perseus.elastic import protocol
     addr, _, port = os.environ["PERSEUS_ELASTIC_DRIVER"].rpartition(":")
-    s = wire.connect(addr, int(port), 5)
+    s = protocol.connect(addr, int(port), 5)
     rank = int(sys.argv[1])
-    wire.send_msg(s, dict(op="hello", token=os.environ["PERSEUS_ELASTIC_TOKEN"], rank=rank, size=2,
+    protocol.send_msg(s, dict(op="hello", token=os.environ["PERSEUS_ELASTIC_TOKEN"], rank=rank, size=2,
                           generation=int(os.environ["PERSEUS_ELASTIC_GENERATION"]), host="localhost",
                           pid=os.getpid()))
     mode = os.environ["FAKE_MODE"]
     if mode == "error" and rank == 1:
-        wire.send_msg(s, dict(op="exit", reason="error", detail="ValueError: boom"))
+        protocol.send_msg(s, dict(op="exit", reason="error", detail="ValueError: boom"))
         time.sleep(30)
-    wire.send_msg(s, dict(op="heartbeat"))
-    wire.send_msg(s, dict(op="exit", reason="done", detail=""))
-    wire.send_msg(s, dict(op="bye"))
+    protocol.send_msg(s, dict(op="heartbeat"))
+    protocol.send_msg(s, dict(op="exit", reason="done", detail=""))
+    protocol.send_msg(s, dict(op="bye"))
 """)
 
 
@@ -145,8 +145,8 @@ def test_wrong_token_is_refused(tmp_path):
 
     server = RankServer("secret", bind="127.0.0.1")
     try:
-        sock = wire.connect("127.0.0.1", server.port, 5)
-        wire.send_msg(sock, {"op": "hello", "token": "guess", "rank": 0})
+        sock = protocol.connect("127.0.0.1", server.port, 5)
+        protocol.send_msg(sock, {"op": "hello", "token": "guess", "rank": 0})
         sock.settimeout(5)
         assert sock.recv(1) == b""  # closed
         assert server.events.empty()

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from perseus.elastic import wire
+from perseus.elastic import protocol
 from perseus.elastic.gemini import GeminiStore, placement, recovery_probability
 from perseus.elastic.keeper import start_keeper
 
@@ -62,9 +62,9 @@ def assert_same(got, want):
 
 
 def raw_connection(procs, host, token=TOKEN):
-    sock = wire.connect("127.0.0.1", procs[host].port, timeout=5.0)
-    wire.send_msg(sock, {"op": "hello", "token": token})
-    return sock, wire.recv_msg(sock)[0]
+    sock = protocol.connect("127.0.0.1", procs[host].port, timeout=5.0)
+    protocol.send_msg(sock, {"op": "hello", "token": token})
+    return sock, protocol.recv_msg(sock)[0]
 
 
 def test_round_trip_from_memory_local_peer_and_disk(keepers, tmp_path):
@@ -128,19 +128,19 @@ def test_interrupted_put_leaves_the_previous_version(keepers):
         store.put(1, payload(1))
         sock, hello = raw_connection(keepers, "a")
         assert hello == {"op": "ok"}
-        wire.send_msg(sock, {"op": "put_begin", "version": 2, "owner": 0, "nbytes_total": 150, "parts": [100, 50]})
-        wire.send_msg(sock, {"op": "put_chunk", "version": 2, "owner": 0, "part": 0, "offset": 0}, [b"x" * 60])
+        protocol.send_msg(sock, {"op": "put_begin", "version": 2, "owner": 0, "nbytes_total": 150, "parts": [100, 50]})
+        protocol.send_msg(sock, {"op": "put_chunk", "version": 2, "owner": 0, "part": 0, "offset": 0}, [b"x" * 60])
         sock.close()  # the rank died mid-put
         sock, _ = raw_connection(keepers, "a")
-        wire.send_msg(sock, {"op": "put_begin", "version": 3, "owner": 0, "nbytes_total": 150, "parts": [100, 50]})
-        wire.send_msg(sock, {"op": "put_chunk", "version": 3, "owner": 0, "part": 1, "offset": 0}, [b"y" * 50])
-        wire.send_msg(sock, {"op": "put_end", "version": 3, "owner": 0})
-        reply, _ = wire.recv_msg(sock)
+        protocol.send_msg(sock, {"op": "put_begin", "version": 3, "owner": 0, "nbytes_total": 150, "parts": [100, 50]})
+        protocol.send_msg(sock, {"op": "put_chunk", "version": 3, "owner": 0, "part": 1, "offset": 0}, [b"y" * 50])
+        protocol.send_msg(sock, {"op": "put_end", "version": 3, "owner": 0})
+        reply, _ = protocol.recv_msg(sock)
         assert reply["op"] == "error" and "incomplete" in reply["detail"]
-        wire.send_msg(sock, {"op": "list"})
-        assert wire.recv_msg(sock)[0] == {"op": "list", "complete": {"0": 1}}
-        wire.send_msg(sock, {"op": "get", "version": 3, "owner": 0})
-        assert wire.recv_msg(sock)[0]["op"] == "missing"
+        protocol.send_msg(sock, {"op": "list"})
+        assert protocol.recv_msg(sock)[0] == {"op": "list", "complete": {"0": 1}}
+        protocol.send_msg(sock, {"op": "get", "version": 3, "owner": 0})
+        assert protocol.recv_msg(sock)[0]["op"] == "missing"
         sock.close()
         fresh = make_store(keepers)
         got, source, _ = fresh.get(1, 0)
@@ -154,8 +154,8 @@ def test_interrupted_put_leaves_the_previous_version(keepers):
 def test_wrong_token_is_refused(keepers):
     sock, reply = raw_connection(keepers, "a", token="not-the-token")
     assert reply["op"] == "error" and "token" in reply["detail"]
-    with pytest.raises(wire.WireError):
-        wire.recv_msg(sock)
+    with pytest.raises(protocol.WireError):
+        protocol.recv_msg(sock)
     sock.close()
     store = make_store(keepers, token="not-the-token")
     try:
@@ -331,9 +331,9 @@ def test_keeper_refuses_files_outside_its_directory(keepers, tmp_path):
     sock, reply = raw_connection(keepers, "a")
     outside = tmp_path / "f"
     outside.write_bytes(b"x" * 64)
-    wire.send_msg(sock, {"op": "put_files", "version": 1, "owner": 0,
+    protocol.send_msg(sock, {"op": "put_files", "version": 1, "owner": 0,
                          "parts": [{"inline": 0}, {"file": str(outside), "offset": 0, "nbytes": 64}]}, [b"head"])
-    reply, _ = wire.recv_msg(sock)
+    reply, _ = protocol.recv_msg(sock)
     assert reply["op"] == "error" and "outside" in reply["detail"]
     sock.close()
 

@@ -8,7 +8,7 @@ import pytest
 
 from perseus.common.exceptions import MismatchError
 from perseus.common.knobs import knob
-from perseus.sparse import _wire, allgather, choice, zen
+from perseus.sparse import _format, allgather, choice, zen
 from perseus.sparse.hashing import Seeds, h0_checksum, mix64, mix64_scalar, owner_of, reduce_range, slot_of
 
 pytestmark = pytest.mark.timeout(120)
@@ -207,7 +207,7 @@ def _dense_sum(inputs, R, W, dtype):
 
 def _simulate_zen(inputs, R, W, n, dtype, method="bucket", bitmaps=True):
     seeds = Seeds(99)
-    tables = [_wire.Table("t", R, (W,), dtype, 1, "zen", seeds.h0) for _ in range(n)]
+    tables = [_format.Table("t", R, (W,), dtype, 1, "zen", seeds.h0) for _ in range(n)]
     blocks = []
     for rank, (rows, vals) in enumerate(inputs):
         r, v = zen.coalesce(rows, vals)
@@ -250,19 +250,19 @@ def test_zen_messages_give_the_dense_sum(n, case, method):
 def test_allgather_messages_and_mismatch():
     R, W, n = 50, 2, 3
     inputs = [_rank_input(r, R, W, 5 + r) for r in range(n)]
-    tables = [_wire.Table("emb", R, (W,), np.float32, 1, "allgather") for _ in range(n)]
+    tables = [_format.Table("emb", R, (W,), np.float32, 1, "allgather") for _ in range(n)]
     blobs = [allgather.pack(tables[r], *zen.coalesce(*inputs[r]), r) for r in range(n)]
     rows, values, counts, _ = allgather.unpack(tables[0], np.concatenate(blobs), [b.size for b in blobs])
     dense = np.zeros((R, W), np.float32)
     np.add.at(dense, rows, values)
     assert np.array_equal(dense, _dense_sum(inputs, R, W, np.float32))
-    other = _wire.Table("emb", R + 1, (W,), np.float32, 1, "allgather")
+    other = _format.Table("emb", R + 1, (W,), np.float32, 1, "allgather")
     blobs[2] = allgather.pack(other, *zen.coalesce(*inputs[2]), 2)
     with pytest.raises(MismatchError, match="'emb'.*51 rows"):
         allgather.unpack(tables[0], np.concatenate(blobs), [b.size for b in blobs])
-    for bad in (_wire.Table("emb", R, (W,), np.float64, 1, "allgather"), _wire.Table("emb", R, (W,), np.float32, 0,
+    for bad in (_format.Table("emb", R, (W,), np.float64, 1, "allgather"), _format.Table("emb", R, (W,), np.float32, 0,
                                                                                          "allgather"),
-                _wire.Table("emb", R, (W,), np.float32, 1, "zen")):
+                _format.Table("emb", R, (W,), np.float32, 1, "zen")):
         blobs[2] = allgather.pack(bad, *zen.coalesce(*inputs[2]), 2)
         with pytest.raises(MismatchError, match="disagree"):
             allgather.unpack(tables[0], np.concatenate(blobs), [b.size for b in blobs])
@@ -319,7 +319,7 @@ def test_cost_model_byte_formulas():
     p = choice.predict(_work(n, R, W, m, U), choice.Link(latency=0, beta=1.0, gamma=0, delta=0))
     f = (n - 1) / n
     assert p["dense"].wire_bytes == pytest.approx(2 * f * R * (4 * W + 4))
-    h = 8 * _wire.HEADER
+    h = 8 * _format.HEADER
     assert p["allgather"].wire_bytes == pytest.approx((n - 1) * m * (4 + 4 * W) + (n - 1) * h)
     push = (n * m - m) / n * (4 + 4 * W) + (n - 1) * h
     pull = f * (min(R / 8, 4 * U) + U * 4 * W) + (n - 1) * (h + 8 * (n + 3))

@@ -45,6 +45,7 @@ from perseus.autotune.space import (ALGORITHMS, COMPRESSION_POLICIES, DEAR, DEAR
                                     SPARSE_ALGORITHMS, STEP_PARAMS, Config, Space)
 from perseus.common.reduce_ops import ReduceOp
 from perseus.engine.messages import DType, OpType, Request
+from perseus.engine.settings import allreduce_algorithm
 
 __all__ = ["Tuner", "tuned_fixed_params"]
 
@@ -70,9 +71,7 @@ def tuned_fixed_params(settings) -> dict:
 
     Raises ValueError for an unknown parameter name.
     """
-    algorithm = settings.allreduce_algorithm
-    if settings.hierarchical_allreduce and algorithm == "auto":
-        algorithm = "hierarchical"
+    algorithm = allreduce_algorithm(settings)
     values = {  # parameter: (value, set explicitly)
         "fusion_threshold_bytes": (int(settings.fusion_threshold_bytes),
                                    settings.is_explicit("fusion_threshold_bytes")),

@@ -14,6 +14,7 @@ from perseus.common.exceptions import MismatchError, PerseusInternalError, Stall
 from perseus.engine.messages import DType, OpType, Request
 from perseus.engine.settings import ENGINE_FIELDS, ENGINE_SETTINGS, engine_values
 from perseus.engine.stall import main_thread_location
+from perseus.transport.mpi import load_mpi
 
 __all__ = ["load_core", "Engine", "ENGINE_SETTINGS", "core_settings"]
 
@@ -31,8 +32,6 @@ def load_core():
     global _core
     if _core is not None:
         return _core
-    from perseus.transport.mpi import load_mpi
-
     MPI = load_mpi()
     try:
         from perseus import _core as core

@@ -20,32 +20,10 @@
 #include "device_channel.h"
 #include "handles.h"
 #include "process_set.h"
+#include "settings.h"
 #include "timeline.h"
 
 namespace perseus {
-
-struct Settings {
-  int64_t fusion_threshold_bytes = 4 << 20;
-  int64_t inplace_threshold_bytes = 256 << 10;
-  int64_t device_fusion_threshold_bytes = 64 << 20;  // units of device requests (device_channel.h)
-  double device_cycle_time_ms = 1.0;  // the cycle when only device requests are new
-  double cycle_time_ms = 0.0;
-  int num_channels = 1;
-  int max_channels = 0;  // channels created per set (a TUNE request may activate up to this many)
-  bool track_steps = false;  // time training steps for the run-time tuner (ProcessSet::steps)
-  Algorithm algorithm = Algorithm::AUTO;
-  int64_t cache_capacity = 4096;
-  bool stall_check_disable = false;
-  double stall_check_time_s = 60.0;
-  double stall_shutdown_time_s = 300.0;
-  double idle_poll_max_ms = 50.0;
-  // Ranks with equal keys are on one host (Python gives the world rank of the host's first rank).
-  int64_t host_key = 0;
-  bool hierarchical_allgather = false;
-  std::vector<std::string> network_interfaces;  // for the channels' links between hosts; empty: all
-  double link_timeout_s = 30.0;
-  int cpu_core = -1;  // pin the engine thread to this core (PERSEUS_THREAD_AFFINITY); -1: no pinning
-};
 
 struct EngineHooks {
   std::function<std::string()> where;                        // main thread location (takes the GIL)

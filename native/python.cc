@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "engine.h"
+#include "settings.h"
 #include "transport.h"
 #include "transport_loopback.h"
 
@@ -158,43 +159,9 @@ struct PyWorld {
 
 class PyEngine {
  public:
-  PyEngine(py::dict settings, int world_rank, py::object where, py::object log, py::tuple errors)
+  // `settings`: every field filled by Python (perseus/engine/native.py); the engine keeps a copy.
+  PyEngine(const Settings& settings, int world_rank, py::object where, py::object log, py::tuple errors)
       : errors_(errors) {
-    Settings s;
-    auto get = [&](const char* k) { return settings.contains(k) ? py::object(settings[k]) : py::object(); };
-    if (auto v = get("fusion_threshold_bytes")) s.fusion_threshold_bytes = v.cast<int64_t>();
-    if (auto v = get("device_fusion_threshold_bytes")) s.device_fusion_threshold_bytes = v.cast<int64_t>();
-    if (auto v = get("device_cycle_time_ms")) s.device_cycle_time_ms = v.cast<double>();
-    if (auto v = get("inplace_threshold_bytes")) s.inplace_threshold_bytes = v.cast<int64_t>();
-    if (auto v = get("cycle_time_ms")) s.cycle_time_ms = v.cast<double>();
-    if (auto v = get("num_channels")) s.num_channels = v.cast<int>();
-    if (auto v = get("max_channels")) s.max_channels = v.cast<int>();
-    if (auto v = get("autotune")) s.track_steps = v.cast<bool>();
-    if (auto v = get("allreduce_algorithm")) {
-      std::string a = v.cast<std::string>();
-      s.algorithm = a == "ring" ? Algorithm::RING : a == "mpi" ? Algorithm::MPI
-                    : a == "hierarchical" ? Algorithm::HIERARCHICAL : Algorithm::AUTO;
-    }
-    if (auto v = get("host_key")) s.host_key = v.cast<int64_t>();
-    if (auto v = get("cpu_core")) s.cpu_core = v.cast<int>();
-    if (auto v = get("hierarchical_allgather")) s.hierarchical_allgather = v.cast<bool>();
-    if (auto v = get("network_interface")) {
-      std::string text = v.cast<std::string>(), item;
-      for (char c : text + ",") {
-        if (c == ',' || c == ' ') {
-          if (!item.empty()) s.network_interfaces.push_back(item);
-          item.clear();
-        } else {
-          item += c;
-        }
-      }
-    }
-    if (auto v = get("link_timeout_s")) s.link_timeout_s = v.cast<double>();
-    if (auto v = get("cache_capacity")) s.cache_capacity = v.cast<int64_t>();
-    if (auto v = get("stall_check_disable")) s.stall_check_disable = v.cast<bool>();
-    if (auto v = get("stall_check_time_s")) s.stall_check_time_s = v.cast<double>();
-    if (auto v = get("stall_shutdown_time_s")) s.stall_shutdown_time_s = v.cast<double>();
-    if (auto v = get("idle_poll_max_ms")) s.idle_poll_max_ms = v.cast<double>();
     where_ = where;
     log_ = log;
     EngineHooks hooks;
@@ -216,7 +183,7 @@ class PyEngine {
         e.discard_as_unraisable("perseus log");
       }
     };
-    engine_.reset(new Engine(s, world_rank, &callbacks_, hooks));
+    engine_.reset(new Engine(settings, world_rank, &callbacks_, hooks));
   }
 
   ~PyEngine() {
@@ -604,6 +571,21 @@ class PyEngine {
   std::unique_ptr<Engine> engine_;
 };
 
+// Settings (native/settings.h) as perseus._core.Settings: a default-constructed struct with one attribute per
+// field, which Python fills before it creates the Engine. Algorithm is bound for its field.
+void bind_settings(py::module_& m) {
+  py::enum_<Algorithm>(m, "Algorithm", "How a large all-reduce unit runs (PERSEUS_ALLREDUCE_ALGORITHM).")
+      .value("AUTO", Algorithm::AUTO)
+      .value("MPI", Algorithm::MPI)
+      .value("RING", Algorithm::RING)
+      .value("HIERARCHICAL", Algorithm::HIERARCHICAL);
+  py::class_<Settings> cls(m, "Settings", "The engine's settings (native/settings.h); read once, at Engine().");
+  cls.def(py::init<>());
+#define PERSEUS_BIND_SETTING(field) cls.def_readwrite(#field, &Settings::field);
+  PERSEUS_SETTINGS_FIELDS(PERSEUS_BIND_SETTING)
+#undef PERSEUS_BIND_SETTING
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -613,8 +595,9 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init([](int size) { return PyWorld{make_loopback_world(size)}; }), py::arg("size"),
            "In-process ranks (threads) for tests: pass it to Engine.add_loopback_process_set.")
       .def("fail", [](PyWorld& w, const std::string& message) { loopback_world_fail(w.world, message); });
+  bind_settings(m);
   py::class_<PyEngine>(m, "Engine")
-      .def(py::init<py::dict, int, py::object, py::object, py::tuple>(), py::arg("settings"),
+      .def(py::init<const Settings&, int, py::object, py::object, py::tuple>(), py::arg("settings"),
            py::arg("world_rank"), py::arg("where"), py::arg("log"), py::arg("errors"))
       .def("start", &PyEngine::start)
       .def("add_process_set", &PyEngine::add_process_set)

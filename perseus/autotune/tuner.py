@@ -47,6 +47,7 @@ from perseus.common.reduce_ops import ReduceOp
 from perseus.engine.messages import DType, OpType, Request
 from perseus.sparse import choice
 from perseus.sparse._runtime import signature
+from perseus.engine.settings import allreduce_algorithm
 
 __all__ = ["Tuner", "tuned_fixed_params"]
 
@@ -72,9 +73,7 @@ def tuned_fixed_params(settings) -> dict:
 
     Raises ValueError for an unknown parameter name.
     """
-    algorithm = settings.allreduce_algorithm
-    if settings.hierarchical_allreduce and algorithm == "auto":
-        algorithm = "hierarchical"
+    algorithm = allreduce_algorithm(settings)
     values = {  # parameter: (value, set explicitly)
         "fusion_threshold_bytes": (int(settings.fusion_threshold_bytes),
                                    settings.is_explicit("fusion_threshold_bytes")),

@@ -3,7 +3,9 @@
 Each :class:`Knob` names the setting, its environment variables (the ``PERSEUS_*`` name wins over the
 ``HOROVOD_*`` name), its type, default and unit. The engine reads :func:`load_settings`; the launcher
 (``perseusrun``) maps its command-line flags onto the same environment variables; ``docs/configuration.md``
-is generated from :data:`KNOBS` by ``tools/gen_config_docs.py``.
+is generated from :data:`KNOBS` by ``tools/gen_config_docs.py``. Which knobs the native core reads, and into
+which field of its struct, is :data:`perseus.engine.settings.ENGINE_FIELDS` (``native/settings.h`` is
+generated from it and these defaults by ``tools/gen_settings.py``).
 """
 
 from __future__ import annotations

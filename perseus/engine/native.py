@@ -11,22 +11,16 @@ import logging
 from typing import Any, Callable, Optional
 
 from perseus.common.exceptions import MismatchError, PerseusInternalError, StallError
-from perseus.engine.stall import main_thread_location
 from perseus.engine.messages import DType, OpType, Request
+from perseus.engine.settings import ENGINE_FIELDS, ENGINE_SETTINGS, engine_values
+from perseus.engine.stall import main_thread_location
 from perseus.transport.mpi import load_mpi
 
-__all__ = ["load_core", "Engine", "ENGINE_SETTINGS"]
+__all__ = ["load_core", "Engine", "ENGINE_SETTINGS", "core_settings"]
 
 log = logging.getLogger("perseus")
 
 _core = None
-
-# The settings the native engine reads (names as in perseus.common.knobs).
-ENGINE_SETTINGS = ("fusion_threshold_bytes", "inplace_threshold_bytes", "device_fusion_threshold_bytes",
-                   "device_cycle_time_ms", "cycle_time_ms", "num_channels",
-                   "allreduce_algorithm", "cache_capacity", "stall_check_disable", "stall_check_time_s",
-                   "stall_shutdown_time_s", "idle_poll_max_ms", "hierarchical_allgather", "network_interface",
-                   "link_timeout_s", "max_channels", "autotune")
 
 
 def load_core():
@@ -71,6 +65,27 @@ def _log(level: int, message: str) -> None:
     log.log(level, message)
 
 
+def core_settings(core, settings, **per_rank: Any):
+    """The core's ``Settings`` struct (:mod:`perseus.engine.settings`), every field filled from the resolved
+    knobs ``settings`` and ``per_rank`` (``host_key``, ``cpu_core``; None or absent: the field's default).
+
+    Raises:
+        ValueError: a knob value the engine cannot use (an unknown algorithm).
+        TypeError: a value of the wrong type for its field (the message names the field and its knobs).
+    """
+    values = engine_values(settings, **per_rank)
+    values["algorithm"] = core.Algorithm.__members__[values["algorithm"].upper()]
+    out = core.Settings()
+    for field in ENGINE_FIELDS:
+        try:
+            setattr(out, field.name, values[field.name])
+        except TypeError:
+            source = f"setting {', '.join(field.knobs)}" if field.knobs else f"per-rank setting {field.name}"
+            raise TypeError(f"perseus {source}: {values[field.name]!r} is not a valid {field.ctype} for the "
+                            f"engine's {field.name}") from None
+    return out
+
+
 class Engine:
     """One native engine per process: every process set's negotiation and channels.
 
@@ -79,17 +94,17 @@ class Engine:
     a tensor), :class:`StallError` (a stall outlasted the stall shutdown time).
     """
 
-    def __init__(self, settings, world_rank: int, host_key: int = 0, cpu_core: int = -1):
+    def __init__(self, settings, world_rank: int, host_key: Optional[int] = None, cpu_core: Optional[int] = None):
+        """Create (not start) the engine of this rank from the resolved knobs ``settings`` (a
+        :class:`perseus.common.knobs.Settings`, or any object with the knobs of :data:`ENGINE_SETTINGS`).
+        ``host_key``: ranks with equal keys share a host; ``cpu_core``: pin the engine thread to this core
+        (None: the field's default in perseus.engine.settings: one host, no pinning). The engine reads its settings
+        only here. Raises ValueError or TypeError for a value the engine cannot use (see core_settings)."""
         core = load_core()
-        values = {name: getattr(settings, name) for name in ENGINE_SETTINGS}
-        if getattr(settings, "hierarchical_allreduce", False) and values["allreduce_algorithm"] == "auto":
-            values["allreduce_algorithm"] = "hierarchical"
-        values["host_key"] = host_key
-        values["cpu_core"] = cpu_core  # pin the engine thread to this core; -1: no pinning
         self.world_rank = world_rank
         self._timeline = None
-        self._native = core.Engine(values, world_rank, main_thread_location, _log,
-                                   (PerseusInternalError, MismatchError, StallError))
+        self._native = core.Engine(core_settings(core, settings, host_key=host_key, cpu_core=cpu_core), world_rank,
+                                   main_thread_location, _log, (PerseusInternalError, MismatchError, StallError))
         # The hot-path methods, bound once.
         self.submit: Callable[..., int] = self._native.submit
         self.submit_one: Callable[..., int] = self._native.submit_one

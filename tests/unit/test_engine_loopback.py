@@ -53,8 +53,8 @@ ALL_DTYPES = list(DType)
 
 # Every engine setting, with values that keep tests fast and deterministic; tests override some.
 DEFAULTS = dict(fusion_threshold_bytes=4 << 20, inplace_threshold_bytes=256 << 10, cycle_time_ms=0.0,
-                num_channels=1, allreduce_algorithm="auto", cache_capacity=4096, stall_check_disable=True,
-                stall_check_time_s=60.0, stall_shutdown_time_s=0.0, idle_poll_max_ms=5.0,
+                num_channels=1, allreduce_algorithm="auto", hierarchical_allreduce=False, cache_capacity=4096,
+                stall_check_disable=True, stall_check_time_s=60.0, stall_shutdown_time_s=0.0, idle_poll_max_ms=5.0,
                 hierarchical_allgather=False, network_interface="", link_timeout_s=30.0, max_channels=0,
                 autotune=False, device_fusion_threshold_bytes=64 << 20, device_cycle_time_ms=1.0)
 

@@ -45,6 +45,8 @@ def run(func: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, 
             and ``use_gloo=True``: not supported.
         ValueError: ``np`` and ``num_proc`` disagree, or fewer than 1 process.
     """
+    # Imported on call, not with the package: run_func imports launch, and `python -m perseus.runner.launch`
+    # imports this package before it runs launch as __main__; launch loaded here would then load twice.
     from perseus.runner import run_func
 
     if np is not None and num_proc not in (None, 1) and int(np) != int(num_proc):

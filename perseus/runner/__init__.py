@@ -3,7 +3,7 @@
 The launcher package. It runs before any MPI library exists, so nothing under
 ``perseus.runner`` imports mpi4py or the perseus engine. Scripts are launched with the
 ``perseusrun`` command (:mod:`perseus.runner.launch`), functions with :func:`run`
-(:mod:`perseus.runner.run_func`).
+(:mod:`perseus.runner.run_func`); elastic jobs are run by :mod:`perseus.runner.elastic`.
 """
 
 from __future__ import annotations

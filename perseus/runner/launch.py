@@ -13,6 +13,7 @@ import importlib.util
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 from typing import Any, Callable, Mapping, Sequence
@@ -158,8 +159,6 @@ def _split(flag: str, text: str | None) -> list[str]:
 
 def _check_local_nics(nics: Sequence[str]) -> None:
     """Raise :class:`LaunchError` for a --network-interface that this host (which runs ranks) lacks."""
-    import socket
-
     have = sorted(name for _, name in socket.if_nameindex())
     missing = [n for n in nics if n not in have]
     if missing:

@@ -2,8 +2,8 @@
 
 :func:`start_keeper` starts the keeper of one host, as a child process or over ``ssh``, hands it the job's
 token on its stdin and waits for the line that names its port. The keeper lives as long as that stdin stays
-open. This module is what the elastic driver needs of the keepers; it imports neither NumPy nor the keeper's
-server, so that ``perseusrun`` starts without them.
+open. This module is what the elastic launcher needs of the keepers; it imports neither the keeper's server
+nor NumPy, which the launcher has no use for.
 """
 
 from __future__ import annotations

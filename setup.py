@@ -23,7 +23,7 @@ except ImportError:  # setuptools < 59
     from distutils.errors import DistutilsPlatformError as PlatformError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-with open(os.path.join(HERE, "perseus", "__init__.py")) as f:
+with open(os.path.join(HERE, "perseus", "_version.py")) as f:
     VERSION = re.search(r'__version__ = "([^"]+)"', f.read()).group(1)
 
 # The ranges perseus supports. This repository's own set-up scripts pin exact versions in

@@ -2,13 +2,9 @@
 
 Importing ``perseus`` starts nothing and imports no framework. Use a framework module
 (``perseus.torch``) or the framework-neutral engine API in :mod:`perseus.common.api`.
+:func:`run` (Horovod's ``horovod.run``) launches a function on several processes; it is
+:func:`perseus.runner.run`.
 """
 
-__version__ = "0.1.0"
-
-
-def run(*args, **kwargs):
-    """Launch ``func`` on several processes (Horovod's ``horovod.run``); see :func:`perseus.runner.run`."""
-    from perseus.runner import run as _run
-
-    return _run(*args, **kwargs)
+from perseus._version import __version__  # noqa: F401 - the package's version attribute
+from perseus.runner import run  # noqa: F401 - perseus.run, as horovod.run

@@ -5,6 +5,7 @@
 See docs/convert.md. The library entry point is :func:`convert_source`.
 """
 
-from perseus.convert.core import Change, ConvertError, Options, Result, Warning, convert_source
+from perseus.convert.context import Change, ConvertError, Options, Result, Warning
+from perseus.convert.core import convert_source
 
 __all__ = ["convert_source", "Options", "Result", "Change", "Warning", "ConvertError"]

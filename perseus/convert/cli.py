@@ -13,7 +13,8 @@ import shutil
 import sys
 from typing import Iterator, List
 
-from perseus.convert.core import Options, convert_source
+from perseus.convert.context import Options
+from perseus.convert.core import convert_source
 
 SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".venv", "venv", "node_modules", ".tox", "build", "dist"}
 

@@ -7,7 +7,8 @@ from typing import List, Optional
 
 import libcst as cst
 
-from perseus.convert.core import Context, call_name, code_of, expr, last_top_import, stmt, with_kwarg
+from perseus.convert.context import Context
+from perseus.convert.syntax import arg, call_name, code_of, expr, last_top_import, stmt, with_kwarg
 
 METRIC_WORDS = re.compile(r"loss|acc", re.IGNORECASE)
 
@@ -156,7 +157,6 @@ def _metric_name(code: str, line: int, n: int) -> str:
 
 def scale_lr(ctx: Context, call: cst.Call, keyword: str, position: Optional[int], alias: str, rule: str) -> None:
     """Multiply the learning-rate argument of ``call`` by ``<alias>.size()``."""
-    from perseus.convert.core import arg
     a = arg(call, keyword, position)
     if a is None:
         ctx.warn(call, rule, "--scale-lr: the learning rate is the optimizer's default",

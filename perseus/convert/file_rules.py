@@ -23,7 +23,8 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import libcst as cst
 
-from perseus.convert.core import Context, arg, call_name, code_of, dotted, find_all, free_name
+from perseus.convert.context import Context
+from perseus.convert.syntax import arg, call_name, code_of, dotted, find_all, free_name
 
 HELPERS = "perseus.common.files"
 
@@ -68,82 +69,110 @@ def rewrite_reads(ctx: Context, framework: str, rule: str, writes: bool) -> List
     """
     if not writes:
         return []
-    names = {"root_file": free_name(ctx.module, ["root_file", "perseus_root_file"]),
-             "root_call": free_name(ctx.module, ["root_call", "perseus_root_call"])}
-    used: Set[str] = set()
-    excluded = _excluded_scopes(ctx)
-    wrapped: Set[int] = set()
-    reads: List[cst.Call] = []
-
-    def skip(node: cst.CSTNode) -> bool:
-        return ctx.under_rank_guard(node) or any(
-            a in ctx.edits.guard or isinstance(a, cst.Lambda) or a in excluded for a in ctx.ancestors(node))
-
-    def wrap(value: cst.BaseExpression) -> None:
-        wrapped.add(id(value))
-        helper = names["root_file"]
-        used.add("root_file")
-        _replace(ctx, value, lambda upd: cst.Call(func=cst.Name(helper), args=[cst.Arg(upd)]))
-
+    rewriter = _ReadRewriter(ctx, rule)
     calls = find_all(ctx.module, cst.Call)
-    checkpoint_vars = _checkpoint_names(ctx, calls) if framework == "tensorflow" else set()
-    for call in calls:
-        spec = _read_spec(ctx, call, framework, checkpoint_vars)
-        if spec is None or skip(call):
-            continue
-        label = code_of(call.func)
-        found = [arg(call, kw, pos) for kw, pos in spec]
-        found = [a for a in found if a is not None and not a.star]
-        if not found:
-            ctx.warn(call, rule, f"{label}(...) may read a file written on rank 0 only, and its path argument "
-                     "cannot be found", f"pass the path as {names['root_file']}(path) (from {HELPERS} import "
-                     "root_file) so that every rank reads rank 0's file")
-            continue
-        for a in found:
-            value = _opened_path(ctx, a.value) or a.value
-            if id(value) not in wrapped:
-                wrap(value)
-        reads.append(call)
-        ctx.change(call, rule, f"{label}(...) reads its file through {names['root_file']}(...): rank 0 reads it "
-                   "and sends it to every rank, which loads its own copy (this script writes files on rank 0 "
-                   "only; the other ranks may not see them yet, or at all)")
-    write_tokens = set()
-    for w in ctx.rank0_writes:
-        write_tokens |= _tokens(ctx, _written_path(ctx, w))
-    for call in calls:
-        found = _open_read(ctx, call)
-        if found is None or id(found[0]) in wrapped or skip(call):
-            continue
-        path, mode_known = found
-        if not (_tokens(ctx, path) & write_tokens):
-            continue  # not a file this script writes: leave it (it may be data, read per sample)
-        if not mode_known:
-            ctx.warn(call, rule, "open(...) of a file this script writes on rank 0 only, in a mode given by an "
-                     "expression", f"if it reads, pass the path as {names['root_file']}(path) (from {HELPERS} "
-                     "import root_file) so that every rank reads rank 0's file")
-            continue
-        wrap(path)
-        reads.append(call)
-        ctx.change(call, rule, f"open(...) reads a file this script writes on rank 0 only: through "
-                   f"{names['root_file']}(...), rank 0 reads it and every rank gets its own copy")
-    done: Set[int] = set()
-    for call in reads:
-        for q in _deciding_queries(ctx, call):
-            if id(q) in done or skip(q):
+    rewriter.checkpoint_reads(calls, framework)
+    rewriter.open_reads(calls)
+    rewriter.deciding_queries()
+    return rewriter.imports()
+
+
+class _ReadRewriter:
+    """One script's rewrite: the reads wrapped in ``root_file``, then the queries around them put on rank 0."""
+
+    def __init__(self, ctx: Context, rule: str):
+        self.ctx, self.rule = ctx, rule
+        self.names = {"root_file": free_name(ctx.module, ["root_file", "perseus_root_file"]),
+                      "root_call": free_name(ctx.module, ["root_call", "perseus_root_call"])}
+        self.used: Set[str] = set()     # the helpers the rewritten script calls
+        self.excluded = _excluded_scopes(ctx)
+        self.wrapped: Set[int] = set()  # ids of the path expressions already wrapped
+        self.reads: List[cst.Call] = []
+
+    def skip(self, node: cst.CSTNode) -> bool:
+        """Whether ``node`` lies where not every rank reaches it (see the module docstring)."""
+        ctx = self.ctx
+        return ctx.under_rank_guard(node) or any(
+            a in ctx.edits.guard or isinstance(a, cst.Lambda) or a in self.excluded for a in ctx.ancestors(node))
+
+    def wrap(self, value: cst.BaseExpression) -> None:
+        self.wrapped.add(id(value))
+        helper = self.names["root_file"]
+        self.used.add("root_file")
+        _replace(self.ctx, value, lambda upd: cst.Call(func=cst.Name(helper), args=[cst.Arg(upd)]))
+
+    def checkpoint_reads(self, calls: List[cst.Call], framework: str) -> None:
+        """The framework's checkpoint loads (``torch.load``, ``load_weights``...): every path they read."""
+        ctx, rule, root_file = self.ctx, self.rule, self.names["root_file"]
+        checkpoint_vars = _checkpoint_names(ctx, calls) if framework == "tensorflow" else set()
+        for call in calls:
+            spec = _read_spec(ctx, call, framework, checkpoint_vars)
+            if spec is None or self.skip(call):
                 continue
-            done.add(id(q))
-            helper = names["root_call"]
-            used.add("root_call")
-            _replace(ctx, q, _as_root_call(helper))
-            ctx.change(q, rule, f"{code_of(q)} -> {helper}(...): asked on rank 0 only, so that every rank takes "
-                       f"the same branch around the read of line {ctx.line(call)}")
-    if not used:
-        return []
-    imported = []
-    for helper in ("root_call", "root_file"):
-        if helper in used:
-            imported.append(helper if names[helper] == helper else f"{helper} as {names[helper]}")
-    return [f"from {HELPERS} import {', '.join(imported)}\n"]
+            label = code_of(call.func)
+            found = [arg(call, kw, pos) for kw, pos in spec]
+            found = [a for a in found if a is not None and not a.star]
+            if not found:
+                ctx.warn(call, rule, f"{label}(...) may read a file written on rank 0 only, and its path argument "
+                         "cannot be found", f"pass the path as {root_file}(path) (from {HELPERS} import "
+                         "root_file) so that every rank reads rank 0's file")
+                continue
+            for a in found:
+                value = _opened_path(ctx, a.value) or a.value
+                if id(value) not in self.wrapped:
+                    self.wrap(value)
+            self.reads.append(call)
+            ctx.change(call, rule, f"{label}(...) reads its file through {root_file}(...): rank 0 reads it "
+                       "and sends it to every rank, which loads its own copy (this script writes files on rank 0 "
+                       "only; the other ranks may not see them yet, or at all)")
+
+    def open_reads(self, calls: List[cst.Call]) -> None:
+        """``open(path)`` reads whose path shares a name or a literal with a rank-0 write."""
+        ctx, rule, root_file = self.ctx, self.rule, self.names["root_file"]
+        write_tokens = set()
+        for w in ctx.rank0_writes:
+            write_tokens |= _tokens(ctx, _written_path(ctx, w))
+        for call in calls:
+            found = _open_read(ctx, call)
+            if found is None or id(found[0]) in self.wrapped or self.skip(call):
+                continue
+            path, mode_known = found
+            if not (_tokens(ctx, path) & write_tokens):
+                continue  # not a file this script writes: leave it (it may be data, read per sample)
+            if not mode_known:
+                ctx.warn(call, rule, "open(...) of a file this script writes on rank 0 only, in a mode given by an "
+                         "expression", f"if it reads, pass the path as {root_file}(path) (from {HELPERS} "
+                         "import root_file) so that every rank reads rank 0's file")
+                continue
+            self.wrap(path)
+            self.reads.append(call)
+            ctx.change(call, rule, f"open(...) reads a file this script writes on rank 0 only: through "
+                       f"{root_file}(...), rank 0 reads it and every rank gets its own copy")
+
+    def deciding_queries(self) -> None:
+        """The file-system queries that decide whether a rewritten read happens, asked on rank 0."""
+        ctx, helper = self.ctx, self.names["root_call"]
+        done: Set[int] = set()
+        for call in self.reads:
+            for q in _deciding_queries(ctx, call):
+                if id(q) in done or self.skip(q):
+                    continue
+                done.add(id(q))
+                self.used.add("root_call")
+                _replace(ctx, q, _as_root_call(helper))
+                ctx.change(q, self.rule, f"{code_of(q)} -> {helper}(...): asked on rank 0 only, so that every rank "
+                           f"takes the same branch around the read of line {ctx.line(call)}")
+
+    def imports(self) -> List[str]:
+        """The import of the helpers the rewritten script calls (none: nothing to import)."""
+        if not self.used:
+            return []
+        imported = []
+        for helper in ("root_call", "root_file"):
+            if helper in self.used:
+                name = self.names[helper]
+                imported.append(helper if name == helper else f"{helper} as {name}")
+        return [f"from {HELPERS} import {', '.join(imported)}\n"]
 
 
 # ------------------------------------------------------------------------------------------ reads

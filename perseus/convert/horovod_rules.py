@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import libcst as cst
 
-from perseus.convert.core import Context, dotted
+from perseus.convert.context import Context
+from perseus.convert.syntax import dotted
 
 RULE = "horovod"
 SUPPORTED = ("horovod", "horovod.torch", "horovod.tensorflow", "horovod.tensorflow.keras", "horovod.keras",

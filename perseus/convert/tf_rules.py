@@ -9,8 +9,8 @@ from typing import Optional
 import libcst as cst
 
 from perseus.convert import common_rules, file_rules
-from perseus.convert.core import (Context, arg, call_name, code_of, dotted, expr, find_all, free_name, stmt,
-                                  with_kwarg)
+from perseus.convert.context import Context
+from perseus.convert.syntax import arg, call_name, code_of, dotted, expr, find_all, free_name, stmt, with_kwarg
 
 RULE = "tensorflow"
 EVAL_WORDS = re.compile(r"test|val|eval|dev", re.IGNORECASE)

@@ -8,8 +8,9 @@ from typing import List, Optional
 import libcst as cst
 
 from perseus.convert import common_rules, file_rules
-from perseus.convert.core import (Context, arg, call_name, code_of, dotted, expr, find_all, free_name, stmt,
-                                  with_kwarg, without_kwarg)
+from perseus.convert.context import Context
+from perseus.convert.syntax import (arg, call_name, code_of, dotted, expr, find_all, free_name, stmt, with_kwarg,
+                                    without_kwarg)
 
 RULE = "torch"
 OPTIMIZER = re.compile(r"^torch\.optim\.[A-Z]\w*$")

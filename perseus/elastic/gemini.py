@@ -2,7 +2,7 @@
 
 Gemini (SOSP'23) recovers from failures with checkpoints held in CPU memory: every commit is kept on the
 rank's own host and copied to a few other hosts, and after a failure the newest commit is fetched from the
-fastest place that still has it. Here the memory is the checkpoint keepers' (:mod:`perseus.elastic.keeper`,
+fastest place that still has it. Here the memory is the checkpoint keepers' (:mod:`perseus.runner.elastic.keeper`,
 one process per host, so a copy survives its rank), and the order is: this process's own memory
 ("memory"), its host's keeper ("local"), other hosts' keepers ("peer"), then an optional disk copy ("disk").
 

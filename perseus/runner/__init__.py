@@ -3,7 +3,7 @@
 The launcher package. It runs before any MPI library exists, so nothing under
 ``perseus.runner`` imports mpi4py or the perseus engine. Scripts are launched with the
 ``perseusrun`` command (:mod:`perseus.runner.launch`), functions with :func:`run`
-(:mod:`perseus.runner.run_func`).
+(:mod:`perseus.runner.run_func`); elastic jobs are run by :mod:`perseus.runner.elastic`.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ def run(func: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, 
             and ``use_gloo=True``: not supported.
         ValueError: ``np`` and ``num_proc`` disagree, or fewer than 1 process.
     """
+    # Imported on call, not with the package: run_func imports launch, and `python -m perseus.runner.launch`
+    # imports this package before it runs launch as __main__; launch loaded here would then load twice.
     from perseus.runner import run_func
 
     if np is not None and num_proc not in (None, 1) and int(np) != int(num_proc):

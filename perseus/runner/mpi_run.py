@@ -22,7 +22,7 @@ from perseus.runner.hosts import HostSlots, format_hosts
 __all__ = [
     "OPENMPI", "MPICH", "FLAVOURS", "MpiError", "MpiFlavour", "LaunchPlan", "find_mpirun", "parse_flavour",
     "detect_flavour", "exported_names", "build_command", "is_open_mpi", "is_mpich", "mpi_available",
-    "python_env_prefix", "rank_path", "tcp_env",
+    "python_env_prefix", "rank_path", "launcher_variables", "ssh_args", "tcp_env",
 ]
 
 OPENMPI = "openmpi"
@@ -148,7 +148,19 @@ def exported_names(env: Mapping[str, str]) -> list[str]:
     return sorted(n for n in env if is_forwarded(n))
 
 
-def _ssh_args(port: int | None, identity_file: str | None) -> list[str]:
+def launcher_variables(settings: Mapping[str, str], extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Return the variables perseusrun sets for a job and forwards to every rank: ``settings`` (from its
+    flags), then ``extra``, and PATH with this Python's directory first where it lacks it (:func:`rank_path`)."""
+    env = dict(settings)
+    env.update(extra or {})
+    path = os.environ.get("PATH", "")
+    if rank_path(path) != path:
+        env["PATH"] = rank_path(path)
+    return env
+
+
+def ssh_args(port: int | None, identity_file: str | None) -> list[str]:
+    """Return the ssh options that select ``port`` and ``identity_file`` (each left out when not given)."""
     args = []
     if port:
         args += ["-p", str(port)]
@@ -250,7 +262,7 @@ def build_command(mpirun: str, flavour: MpiFlavour, *, num_proc: int, hosts: Seq
     """
     launcher_env = dict(launcher_env or {})
     names = exported_names(env)
-    ssh = _ssh_args(ssh_port, ssh_identity_file)
+    ssh = ssh_args(ssh_port, ssh_identity_file)
     if flavour.name == OPENMPI:
         argv = _openmpi(mpirun, flavour.major, num_proc=num_proc, hosts=hosts, names=names, nics=list(nics),
                         ssh=ssh, output_filename=output_filename, as_root=as_root, prefix=prefix,

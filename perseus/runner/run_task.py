@@ -14,12 +14,11 @@ import sys
 import traceback
 
 from perseus.common.knobs import read_knob
-from perseus.runner.run_func import TOKEN_ENV, recv_frame, send_frame
+from perseus.runner.common.util.env import get_env_rank_and_size
+from perseus.runner.run_frames import TOKEN_ENV, recv_frame, send_frame
 
 
 def _rank() -> int:
-    from perseus.runner.common.util.env import get_env_rank_and_size
-
     try:
         found = get_env_rank_and_size()
     except RuntimeError:

@@ -206,7 +206,7 @@ def _kill_keeper(host):
     for pid in host_pids(host):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"perseus.elastic.keeper" in f.read():
+                if b"perseus.runner.elastic.keeper" in f.read():
                     os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
@@ -266,7 +266,7 @@ def test_keepers_die_training_goes_on(disc, tmp_path):
     proc = start(disc, out, env=dict(STEPS="30", STEP_SLEEP="0.1"))
     _started(out)
     import subprocess
-    subprocess.run(["pkill", "-9", "-f", "perseus.elastic.keeper"], timeout=10)  # every keeper
+    subprocess.run(["pkill", "-9", "-f", "perseus.runner.elastic.keeper"], timeout=10)  # every keeper
     code, log = finish(proc, out)
     assert code == 0, log[-4000:]
     check_recovered(out, 30, tmp_path)

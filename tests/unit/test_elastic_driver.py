@@ -12,8 +12,8 @@ import textwrap
 import pytest
 
 from perseus.elastic import protocol
-from perseus.elastic.discovery import Blacklist, DiscoveryError, HostDiscovery, parse_discovery_output
-from perseus.elastic.driver import ElasticDriver, JobFailed
+from perseus.runner.elastic.discovery import Blacklist, DiscoveryError, HostDiscovery, parse_discovery_output
+from perseus.runner.elastic.driver import ElasticDriver, JobFailed
 from perseus.runner.hosts import HostSlots
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,5 +1,5 @@
 """Unit tests for the Gemini checkpoint store (perseus.elastic.gemini) and the keepers it talks to
-(perseus.elastic.keeper): real keeper processes on 127.0.0.1 stand for the hosts "a", "b" and "c"."""
+(perseus.runner.elastic.keeper): real keeper processes on 127.0.0.1 stand for the hosts "a", "b" and "c"."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 from perseus.elastic import protocol
 from perseus.elastic.gemini import GeminiStore, placement, recovery_probability
-from perseus.elastic.keeper import start_keeper
+from perseus.runner.elastic.keeper_process import start_keeper
 
 pytestmark = pytest.mark.timeout(120)
 

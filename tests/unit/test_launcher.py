@@ -376,7 +376,8 @@ def test_run_refuses_elastic_arguments():
 
 
 def test_runner_imports_no_mpi():
-    code = ("import sys, perseus.runner.launch, perseus.runner.mpi_run, perseus.runner.hosts; "
+    code = ("import sys, perseus.runner.launch, perseus.runner.mpi_run, perseus.runner.hosts, "
+            "perseus.runner.run_func, perseus.runner.elastic_run, perseus.runner.elastic.keeper; "
             "bad = [m for m in sys.modules if m.startswith(('mpi4py', 'perseus.engine', 'perseus.transport', "
             "'torch'))]; print(bad); sys.exit(1 if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
@@ -644,6 +645,16 @@ def test_is_exportable():
 def test_elastic_flags_are_checked(capsys, flags, expected):
     line = error_line(capsys, "-np", "2", *flags, "python", "train.py")
     assert expected in line
+
+
+@pytest.mark.parametrize("flags", [["--min-np", "1"], ["--host-discovery-script", "./d.sh", "--dry-run"]])
+def test_elastic_errors_are_one_line_under_python_m(flags):
+    # `python -m perseus.runner.launch` runs launch as __main__: the errors the elastic modules raise must be
+    # the LaunchError that main() catches, not that of a second copy of launch.
+    done = subprocess.run([sys.executable, "-m", "perseus.runner.launch", "-np", "2", *flags, "python", "t.py"],
+                          cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("perseusrun: error: ") and "Traceback" not in done.stderr, done.stderr
 
 
 # ----------------------------------------------------------------------------- horovodrun's other flags

@@ -3,9 +3,9 @@
 The job runs as a sequence of *generations*, each one ``mpirun`` over the hosts usable at its start (the
 discovery script's hosts less the blacklisted ones, at most ``--max-np`` slots). The driver:
 
-* polls the discovery script every second (:class:`~perseus.elastic.discovery.HostDiscovery`);
-* starts a checkpoint keeper on every host it uses (:mod:`perseus.elastic.keeper`, over ssh), which keeps the
-  ranks' commits in memory across generations (Gemini);
+* polls the discovery script every second (:class:`~perseus.runner.elastic.discovery.HostDiscovery`);
+* starts a checkpoint keeper on every host it uses (:mod:`perseus.runner.elastic.keeper`, over ssh), which
+  keeps the ranks' commits in memory across generations (Gemini);
 * serves its ranks (:class:`~perseus.elastic.ranks.RankServer`): hello, heartbeats, how each rank leaves;
 * reacts:
 
@@ -43,9 +43,9 @@ import threading
 import time
 from typing import Callable, Optional
 
-from perseus.elastic.discovery import Blacklist, DiscoveryError, HostDiscovery
 from perseus.elastic.ranks import Event, RankLink, RankServer
-from perseus.runner.hosts import HostSlots, format_hosts
+from perseus.runner.elastic.discovery import Blacklist, DiscoveryError, HostDiscovery
+from perseus.runner.hosts import HostSlots, format_hosts, is_local
 
 __all__ = ["JobFailed", "ElasticDriver", "DISCOVERY_INTERVAL_S"]
 
@@ -521,8 +521,6 @@ class ElasticDriver:
 def route_address(hosts: list[str]) -> str:
     """The address of this machine that ``hosts`` reach it at: the source address of the route to the first
     remote host (no packet is sent); 127.0.0.1 when every host is this machine."""
-    from perseus.runner.hosts import is_local
-
     for host in hosts:
         if is_local(host):
             continue

@@ -2,17 +2,18 @@
 
 Gemini (SOSP'23) keeps checkpoints for failure recovery in CPU memory, on the rank's own host and on a few
 other hosts, so that after a failure the newest commit comes back from memory instead of from disk. The
-elastic launcher starts one keeper per host with :func:`start_keeper`; every rank then copies each commit to
-its own host's keeper and to the keepers :func:`perseus.elastic.gemini.placement` names
-(:class:`perseus.elastic.gemini.GeminiStore`). A keeper outlives the ranks of a generation (a rank that dies
-or a job that is re-formed loses nothing), but not the job: it exits when its stdin reaches end of file, which
-happens when the launcher that started it (through a pipe or ``ssh``) is gone.
+elastic launcher starts one keeper per host (:func:`perseus.runner.elastic.keeper_process.start_keeper`);
+every rank then copies each commit to its own host's keeper and to the keepers
+:func:`perseus.elastic.gemini.placement` names (:class:`perseus.elastic.gemini.GeminiStore`). A keeper
+outlives the ranks of a generation (a rank that dies or a job that is re-formed loses nothing), but not the
+job: it exits when its stdin reaches end of file, which happens when the launcher that started it (through a
+pipe or ``ssh``) is gone.
 
-Run as ``python -m perseus.elastic.keeper [--bind ADDR] [--port PORT]``. The first line of stdin is the job's
-token (so that it never shows in ``ps``); once listening the keeper prints one line ``PERSEUS_KEEPER_PORT
-<port>`` to stdout. It serves any number of TCP connections, one thread each, with the messages of
-:mod:`perseus.elastic.protocol`. A connection starts with ``{"op": "hello", "token": T}`` (answered ``ok``, or
-``error`` and closed on a wrong token); then:
+Run as ``python -m perseus.runner.elastic.keeper [--bind ADDR] [--port PORT] [--host HOST]``. The first line
+of stdin is the job's token (so that it never shows in ``ps``); once listening the keeper prints one line
+``PERSEUS_KEEPER_PORT <port>`` to stdout. It serves any number of TCP connections, one thread each, with the
+messages of :mod:`perseus.elastic.protocol`. A connection starts with ``{"op": "hello", "token": T}`` (answered
+``ok``, or ``error`` and closed on a wrong token); then:
 
 * ``put_begin`` {version, owner, nbytes_total, parts: [sizes]}, ``put_chunk`` {version, owner, part, offset}
   with one buffer, ..., ``put_end`` {version, owner}: a new version of the owner rank's state. Only
@@ -32,18 +33,14 @@ frees the previous complete one). A ``get`` being served keeps its version alive
 from __future__ import annotations
 
 import argparse
-import collections
 import hmac
 import json
 import logging
 import mmap
 import os
 import shutil
-import select
-import shlex
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -51,12 +48,12 @@ from typing import Optional, Sequence
 
 from perseus.elastic.shm import job_dir, owner_pid, pid_alive
 from perseus.elastic.protocol import MAX_HEADER_BYTES, WireError, send_msg
+from perseus.runner.elastic.keeper_process import PORT_LINE
 
-__all__ = ["KeeperProcess", "start_keeper", "serve", "main", "PORT_LINE"]
+__all__ = ["serve", "main"]
 
 log = logging.getLogger("perseus.elastic")
 
-PORT_LINE = "PERSEUS_KEEPER_PORT"
 _DRAIN = 1 << 20
 
 
@@ -316,7 +313,8 @@ def _on_sigterm(signum, frame) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The keeper process (see the module doc). Returns the exit status: 0 on stdin EOF or SIGTERM, 2 when no
     token arrives on stdin or the address cannot be bound."""
-    parser = argparse.ArgumentParser(prog="python -m perseus.elastic.keeper", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m perseus.runner.elastic.keeper",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--bind", default="0.0.0.0", help="address to listen on (default: all)")
     parser.add_argument("--port", type=int, default=0, help="port to listen on (default 0: any free port)")
     parser.add_argument("--host", default="", help="the host's name in the job (names its shared-memory "
@@ -326,7 +324,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     token = sys.stdin.buffer.readline().decode(errors="replace").strip()
     if not token:
         print("perseus keeper: no job token on the first line of stdin; start keepers with "
-              "perseus.elastic.keeper.start_keeper", file=sys.stderr)
+              "perseus.runner.elastic.keeper_process.start_keeper", file=sys.stderr)
         return 2
     try:
         listener = socket.create_server((args.bind, args.port), backlog=128)
@@ -362,108 +360,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # connection threads may be blocked in recv; nothing of theirs needs to outlive the job
-
-
-class KeeperProcess:
-    """A keeper started by :func:`start_keeper`: its ``host``, ``port`` and process (``proc``, the local
-    process or the ``ssh`` client)."""
-
-    def __init__(self, host: str, port: int, proc: subprocess.Popen, stderr_tail: collections.deque):
-        self.host, self.port, self.proc = host, port, proc
-        self._stderr_tail = stderr_tail
-
-    def alive(self) -> bool:
-        """True while the keeper (or the ssh connection to it) is running."""
-        return self.proc.poll() is None
-
-    def stderr_tail(self) -> str:
-        """The last lines the keeper wrote to stderr."""
-        return "".join(self._stderr_tail).strip()
-
-    def stop(self) -> None:
-        """Close the keeper's stdin (it then exits), wait up to 5 s, then kill it."""
-        try:
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.proc.wait(5.0)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-    def __repr__(self) -> str:
-        return f"KeeperProcess(host={self.host!r}, port={self.port}, pid={self.proc.pid}, alive={self.alive()})"
-
-
-def _drain_stderr(stream, tail: collections.deque) -> None:
-    for line in iter(stream.readline, b""):
-        tail.append(line.decode(errors="replace"))
-    stream.close()
-
-
-def start_keeper(host: str, token: str, *, python: str = sys.executable, ssh_args: Sequence[str] = (),
-                 local: bool, timeout: float = 20.0, bind: str = "0.0.0.0", port: int = 0) -> KeeperProcess:
-    """Start the keeper of ``host``: a child process (``local``) or one reached with ``ssh -o BatchMode=yes
-    [ssh_args] host``. The token goes to its stdin, which stays open: closing it (:meth:`KeeperProcess.stop`,
-    or this process ending) makes the keeper exit.
-
-    Raises:
-        RuntimeError: the keeper did not report its port within ``timeout`` seconds (it is killed); the
-            message names the host and ends with what the keeper wrote to stderr.
-    """
-    module = [python, "-m", "perseus.elastic.keeper", "--bind", bind, "--port", str(int(port)), "--host", host]
-    if local:
-        env = dict(os.environ)
-        here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        if here not in paths:  # the keeper runs the same perseus as its launcher
-            env["PYTHONPATH"] = os.pathsep.join(paths + [here])
-        cmd = module
-    else:
-        env = None
-        remote = ["exec"]
-        if os.environ.get("PYTHONPATH"):
-            remote += ["env", "PYTHONPATH=" + os.environ["PYTHONPATH"]]
-        cmd = ["ssh", "-o", "BatchMode=yes", *ssh_args, host, " ".join(shlex.quote(a) for a in remote + module)]
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                            start_new_session=True)
-    tail: collections.deque = collections.deque(maxlen=20)
-    threading.Thread(target=_drain_stderr, args=(proc.stderr, tail), name="perseus-keeper-stderr",
-                     daemon=True).start()
-    keeper = KeeperProcess(host, 0, proc, tail)
-    try:
-        proc.stdin.write(token.encode() + b"\n")
-        proc.stdin.flush()
-        keeper.port = _read_port(proc, timeout)
-    except (OSError, RuntimeError) as exc:
-        proc.kill()
-        proc.wait()
-        time.sleep(0.05)  # let the stderr reader take the last lines
-        raise RuntimeError(f"perseus: the checkpoint keeper on {host} did not start ({exc}); check that "
-                           f"{python} can import perseus there. Its stderr: {keeper.stderr_tail() or '(empty)'}"
-                           ) from None
-    return keeper
-
-
-def _read_port(proc: subprocess.Popen, timeout: float) -> int:
-    deadline = time.monotonic() + timeout
-    fd, data = proc.stdout.fileno(), b""
-    while b"\n" not in data:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise RuntimeError(f"no {PORT_LINE} line within {timeout:g} s")
-        ready, _, _ = select.select([fd], [], [], left)
-        if ready:
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                raise RuntimeError(f"it exited with status {proc.wait()} before reporting its port")
-            data += chunk
-    line = data.split(b"\n", 1)[0].decode(errors="replace").split()
-    if len(line) != 2 or line[0] != PORT_LINE or not line[1].isdigit():
-        raise RuntimeError(f"unexpected first line {data[:200]!r}")
-    return int(line[1])
 
 
 if __name__ == "__main__":

@@ -27,10 +27,15 @@ from collections import defaultdict
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Layer of each module, by longest matching dotted prefix. Lower numbers sit lower; a module may import
-# its own layer or any lower one. runner and convert stand apart (they may import base only).
+# its own layer or any lower one. runner and convert (layer 0) stand apart: they import base only, and
+# nothing but the package's own __init__ imports them.
 LAYERS = [
     ("perseus.common.exceptions", 1), ("perseus.common.knobs", 1), ("perseus.common.reduce_ops", 1),
     ("perseus.common.partition", 1), ("perseus.common.util", 1), ("perseus.common.dtypes", 1),
+    ("perseus._version", 1),
+    # What the elastic launcher and the ranks both speak: the message format and the shared-memory layout of
+    # commits (leaf modules, importing no other perseus module).
+    ("perseus.elastic.protocol", 1), ("perseus.elastic.shm", 1),
     ("perseus.engine", 2), ("perseus.transport", 2), ("perseus.timeline", 2), ("perseus._core", 2),
     ("perseus.common", 3), ("perseus.runtime", 3),
     ("perseus.compression", 4), ("perseus.sparse", 4),
@@ -38,11 +43,11 @@ LAYERS = [
     ("perseus.lifecycle", 6), ("perseus.common.api", 6), ("perseus.common.lifecycle", 6),
     ("perseus.torch", 7), ("perseus.tensorflow", 7), ("perseus._keras", 7), ("perseus.keras", 7),
     ("perseus.mxnet", 7), ("perseus.compat", 7),
-    ("perseus", 7),  # the package's own __init__ (version, entry points)
     ("perseus.runner", 0), ("perseus.convert", 0),
+    ("perseus", 8),  # the package's own __init__: the version and perseus.run (the launcher's API)
 ]
 LAYER_NAMES = {0: "tools (runner, convert)", 1: "base", 2: "engine", 3: "runtime", 4: "features",
-               5: "services", 6: "lifecycle", 7: "adapters"}
+               5: "services", 6: "lifecycle", 7: "adapters", 8: "package"}
 
 # Cycles kept on purpose; docs/architecture.md says why. Each entry is the set of files in the cycle.
 ALLOWED_CYCLES: list[frozenset[str]] = []
@@ -51,6 +56,10 @@ ALLOWED_CYCLES: list[frozenset[str]] = []
 ALLOWED_LAZY = {
     ("perseus.engine.native", "perseus._core"): "the compiled core is loaded after MPI's library, with a clear "
                                                 "error when it was built for another MPI",
+    ("perseus.runner", "perseus.runner.run_func"): "perseus.run's implementation imports the launcher, which "
+                                                   "`python -m perseus.runner.launch` would otherwise load twice",
+    ("perseus.runner.launch", "perseus.runner.elastic_run"): "only elastic jobs load the driver: importing it "
+                                                             "up front makes `perseusrun --help` 50 -> 66 ms",
 }
 
 # Function-level imports are fine for these top-level packages (optional frameworks, heavy or optional
@@ -265,7 +274,12 @@ def main(argv=None) -> int:
         ls = layer_of(src)
         for dst in sorted(targets):
             ld = layer_of(dst)
-            bad = (ls == 0 and ld not in (0, 1)) or (ls != 0 and ld == 0) or (ls != 0 and ld > ls)
+            if ls == 8:  # the package's __init__ may name anything
+                bad = False
+            elif ls == 0:  # the launcher and the converter: themselves and base only
+                bad = ld not in (0, 1)
+            else:
+                bad = ld == 0 or ld > ls
             if bad:
                 upward.append((src, dst, pwhere[(src, dst)], ls, ld))
     print(f"upward imports (a lower layer importing a higher one): {len(upward)}")

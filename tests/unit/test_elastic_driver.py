@@ -141,7 +141,7 @@ def test_driver_stops_on_an_error_in_the_training_code(tmp_path, capsys):
 
 
 def test_wrong_token_is_refused(tmp_path):
-    from perseus.elastic.ranks import RankServer
+    from perseus.runner.elastic.ranks import RankServer
 
     server = RankServer("secret", bind="127.0.0.1")
     try:

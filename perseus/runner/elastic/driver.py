@@ -6,7 +6,7 @@ discovery script's hosts less the blacklisted ones, at most ``--max-np`` slots).
 * polls the discovery script every second (:class:`~perseus.runner.elastic.discovery.HostDiscovery`);
 * starts a checkpoint keeper on every host it uses (:mod:`perseus.runner.elastic.keeper`, over ssh), which
   keeps the ranks' commits in memory across generations (Gemini);
-* serves its ranks (:class:`~perseus.elastic.ranks.RankServer`): hello, heartbeats, how each rank leaves;
+* serves its ranks (:class:`~perseus.runner.elastic.ranks.RankServer`): hello, heartbeats, how each rank leaves;
 * reacts:
 
   - a rank's connection drops without a report (``kill -9``, a crash, its host died): its host is blacklisted;
@@ -43,7 +43,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from perseus.elastic.ranks import Event, RankLink, RankServer
+from perseus.runner.elastic.ranks import Event, RankLink, RankServer
 from perseus.runner.elastic.discovery import Blacklist, DiscoveryError, HostDiscovery
 from perseus.runner.hosts import HostSlots, format_hosts, is_local
 

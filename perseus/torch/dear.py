@@ -33,7 +33,8 @@ from perseus.common.exceptions import HorovodInternalError
 from perseus.common.knobs import read_knob
 from perseus.common.process_sets import global_process_set
 from perseus.common.reduce_ops import Max, Sum
-from perseus.torch.mpi_ops import _dtype, _np, allreduce_async, size, synchronize
+from perseus.torch.mpi_ops import allreduce_async, size, synchronize
+from perseus.torch._tensors import _dtype, _np
 from perseus.torch.optimizer import _DistributedOptimizer
 
 __all__ = ["check_arguments", "mixin"]

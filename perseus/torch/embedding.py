@@ -59,7 +59,7 @@ from perseus.common import collectives as _c
 from perseus.common.partition import even_counts
 from perseus.common.process_sets import ProcessSet, global_process_set
 from perseus.common.reduce_ops import Average, ReduceOp, Sum
-from perseus.torch.mpi_ops import _alloc_like, _dtype, _np, synchronize
+from perseus.torch._tensors import _alloc_like, _dtype, _np, synchronize
 
 __all__ = ["DistributedEmbedding", "full_state_dict", "is_model_parallel", "MODEL_PARALLEL_ATTR"]
 

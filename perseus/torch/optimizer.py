@@ -19,8 +19,10 @@ from perseus.common.partition import split_list
 from perseus.common.process_sets import global_process_set
 from perseus.common.reduce_ops import Average, ReduceOp, Sum, reject_adasum
 from perseus.torch.compression import Compression
-from perseus.torch.mpi_ops import (_reduce_compressed, allreduce, allreduce_async_, grouped_allreduce_async_, size,
-                                   sparse_allreduce_async, synchronize)
+from perseus.common.api import size
+from perseus.torch._allreduce_ops import (_reduce_compressed, allreduce, allreduce_async_, grouped_allreduce_async_,
+                                          sparse_allreduce_async)
+from perseus.torch._tensors import synchronize
 
 __all__ = ["DistributedOptimizer"]
 

@@ -46,16 +46,16 @@ class PendingReduction:
             HorovodInternalError: the collective failed (the same error on every later call).
         """
         finish = self._finish
-        if finish is not None:
-            self._finish = None
-            args, self._args = self._args, ()
-            try:
-                self._result = finish(*args)
-            except BaseException as exc:
-                self._error = exc
-                raise
-        if self._error is not None:
-            raise self._error
+        if finish is None:
+            if self._error is not None:
+                raise self._error
+            return self._result
+        self._finish = None
+        try:
+            self._result = finish(*self._args)
+        except BaseException as exc:
+            self._error = exc
+            raise
         return self._result
 
 

@@ -58,6 +58,17 @@ def _set_grad(p, value, sparse=False):
         p.grad = value
 
 
+def _finish_one(handle, p, compression, ctx, sparse):
+    """Finish an all-reduce of one gradient: the result, decompressed, into ``p.grad``."""
+    _set_grad(p, compression.decompress(synchronize(handle), ctx), sparse)
+
+
+def _finish_group(handle, group, compression, ctxs):
+    """Finish a grouped all-reduce: each result, decompressed, into its parameter's ``.grad``."""
+    for p, out, (ctx, sparse) in zip(group, synchronize(handle), ctxs):
+        _set_grad(p, compression.decompress(out, ctx), sparse)
+
+
 def _put_sparse(p, wait):
     """Finish a sparse reduction: ``wait()`` returns the reduced sparse gradient."""
     p.grad = wait()
@@ -77,6 +88,7 @@ class DefaultSchedule(Schedule):
         super().__init__(opt)
         self.group_of: dict = {}      # parameter -> its group's tuple (grouped parameters only)
         self.group_ready: dict = {}   # group tuple -> the parameters whose gradients are ready
+        self.wire_names: dict = {}    # parameter -> the name its gradient's reduction carries ("grad.<name>")
         self.presynchronized = False  # clip_grad_norm_ synchronized already: the next step() does not
         self.skip_step = False        # the guard saw a non-finite gradient: the next step() does nothing
         #: PERSEUS_NONFINITE_GRADIENTS: each gradient checked as it is submitted, the verdict after the step's
@@ -97,6 +109,8 @@ class DefaultSchedule(Schedule):
                      if p.requires_grad and not getattr(p, "perseus_model_parallel", False)]
         if opt._groups is not None:
             self._form_groups(trainable)
+        names = opt._parameter_names
+        self.wire_names.update((p, f"grad.{names.get(p)}") for p in trainable)
         hook = self._make_hook()
         for p in trainable:
             self.requires_update.add(p)
@@ -154,7 +168,7 @@ class DefaultSchedule(Schedule):
         if p.grad is None:
             # Another rank may have produced this gradient (dynamic graphs): submit zeros, never hang.
             p.grad = torch.zeros_like(p)
-        name = f"grad.{opt._parameter_names.get(p)}"
+        name = self.wire_names[p]
         grad, sparse = p.grad, p.grad.is_sparse
         if self.guard is not None:
             self._check_finite(name, grad._values() if sparse else grad)
@@ -173,10 +187,7 @@ class DefaultSchedule(Schedule):
         compressed, ctx = compression.compress(grad)
         handle = allreduce_async_(compressed, name=name, op=opt.op, prescale_factor=pre, postscale_factor=post,
                                   process_set=opt.process_set)
-        return PendingReduction(self._finish_one, handle, p, ctx, sparse)
-
-    def _finish_one(self, handle, p, ctx, sparse):
-        _set_grad(p, self.opt._compression.decompress(synchronize(handle), ctx), sparse)
+        return PendingReduction(_finish_one, handle, p, compression, ctx, sparse)
 
     def _check_finite(self, name, grad):
         """The guard's local check; in 'skip' mode a non-finite gradient is zeroed before it is sent, so that
@@ -195,7 +206,7 @@ class DefaultSchedule(Schedule):
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad.to_dense() if p.grad.is_sparse else p.grad)
             if self.guard is not None:
-                self._check_finite(f"grad.{opt._parameter_names.get(p)}", grads[-1])
+                self._check_finite(self.wire_names[p], grads[-1])
         pre, post = self.scales()
         name = f"grad.group.{opt._parameter_names[group[0]]}"
         compression = opt._compression
@@ -208,13 +219,8 @@ class DefaultSchedule(Schedule):
         pairs = [compression.compress(g) for g in grads]
         handle = grouped_allreduce_async_([c for c, _ in pairs], name=name, op=opt.op, prescale_factor=pre,
                                           postscale_factor=post, process_set=opt.process_set)
-        return PendingReduction(self._finish_group, handle, group,
+        return PendingReduction(_finish_group, handle, group, compression,
                                 [(ctx, p.grad.is_sparse) for p, (_, ctx) in zip(group, pairs)])
-
-    def _finish_group(self, handle, group, ctxs):
-        decompress = self.opt._compression.decompress
-        for p, out, (ctx, sparse) in zip(group, synchronize(handle), ctxs):
-            _set_grad(p, decompress(out, ctx), sparse)
 
     # -- the optimizer's methods -------------------------------------------------------------------------
     def synchronize(self):
@@ -237,10 +243,13 @@ class DefaultSchedule(Schedule):
             elif group not in pending:
                 pending[group] = self._submit_group(group)
                 self.group_ready[group].clear()
-        passes = opt.backward_passes_per_step
+        passes, delay = opt.backward_passes_per_step, self.delay
         for key, reduction in list(pending.items()):
-            for p in _params_of(key):
-                self.delay[p] = passes
+            if isinstance(key, tuple):
+                for p in key:
+                    delay[p] = passes
+            else:
+                delay[key] = passes
             reduction.wait()
         pending.clear()
         self.synchronized = True

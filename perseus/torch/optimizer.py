@@ -223,7 +223,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     """Wrap a torch optimizer so that ``step()`` uses gradients averaged over all ranks.
 
     The result is an instance of a subclass of the wrapped optimizer's class, with the same class name,
-    the same parameter groups and the same state.
+    the same parameter groups and the same state. That class may be subclassed again (``class
+    Mine(type(opt))``, overrides calling ``super()``); ``Mine(params, named_parameters, ...)`` takes the
+    arguments below in their order, less ``num_groups`` and ``schedule`` (the class keeps its schedule),
+    with the hyper-parameters in the groups of ``params``.
 
     ``step(closure)`` works too (``torch.optim.LBFGS``, or any optimizer given a closure): each evaluation of
     the closure gets gradients averaged over the ranks, and the loss it returns is averaged as well, so every

@@ -5,11 +5,13 @@ from __future__ import annotations
 import torch
 
 from perseus.common import collectives as _c
+from perseus.common.api import rank
 from perseus.common.process_sets import global_process_set
 from perseus.common.reduce_ops import Average, ReduceOp, Sum
 from perseus.torch import staging as _staging
+from perseus.torch._allreduce_ops import allreduce, grouped_allreduce
+from perseus.torch._tensors import _alloc_like, _contig, _dtype, _np, synchronize
 from perseus.torch.compression import Compression
-from perseus.torch.mpi_ops import _alloc_like, _contig, _dtype, _np, synchronize
 
 __all__ = [
     "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async", "broadcast",
@@ -60,7 +62,7 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         ps = ctx.process_set
-        grad = allreduce_mod().allreduce(grad_output, op=Average, process_set=ps)
+        grad = allreduce(grad_output, op=Average, process_set=ps)
         dims = allgather(torch.tensor([ctx.dim], dtype=torch.int64), process_set=ps)
         offset = int(dims[: ps.rank()].sum()) if ps.rank() else 0
         return grad.narrow(0, offset, ctx.dim), None, None
@@ -95,7 +97,7 @@ class _GroupedAllgather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         ps = ctx.process_set
-        reduced = allreduce_mod().grouped_allreduce(list(grads), op=Average, process_set=ps)
+        reduced = grouped_allreduce(list(grads), op=Average, process_set=ps)
         dims = allgather(torch.tensor([ctx.dims], dtype=torch.int64), process_set=ps)
         offsets = dims[: ps.rank()].sum(0) if ps.rank() else torch.zeros(len(ctx.dims), dtype=torch.int64)
         out = [g.narrow(0, int(o), d) for g, o, d in zip(reduced, offsets.tolist(), ctx.dims)]
@@ -146,8 +148,8 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = allreduce_mod().allreduce(grad_output, op=Average, process_set=ctx.process_set)
-        if allreduce_mod().rank() != ctx.root_rank:
+        grad = allreduce(grad_output, op=Average, process_set=ctx.process_set)
+        if rank() != ctx.root_rank:
             grad = grad * 0
         return grad, None, None, None
 
@@ -280,9 +282,3 @@ def join(device=-1):
 def barrier(process_set=global_process_set):
     """Block until every rank of ``process_set`` reaches the barrier."""
     _c.barrier(process_set)
-
-
-def allreduce_mod():
-    from perseus.torch import mpi_ops
-
-    return mpi_ops

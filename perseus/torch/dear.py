@@ -27,41 +27,28 @@ import weakref
 
 import torch
 
+from perseus.common.step_policy import Following
+from perseus.autotune.space import DEAR_THRESHOLDS
 from perseus.common import collectives as _c
-from perseus.common.api import _basics
+from perseus.common.api import _basics, size
 from perseus.common.exceptions import HorovodInternalError
 from perseus.common.knobs import read_knob
 from perseus.common.process_sets import global_process_set
 from perseus.common.reduce_ops import Max, Sum
-from perseus.torch.mpi_ops import _dtype, _np, allreduce_async, size, synchronize
-from perseus.torch.optimizer import _DistributedOptimizer
+from perseus.torch._allreduce_ops import allreduce_async
+from perseus.torch._schedule import TOO_MANY_PASSES, ZERO_GRAD_RACE, PendingReduction, Schedule, check_op
+from perseus.torch._tensors import _dtype, _np, synchronize
+from perseus.torch.compression import Compression
+from perseus.torch.functions import broadcast_object
 
-__all__ = ["check_arguments", "mixin"]
+__all__ = ["DearSchedule"]
 
 _instances = itertools.count()
 
 
-def check_arguments(compression, groups):
-    """Raise ``NotImplementedError`` for what ``schedule="dear"`` does not support (naming the fix)."""
-    from perseus.torch.compression import BF16Compressor, FP16Compressor
-    from perseus.common.compression import NoneCompressor
-
-    if not (isinstance(compression, type) and issubclass(compression, (NoneCompressor, FP16Compressor,
-                                                                        BF16Compressor))):
-        raise NotImplementedError(
-            f"DistributedOptimizer(schedule='dear') supports compression=Compression.none, fp16 or bf16, not "
-            f"{compression!r}; use schedule='default' for communicating compressors")
-    if groups is not None:
-        raise NotImplementedError("DistributedOptimizer(schedule='dear') forms its own fusion groups from the "
-                                  "forward order (PERSEUS_DEAR_THRESHOLD_BYTES); drop groups=/num_groups= or "
-                                  "use schedule='default'")
-    if _basics.settings.elastic:
-        raise NotImplementedError("DistributedOptimizer(schedule='dear') is not supported in elastic jobs; use "
-                                  "schedule='default'")
-
-
 class _Group:
-    """One fusion group: its parameters, their slots in a flat padded buffer, and the buffers."""
+    """One fusion group: its parameters, their slots in a flat padded buffer, the buffers, and its reduce-scatter
+    (``rs``) and all-gather (``ag``) while they are in flight (:class:`PendingReduction`)."""
 
     __slots__ = ("index", "params", "slots", "buf", "shard", "dt", "lists", "trigger", "filled", "rs", "ag")
 
@@ -85,33 +72,65 @@ class _Group:
 def _record_hook(ref):
     """A global forward pre-hook noting, until the groups are formed, which module first owns each parameter."""
     def hook(module, args):
-        opt = ref()
-        if opt is None or opt._dear_groups is not None:
+        schedule = ref()
+        if schedule is None or schedule.groups is not None:
             return
         for p in module.parameters(recurse=False):
-            if id(p) in opt._dear_ids and id(p) not in opt._dear_owner:
-                opt._dear_owner[id(p)] = module
-                opt._dear_order.append(p)
+            if id(p) in schedule.ids and id(p) not in schedule.owner:
+                schedule.owner[id(p)] = module
+                schedule.order.append(p)
     return hook
 
 
-class _DeAR(torch.optim.Optimizer):
-    """Methods that replace :class:`_DistributedOptimizer`'s for ``schedule="dear"``."""
+class DearSchedule(Schedule):
+    """The DeAR schedule (see the module's description).
 
-    def __init__(self, *args, **kwargs):
-        self._dear_active = False
-        self._dear_threshold = int(read_knob("dear_threshold_bytes")[0])
-        self._dear_tag = f"dear.{next(_instances)}"
-        self._dear_groups = None
-        self._dear_layout = None
-        self._dear_new_threshold = None
-        self._dear_hooks = []
-        _DistributedOptimizer.__init__(self, *args, **kwargs)
+    Raises (on construction):
+        NotImplementedError: a compressor other than Compression.none, fp16 or bf16, ``groups``, or an
+            elastic job.
+        ValueError: ``op=Adasum``, or ``gradient_predivide_factor`` with an op other than Average.
+    """
+
+    def __init__(self, opt):
+        check_op(opt)
+        compression = opt._compression
+        if not (isinstance(compression, type) and issubclass(compression, (Compression.none, Compression.fp16,
+                                                                            Compression.bf16))):
+            raise NotImplementedError(
+                f"DistributedOptimizer(schedule='dear') supports compression=Compression.none, fp16 or bf16, not "
+                f"{compression!r}; use schedule='default' for communicating compressors")
+        if opt._groups is not None:
+            raise NotImplementedError("DistributedOptimizer(schedule='dear') forms its own fusion groups from the "
+                                      "forward order (PERSEUS_DEAR_THRESHOLD_BYTES); drop groups=/num_groups= or "
+                                      "use schedule='default'")
+        if _basics.settings.elastic:
+            raise NotImplementedError("DistributedOptimizer(schedule='dear') is not supported in elastic jobs; "
+                                      "use schedule='default'")
+        super().__init__(opt)
+        self.active = False               # this rank communicates (hooks registered)
+        self.threshold = int(read_knob("dear_threshold_bytes")[0])
+        self.new_threshold = None         # set_threshold() before the groups are cut anew
+        self.tag = f"dear.{next(_instances)}"
+        self.groups = None                # the _Groups, once the first backward has formed them
+        self.layout = None                # rank 0's modules, as lists of parameter names, in forward order
+        self.module_hooks = []
+        self.version = -1                 # bumped at each regrouping: names the collectives of each grouping
+        self.following = None             # the autotuner link, once step() has asked for it
+        self.params: list = []            # the trainable parameters, by name
+        self.ids: set = set()             # their ids
+        self.owner: dict = {}             # parameter id -> the module whose forward first used it
+        self.order: list = []             # the parameters in the order their modules' forwards ran
+        self.record = None                # the global forward pre-hook recording owner and order
 
     # -- set-up ----------------------------------------------------------------------------------------
+    def start(self):
+        if self.opt.process_set.included() and size() > 1:
+            self._register_hooks()
+
     def _register_hooks(self):
+        opt = self.opt
         trainable, seen = [], set()
-        for g in self.param_groups:
+        for g in opt.param_groups:
             for p in g["params"]:
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
@@ -119,35 +138,32 @@ class _DeAR(torch.optim.Optimizer):
         if any(getattr(p, "perseus_model_parallel", False) for p in trainable):
             raise NotImplementedError("DistributedOptimizer(schedule='dear') does not support model-parallel "
                                       "parameters (DistributedEmbedding); use schedule='default'")
-        self._dear_active = True
-        self._dear_params = sorted(trainable, key=lambda p: self._parameter_names[p])
-        self._dear_ids = {id(p) for p in trainable}
-        self._dear_owner: dict = {}
-        self._dear_order: list = []
-        self._dear_record = torch.nn.modules.module.register_module_forward_pre_hook(
-            _record_hook(weakref.ref(self)))
-        self._dear_step_state()
+        self.active = True
+        self.params = sorted(trainable, key=lambda p: opt._parameter_names[p])
+        self.ids = {id(p) for p in trainable}
+        self.record = torch.nn.modules.module.register_module_forward_pre_hook(_record_hook(weakref.ref(self)))
+        self._new_step()
         for p in trainable:
-            self._requires_update.add(p)
-            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._dear_grad_hook))
+            self.requires_update.add(p)
+            self.hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook))
 
-    def _dear_step_state(self):
+    def _new_step(self):
         """Forget this step's reductions (after step(), synchronize() or load_state_dict())."""
-        self._dear_started = False     # a backward hook ran since the last step
-        self._dear_reduced = False     # every reduce-scatter of this step has completed
-        self._dear_pending = False     # all-gathers started, updates not all applied
-        self._dear_next_apply = 0
-        self._dear_next_rs = len(self._dear_groups) - 1 if self._dear_groups else -1
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = self.backward_passes_per_step
-        for g in self._dear_groups or ():
+        self.started = False          # a backward hook ran since the last step
+        self.reduced = False          # every reduce-scatter of this step has completed
+        self.updates_pending = False  # all-gathers started, updates not all applied
+        self.next_apply = 0
+        self.next_rs = len(self.groups) - 1 if self.groups else -1
+        self.reset_delays(self.opt.backward_passes_per_step)
+        for g in self.groups or ():
             g.filled.clear()
 
-    def _dear_check_schedule(self):
+    def _check_schedule(self):
         """Fail on every rank, instead of hanging, when other ranks run the default schedule: its gradient
         names are submitted here with another dtype, which the negotiation reports as a mismatch."""
-        handles = [allreduce_async(torch.ones(1, dtype=torch.int32), name=f"grad.{self._parameter_names[p]}",
-                                   op=Sum, process_set=self.process_set) for p in self._dear_params]
+        opt = self.opt
+        handles = [allreduce_async(torch.ones(1, dtype=torch.int32), name=f"grad.{opt._parameter_names[p]}",
+                                   op=Sum, process_set=opt.process_set) for p in self.params]
         try:
             for h in handles:
                 synchronize(h)
@@ -157,43 +173,39 @@ class _DeAR(torch.optim.Optimizer):
                 "reduced these gradients with the default schedule); pass the same schedule= on every rank"
             ) from exc
 
-    def _dear_build(self):
+    def _build(self):
         """Form the groups: forward order recorded during the first forward, rank 0's layout everywhere."""
-        from perseus.torch.functions import broadcast_object
-
-        if self._dear_record is not None:
-            self._dear_record.remove()
-            self._dear_record = None
-        names = self._parameter_names
-        if self._dear_layout is None:
-            self._dear_check_schedule()
+        if self.record is not None:
+            self.record.remove()
+            self.record = None
+        names = self.opt._parameter_names
+        if self.layout is None:
+            self._check_schedule()
             # Parameters no forward module owned (used outside their module's forward) come first.
-            seen = {id(p) for p in self._dear_order}
-            units = [[names[p] for p in self._dear_params if id(p) not in seen]]
+            seen = {id(p) for p in self.order}
+            units = [[names[p] for p in self.params if id(p) not in seen]]
             by_module: dict = {}
-            for p in self._dear_order:
-                key = id(self._dear_owner[id(p)])
+            for p in self.order:
+                key = id(self.owner[id(p)])
                 if key not in by_module:
                     by_module[key] = []
                     units.append(by_module[key])
                 by_module[key].append(names[p])
             units = [u for u in units if u]
-            root = (getattr(self.process_set, "ranks", None) or [0])[0]  # the set's first rank
-            self._dear_layout = broadcast_object(units, root_rank=root, name=f"perseus.{self._dear_tag}.layout",
-                                                 process_set=self.process_set)
-        self._dear_regroup(self._dear_new_threshold or self._dear_threshold)
+            process_set = self.opt.process_set
+            root = (getattr(process_set, "ranks", None) or [0])[0]  # the set's first rank
+            self.layout = broadcast_object(units, root_rank=root, name=f"perseus.{self.tag}.layout",
+                                           process_set=process_set)
+        self._regroup(self.new_threshold or self.threshold)
 
-    def _dear_regroup(self, threshold):
-        """Cut the layout into groups of at most ``threshold`` bytes (a module is never split)."""
-        self._dear_threshold, self._dear_new_threshold = threshold, None
-        for h in self._dear_hooks:
-            h.remove()
-        self._dear_hooks = []
-        by_name = {n: p for p, n in self._parameter_names.items()}
-        members = self.process_set.size() or size()
-        wire = getattr(self._compression, "wire_dtype", None)
+    def _cut(self, threshold):
+        """``[(parameters, wire dtype)]``: the layout cut into groups of at most ``threshold`` bytes (a module
+        is never split; a group holds one dtype)."""
+        opt = self.opt
+        by_name = {n: p for p, n in opt._parameter_names.items()}
+        wire = getattr(opt._compression, "wire_dtype", None)
         cut, cur, cur_bytes, cur_dtype = [], [], 0, None
-        for unit in self._dear_layout:
+        for unit in self.layout:
             ps = [by_name[n] for n in unit]
             dt = wire if wire is not None and ps[0].is_floating_point() else ps[0].dtype
             nbytes = sum(p.numel() for p in ps) * dt.itemsize
@@ -204,46 +216,57 @@ class _DeAR(torch.optim.Optimizer):
             cur, cur_bytes, cur_dtype = cur + ps, cur_bytes + nbytes, dt
         if cur:
             cut.append((cur, cur_dtype))
-        self._dear_groups = [_Group(k, ps, dt, members, self.param_groups) for k, (ps, dt) in enumerate(cut)]
-        self._dear_slot = {p: (g, i) for g in self._dear_groups for i, p in enumerate(g.params)}
-        self._dear_version = getattr(self, "_dear_version", -1) + 1
+        return cut
+
+    def _regroup(self, threshold):
+        """Form the groups for ``threshold`` and hook each group's update to its first module's forward."""
+        self.threshold, self.new_threshold = threshold, None
+        for h in self.module_hooks:
+            h.remove()
+        self.module_hooks = []
+        opt = self.opt
+        members = opt.process_set.size() or size()
+        self.groups = [_Group(k, ps, dt, members, opt.param_groups)
+                       for k, (ps, dt) in enumerate(self._cut(threshold))]
+        self.slot = {p: (g, i) for g in self.groups for i, p in enumerate(g.params)}
+        self.version += 1
         # Each group's update runs before the forward of the first module that owns one of its parameters.
-        first = self._dear_owner.get(id(self._dear_order[0])) if self._dear_order else None
+        first = self.owner.get(id(self.order[0])) if self.order else None
         last_of: dict = {}
-        for g in self._dear_groups:
-            g.trigger = self._dear_owner.get(id(g.params[0]), first)
+        for g in self.groups:
+            g.trigger = self.owner.get(id(g.params[0]), first)
             if g.trigger is not None:
                 last_of[id(g.trigger)] = (g.trigger, g.index)
         ref = weakref.ref(self)
         for module, k in last_of.values():
             def pre(mod, args, k=k):
-                opt = ref()
-                if opt is not None and opt._dear_pending:
-                    opt._dear_apply_upto(k)
-            self._dear_hooks.append(module.register_forward_pre_hook(pre))
-        self._dear_step_state()
+                schedule = ref()
+                if schedule is not None and schedule.updates_pending:
+                    schedule.apply_upto(k)
+            self.module_hooks.append(module.register_forward_pre_hook(pre))
+        self._new_step()
 
     # -- backward: reduce-scatter per group, in strict group order --------------------------------------
-    def _dear_grad_hook(self, p):
-        if self._dear_groups is None:
-            self._dear_build()
-        if not self._dear_started:  # first gradient of this step: nothing of the last step may stay in flight
-            self._dear_apply_upto(len(self._dear_groups) - 1)
-            if self._dear_new_threshold is not None:
-                self._dear_regroup(self._dear_new_threshold)
-            self._dear_started = True
-        if self._allreduce_delay[p] <= 0:
-            raise AssertionError("Gradients were computed more than backward_passes_per_step times before call "
-                                 "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
-        self._allreduce_delay[p] -= 1
-        if self._allreduce_delay[p] > 0:
+    def _grad_hook(self, p):
+        if self.groups is None:
+            self._build()
+        if not self.started:  # first gradient of this step: nothing of the last step may stay in flight
+            self.apply_upto(len(self.groups) - 1)
+            if self.new_threshold is not None:
+                self._regroup(self.new_threshold)
+            self.started = True
+        delay = self.delay
+        if delay[p] <= 0:
+            raise AssertionError(TOO_MANY_PASSES)
+        delay[p] -= 1
+        if delay[p] > 0:
             return
-        g, i = self._dear_slot[p]
-        self._dear_fill(g, i)
-        if g.index == self._dear_next_rs and len(g.filled) == len(g.params):
-            self._dear_issue_ready()
+        g, i = self.slot[p]
+        self._fill(g, i)
+        if g.index == self.next_rs and len(g.filled) == len(g.params):
+            self._issue_ready()
 
-    def _dear_fill(self, g, i):
+    def _fill(self, g, i):
         p = g.params[i]
         start, n = g.slots[i]
         dst = g.buf[start:start + n].view(p.shape)
@@ -252,80 +275,85 @@ class _DeAR(torch.optim.Optimizer):
             dst.zero_()
         else:
             if grad.is_sparse:
-                if not self.sparse_as_dense:
+                if not self.opt.sparse_as_dense:
                     raise NotImplementedError(
-                        f"DistributedOptimizer(schedule='dear'): {self._parameter_names[p]} has a sparse "
+                        f"DistributedOptimizer(schedule='dear'): {self.opt._parameter_names[p]} has a sparse "
                         "gradient; pass sparse_as_dense=True or use schedule='default'")
                 grad = grad.to_dense()
             dst.copy_(grad)
         g.filled.add(i)
 
-    def _dear_issue_ready(self):
-        groups = self._dear_groups
-        while self._dear_next_rs >= 0 and len(groups[self._dear_next_rs].filled) == len(
-                groups[self._dear_next_rs].params):
-            self._dear_issue_rs(groups[self._dear_next_rs])
-            self._dear_next_rs -= 1
+    def _issue_ready(self):
+        groups = self.groups
+        while self.next_rs >= 0 and len(groups[self.next_rs].filled) == len(groups[self.next_rs].params):
+            self._issue_rs(groups[self.next_rs])
+            self.next_rs -= 1
 
-    def _dear_issue_rs(self, g):
-        pre, post = self._scales()
-        g.rs = _c.reducescatter_async(_np(g.buf), lambda shape, s=g.shard: _np(s),
-                                      name=f"{self._dear_tag}.v{self._dear_version}.rs.{g.index}", op=self.op,
-                                      process_set=self.process_set, prescale_factor=pre, postscale_factor=post,
-                                      priority=g.index, dtype=g.dt)
+    def _issue_rs(self, g):
+        pre, post = self.scales()
+        opt = self.opt
+        g.rs = PendingReduction(synchronize, _c.reducescatter_async(
+            _np(g.buf), lambda shape, s=g.shard: _np(s), name=f"{self.tag}.v{self.version}.rs.{g.index}",
+            op=opt.op, process_set=opt.process_set, prescale_factor=pre, postscale_factor=post, priority=g.index,
+            dtype=g.dt))
 
-    def _dear_reduce(self):
+    def _reduce(self):
         """Issue what backward left (gradients it did not produce: ``.grad`` or zeros), wait for every
         reduce-scatter. Every rank's shard of each group then holds the averaged gradient."""
-        if self._dear_reduced:
+        if self.reduced:
             return
-        for k in range(self._dear_next_rs, -1, -1):
-            g = self._dear_groups[k]
+        for k in range(self.next_rs, -1, -1):
+            g = self.groups[k]
             for i in range(len(g.params)):
                 if i not in g.filled:
-                    self._dear_fill(g, i)
-            self._dear_issue_rs(g)
-        self._dear_next_rs = -1
-        for g in reversed(self._dear_groups):
+                    self._fill(g, i)
+            self._issue_rs(g)
+        self.next_rs = -1
+        for g in reversed(self.groups):
             if g.rs is not None:
-                handle, g.rs = g.rs, None
-                synchronize(handle)
-        self._dear_reduced = True
+                reduction, g.rs = g.rs, None
+                reduction.wait()
+        self.reduced = True
 
-    def _dear_start_allgathers(self):
-        for g in self._dear_groups:
-            g.ag = _c.allgather_async(_np(g.shard), lambda shape, b=g.buf: _np(b),
-                                      name=f"{self._dear_tag}.v{self._dear_version}.ag.{g.index}",
-                                      process_set=self.process_set, priority=-1 - g.index, dtype=g.dt)
+    def _start_allgathers(self):
+        process_set = self.opt.process_set
+        for g in self.groups:
+            g.ag = PendingReduction(synchronize, _c.allgather_async(
+                _np(g.shard), lambda shape, b=g.buf: _np(b), name=f"{self.tag}.v{self.version}.ag.{g.index}",
+                process_set=process_set, priority=-1 - g.index, dtype=g.dt))
 
     # -- forward: deferred per-group updates ------------------------------------------------------------
-    def _dear_apply_upto(self, k):
+    def apply_upto(self, k):
         """Apply the pending updates of groups up to ``k`` (in group order)."""
-        while self._dear_pending and self._dear_next_apply <= k:
-            g = self._dear_groups[self._dear_next_apply]
-            self._dear_next_apply += 1
-            if self._dear_next_apply == len(self._dear_groups):
-                self._dear_pending = False
-            self._dear_apply(g)
+        while self.updates_pending and self.next_apply <= k:
+            g = self.groups[self.next_apply]
+            self.next_apply += 1
+            if self.next_apply == len(self.groups):
+                self.updates_pending = False
+            self._apply(g)
 
-    def _dear_apply(self, g):
-        handle, g.ag = g.ag, None
-        synchronize(handle)
+    def _apply(self, g):
+        """Wait for ``g``'s all-gather and run the wrapped optimizer on ``g``'s parameters alone, with the
+        hyper-parameters of the ``step()`` call and the averaged gradients (the user's ``.grad`` put back
+        afterwards)."""
+        reduction, g.ag = g.ag, None
+        reduction.wait()
         saved = [p.grad for p in g.params]
         for p, (start, n) in zip(g.params, g.slots):
             view = g.buf[start:start + n].view(p.shape)
             # The buffers live in host memory: a GPU parameter gets its reduced gradient copied over.
             p.grad = view if view.dtype == p.dtype and view.device == p.device else view.to(p.device, p.dtype)
-        lists = [pg["params"] for pg in self.param_groups]
+        opt = self.opt
+        lists = [pg["params"] for pg in opt.param_groups]
         current = []
-        for pg, own, snap in zip(self.param_groups, g.lists, self._dear_hyper):
+        for pg, own, snap in zip(opt.param_groups, g.lists, self.hyper):
             pg["params"] = own
             current.append({k: pg[k] for k in snap if k in pg})
             pg.update(snap)
         try:
-            super(self.__class__, self).step()
+            opt._perseus_local_step()
         finally:
-            for pg, params, cur, snap in zip(self.param_groups, lists, current, self._dear_hyper):
+            for pg, params, cur, snap in zip(opt.param_groups, lists, current, self.hyper):
                 pg["params"] = params
                 for k, v in cur.items():
                     if pg.get(k) is snap[k]:  # (a value the optimizer itself changed during step stays)
@@ -333,16 +361,10 @@ class _DeAR(torch.optim.Optimizer):
             for p, grad in zip(g.params, saved):
                 p.grad = grad
 
-    # -- public methods --------------------------------------------------------------------------------
+    # -- the optimizer's methods -------------------------------------------------------------------------
     def step(self, closure=None):
-        """Finish this step's reduce-scatters, start the all-gathers and return; each group's parameters
-        are updated just before its first module's next forward (or by :meth:`synchronize`,
-        :meth:`finish`, ``state_dict()`` or the next backward). Returns None.
-
-        After :meth:`synchronize` (or inside ``skip_synchronize()``) it is the wrapped optimizer's full step
-        on the averaged gradients in ``.grad``, as with the default schedule.
-
-        Collective: every rank of the process set calls it.
+        """Finish this step's reduce-scatters, start the all-gathers and return None (see
+        :meth:`perseus.torch.optimizer._DearDistributedOptimizer.step`). Collective.
 
         Raises:
             NotImplementedError: a closure was given (use schedule='default').
@@ -350,106 +372,90 @@ class _DeAR(torch.optim.Optimizer):
         if closure is not None:
             raise NotImplementedError("DistributedOptimizer(schedule='dear') does not support step(closure) "
                                       "(L-BFGS); use schedule='default'")
-        if not self._dear_active or self._synchronized or not self._should_synchronize:
-            self._synchronized = False
-            return super(self.__class__, self).step()
-        if self._dear_groups is None:
-            self._dear_build()
-        self._dear_apply_upto(len(self._dear_groups) - 1)
-        self._dear_reduce()
-        self._dear_hyper = [{k: v for k, v in pg.items() if k != "params"} for pg in self.param_groups]
-        self._dear_start_allgathers()
-        self._dear_step_state()
-        self._dear_pending = True
-        if self._dear_groups and self._dear_groups[0].trigger is None:  # no module seen: update now
-            self._dear_apply_upto(len(self._dear_groups) - 1)
-        self._dear_follow_tuner()
+        if not self.active or self.synchronized or not self.should_synchronize:
+            self.synchronized = False
+            return self.opt._perseus_local_step()
+        if self.groups is None:
+            self._build()
+        self.apply_upto(len(self.groups) - 1)
+        self._reduce()
+        self.hyper = [{k: v for k, v in pg.items() if k != "params"} for pg in self.opt.param_groups]
+        self._start_allgathers()
+        self._new_step()
+        self.updates_pending = True
+        if self.groups and self.groups[0].trigger is None:  # no module seen: update now
+            self.apply_upto(len(self.groups) - 1)
+        self._follow_tuner()
         return None
 
-    def _dear_follow_tuner(self):
+    def _follow_tuner(self):
         """Under the autotuner (global process set): the group size is a search dimension
         (perseus.common.step_policy, link 'dear'); while the tuner may change it, each step ends with one small
         all-reduce so that every rank takes the same size from the same backward on. Collective."""
-        if self.process_set is not global_process_set:
+        if self.opt.process_set is not global_process_set:
             return
-        following = self.__dict__.get("_dear_following")
-        if following is None:
-            from perseus.common.step_policy import Following
-
-            following = self._dear_following = Following("dear")
-        code = following.at_call(self, "dear.step", self.process_set)
+        if self.following is None:
+            self.following = Following("dear")
+        code = self.following.at_call(self.opt, "dear.step", self.opt.process_set)
         if code is not None:
-            from perseus.autotune.space import DEAR_THRESHOLDS
-
-            self.set_dear_threshold(DEAR_THRESHOLDS[code])
+            self.set_threshold(DEAR_THRESHOLDS[code])
 
     def synchronize(self):
         """Apply every pending update; then, if a backward ran since the last ``step()``, finish its
-        reduction and write the averaged gradients into ``.grad`` (Horovod's meaning, for
-        ``synchronize(); clip; with skip_synchronize(): step()``), after which ``step()`` is a full step.
-
-        Call it (or :meth:`finish`) after the last ``step()`` of training, so the last update is applied.
-
-        Collective: every rank of the process set calls it.
-        """
-        if not self._dear_active:
-            self._synchronized = True
+        reduction and write the averaged gradients into ``.grad``. Collective."""
+        if not self.active:
+            self.synchronized = True
             return
-        if self._dear_groups is None:
-            if not any(p.grad is not None for p in self._dear_params):
+        if self.groups is None:
+            if not any(p.grad is not None for p in self.params):
                 return
-            self._dear_build()
-        self._dear_apply_upto(len(self._dear_groups) - 1)
-        if not self._dear_started:
+            self._build()
+        self.apply_upto(len(self.groups) - 1)
+        if not self.started:
             return
-        self._dear_reduce()
-        self._dear_start_allgathers()
-        for g in self._dear_groups:
-            handle, g.ag = g.ag, None
-            synchronize(handle)
+        self._reduce()
+        self._start_allgathers()
+        for g in self.groups:
+            reduction, g.ag = g.ag, None
+            reduction.wait()
             for p, (start, n) in zip(g.params, g.slots):
                 value = g.buf[start:start + n].view(p.shape)
                 if p.grad is not None and not p.grad.is_sparse and p.grad.dtype == p.dtype:
                     p.grad.copy_(value)
                 else:  # never a view of the buffer: the next backward overwrites it
                     p.grad = value.to(p.dtype, copy=True)
-        self._dear_step_state()
-        self._synchronized = True
+        self._new_step()
+        self.synchronized = True
 
     def finish(self):
-        """Apply every pending update (after the last ``step()``, before evaluating on only some ranks or
-        saving parameters). Every rank calls it; it waits only for all-gathers every rank already started."""
-        if self._dear_active and self._dear_groups is not None:
-            self._dear_apply_upto(len(self._dear_groups) - 1)
+        """Apply every pending update. Every rank calls it; it waits only for all-gathers every rank already
+        started."""
+        if self.active and self.groups is not None:
+            self.apply_upto(len(self.groups) - 1)
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
-        """Clip the averaged gradients of this step by their global norm; call it after backward, before
-        ``step()``. Returns the total norm (a float32 tensor), like ``torch.nn.utils.clip_grad_norm_``.
-
-        The norm comes from each rank's reduce-scattered shards and one small all-reduce; the shards are
-        scaled before the all-gather, so the deferred updates see clipped gradients.
-
-        Collective: every rank of the process set calls it.
+        """Clip this step's averaged gradients by their global norm, from each rank's reduce-scattered shards
+        and one small all-reduce; the shards are scaled before the all-gather, so the deferred updates see
+        clipped gradients. Returns the total norm (a float32 tensor). Collective.
 
         Raises:
             RuntimeError: ``error_if_nonfinite`` and the norm is nan or inf.
         """
-        if not self._dear_active:
-            params = [p for pg in self.param_groups for p in pg["params"] if p.grad is not None]
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
-        if self._dear_groups is None:
-            self._dear_build()
-        self._dear_apply_upto(len(self._dear_groups) - 1)
-        self._dear_reduce()
+        if not self.active:
+            return super().clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+        if self.groups is None:
+            self._build()
+        self.apply_upto(len(self.groups) - 1)
+        self._reduce()
         norm_type = float(norm_type)
-        shards = [g.shard.double() for g in self._dear_groups]
+        shards = [g.shard.double() for g in self.groups]
         if math.isinf(norm_type):
             local, op = max((float(s.abs().max()) for s in shards if s.numel()), default=0.0), Max
         else:
             local, op = sum(float(s.abs().pow(norm_type).sum()) for s in shards), Sum
         total = synchronize(allreduce_async(torch.tensor([local], dtype=torch.float64),
-                                            name=f"perseus.{self._dear_tag}.norm", op=op,
-                                            process_set=self.process_set))
+                                            name=f"perseus.{self.tag}.norm", op=op,
+                                            process_set=self.opt.process_set))
         total = float(total[0]) if math.isinf(norm_type) else float(total[0]) ** (1.0 / norm_type)
         if error_if_nonfinite and not math.isfinite(total):
             raise RuntimeError(f"The total norm of order {norm_type} for gradients is non-finite, so it cannot "
@@ -457,51 +463,38 @@ class _DeAR(torch.optim.Optimizer):
                                "norm anyway, set `error_if_nonfinite=False`")
         coef = min(float(max_norm) / (total + 1e-6), 1.0)
         if coef < 1.0:
-            for g in self._dear_groups:
+            for g in self.groups:
                 g.shard.mul_(coef)
         return torch.tensor(total, dtype=torch.float32)
 
-    def set_dear_threshold(self, threshold_bytes):
+    def set_threshold(self, threshold_bytes):
         """Regroup with groups of at most ``threshold_bytes`` at the start of the next backward (nothing is
-        in flight then). Every rank must call it before the same step (the autotuner does)."""
+        in flight then). Every rank must call it before the same step.
+
+        Raises:
+            ValueError: ``threshold_bytes`` is negative.
+        """
         threshold_bytes = int(threshold_bytes)
         if threshold_bytes < 0:
             raise ValueError("set_dear_threshold: threshold_bytes must be >= 0")
-        if self._dear_groups is None:
-            self._dear_threshold = threshold_bytes
+        if self.groups is None:
+            self.threshold = threshold_bytes
         else:
-            self._dear_new_threshold = threshold_bytes
+            self.new_threshold = threshold_bytes
 
-    def dear_groups(self):
-        """The current groups as lists of parameter names, in forward order (empty before the first
-        backward, or when this rank does not communicate)."""
-        return [[self._parameter_names[p] for p in g.params] for g in self._dear_groups or ()]
+    def group_names(self):
+        """The current groups as lists of parameter names, in forward order."""
+        names = self.opt._parameter_names
+        return [[names[p] for p in g.params] for g in self.groups or ()]
 
-    def zero_grad(self, *args, **kwargs):
-        if self._dear_active and self._dear_groups and any(g.rs is not None for g in self._dear_groups):
-            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
-                                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
-                                 "cause a race condition.")
-        return super(self.__class__, self).zero_grad(*args, **kwargs)
+    def check_zero_grad(self):
+        if self.active and self.groups and any(g.rs is not None for g in self.groups):
+            raise AssertionError(ZERO_GRAD_RACE)
 
-    def state_dict(self, *args, **kwargs):
-        """The wrapped optimizer's state after every pending update has been applied."""
-        self.finish()
-        return super(self.__class__, self).state_dict(*args, **kwargs)
-
-    def load_state_dict(self, *args, **kwargs):
-        """Apply pending updates, then load (forgetting any gradients reduced but not yet stepped)."""
-        self.finish()
-        result = _DistributedOptimizer.load_state_dict(self, *args, **kwargs)
-        if self._dear_active:
-            for g in self._dear_groups or ():
+    def forget(self):
+        """Forget any gradients reduced but not yet stepped (apply pending updates first: :meth:`finish`)."""
+        super().forget()
+        if self.active:
+            for g in self.groups or ():
                 g.rs = g.ag = None
-            self._dear_step_state()
-        return result
-
-
-def mixin():
-    """The class dictionary of a DeAR DistributedOptimizer: the default one with :class:`_DeAR`'s methods."""
-    methods = dict(_DistributedOptimizer.__dict__)
-    methods.update({k: v for k, v in _DeAR.__dict__.items() if k not in ("__dict__", "__weakref__")})
-    return methods
+            self._new_step()

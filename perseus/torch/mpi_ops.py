@@ -1,13 +1,14 @@
-"""PyTorch collectives: torch tensors to NumPy views and back, plus autograd. Same surface as horovod.torch."""
+"""PyTorch collectives: the surface of horovod.torch.mpi_ops.
+
+Setup, topology and build information come from :mod:`perseus.common.api`; the allreduces from
+:mod:`perseus.torch._allreduce_ops`, the other collectives from :mod:`perseus.torch._gather_ops`, waiting
+from :mod:`perseus.torch._tensors`. This module only gathers them (and answers what torch is built with).
+"""
 
 from __future__ import annotations
 
-from typing import Optional
-
-import numpy as np
 import torch
 
-from perseus.common import collectives as _c
 from perseus.common.api import (  # noqa: F401 - re-exported
     _basics, ccl_built, cross_rank, cross_size, ddl_built, gloo_built, gloo_enabled, init,
     is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
@@ -16,12 +17,17 @@ from perseus.common.api import (  # noqa: F401 - re-exported
 from perseus.common.exceptions import HorovodInternalError
 from perseus.common.process_sets import ProcessSet, global_process_set
 from perseus.lifecycle import add_process_set, remove_process_set
-from perseus.common.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum, resolve_op
-from perseus.compression import Pending, Reducer
-from perseus.engine.messages import DType
-from perseus.torch import device as _device
-from perseus.torch import staging as _staging
-from perseus.torch.compression import Compression
+from perseus.common.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from perseus.torch._allreduce_ops import (
+    allreduce, allreduce_, allreduce_async, allreduce_async_, grouped_allreduce, grouped_allreduce_,
+    grouped_allreduce_async, grouped_allreduce_async_, sparse_allreduce_async,
+)
+from perseus.torch._gather_ops import (
+    allgather, allgather_async, alltoall, alltoall_async, barrier, broadcast, broadcast_, broadcast_async,
+    broadcast_async_, grouped_allgather, grouped_allgather_async, grouped_reducescatter,
+    grouped_reducescatter_async, join, reducescatter, reducescatter_async,
+)
+from perseus.torch._tensors import _state, poll, synchronize  # noqa: F401 - _state: the engine, for tests
 
 __all__ = [
     "init", "shutdown", "is_initialized", "start_timeline", "stop_timeline", "size", "local_size",
@@ -38,27 +44,6 @@ __all__ = [
 ]
 
 
-def poll(handle):
-    """True when the async request ``handle`` has finished (then :func:`synchronize` returns at once).
-
-    Raises:
-        ValueError: ``handle`` is unknown (already synchronized, or never issued).
-    """
-    return _c.poll(handle)
-
-
-def synchronize(handle):
-    """Wait for an async request and return its output; None for an unknown handle.
-
-    Raises:
-        HorovodInternalError: the collective failed (mismatch across ranks, stall, failed peer).
-    """
-    return _state.engine.wait(handle)
-
-
-_state = _c.runtime()
-
-
 def cuda_built() -> bool:
     """True when this torch is built with CUDA: perseus.torch then accepts CUDA tensors in every collective and
     in DistributedOptimizer (all-reduces through NCCL when nccl_built(), the rest staged through host memory)."""
@@ -72,325 +57,3 @@ def nccl_built() -> int:
         return 0
     major, minor, patch = torch.cuda.nccl.version()[:3]
     return major * 10000 + minor * 100 + patch
-
-
-_DTYPES = {
-    torch.uint8: DType.UINT8, torch.int8: DType.INT8, torch.int16: DType.INT16, torch.int32: DType.INT32,
-    torch.int64: DType.INT64, torch.float16: DType.FLOAT16, torch.bfloat16: DType.BFLOAT16,
-    torch.float32: DType.FLOAT32, torch.float64: DType.FLOAT64, torch.bool: DType.BOOL,
-}
-
-
-def _dtype(t: torch.Tensor) -> DType:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"perseus expected a torch.Tensor, got {type(t).__name__}")
-    try:
-        dt = _DTYPES[t.dtype]
-    except KeyError:
-        raise ValueError(f"Tensor type {t.type()} is not supported.") from None
-    if t.layout is not torch.strided:
-        raise ValueError("perseus: sparse tensors are not supported here; use sparse_allreduce_async or "
-                         "sparse_as_dense=True")
-    return dt
-
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    """Zero-copy NumPy view of a contiguous CPU tensor (bfloat16 as uint16 words).
-
-    Raises:
-        NotImplementedError: ``t`` is not on the CPU (a path that does not stage device tensors).
-    """
-    if not t.is_cpu:
-        raise NotImplementedError(f"perseus: this operation takes CPU tensors only, not tensors on {t.device} "
-                                  "(the collectives, DistributedOptimizer and SyncBatchNorm take GPU tensors; "
-                                  "the sparse embedding layers do not yet); move it to the CPU")
-    t = t.detach()
-    if t.dtype is torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np.uint16)
-    return t.numpy()
-
-
-def _contig(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_contiguous() else t.contiguous()
-
-
-def _alloc_like(t: torch.Tensor, holder: list):
-    def alloc(shape):
-        out = torch.empty(shape, dtype=t.dtype)
-        holder.append(out)
-        return _np(out)
-    return alloc
-
-
-def _op(op, average, name="allreduce"):
-    return resolve_op(op, average)
-
-
-def _reduce_compressed(compression, name, tensors, outputs, op, prescale_factor, postscale_factor,
-                       process_set):
-    """Start a communicating compressor's reduction of ``tensors`` into ``outputs`` (same shapes; may be the
-    same tensors); return its :class:`perseus.compression.Pending`, whose ``wait()`` returns ``outputs``.
-
-    Device tensors (and CPU tensors under ``PERSEUS_STAGE_CPU_TENSORS=1``) are staged: the compressor works
-    on host copies, and ``wait()`` copies the results back to ``outputs``.
-    """
-    if not any(_staging.wanted(t) for t in tensors):
-        pending = compression.reduce_async(name, [_np(t) for t in tensors], [_np(o) for o in outputs], op,
-                                           prescale_factor, postscale_factor, process_set)
-        return Pending(lambda: (pending.wait(), outputs)[1])
-    hosts = [_staging.to_host(t) for t in tensors]
-    bufs = [_np(h) for h in hosts]
-    pending = compression.reduce_async(name, bufs, bufs, op, prescale_factor, postscale_factor, process_set)
-
-    def finish():
-        pending.wait()
-        return [_staging.copy_back(o, h) for o, h in zip(outputs, hosts)]
-    return Pending(finish)
-
-
-# -- allreduce ----------------------------------------------------------------------------------------------
-#: True once this job's settings say CPU tensors go straight to the engine (neither PERSEUS_STAGE_CPU_TENSORS
-#: nor PERSEUS_DEVICE_BACKEND=gloo): the per-gradient path tests it before anything else. None until known.
-_plain_cpu: Optional[bool] = None
-
-
-def _forget_plain_cpu() -> None:
-    global _plain_cpu
-    _plain_cpu = None
-
-
-_state.register_job_state(_forget_plain_cpu)
-
-
-def _detour(tensors, in_place, dts, name, op, prescale_factor, postscale_factor, process_set, single):
-    """The handle of an allreduce of ``tensors`` (one request when ``single``, else a group) that does not go
-    straight to the engine: through the GPU launcher (NCCL, or Gloo for tests) or host staging; None when
-    it does go straight (CPU tensors). synchronize returns the tensor (single) or the list."""
-    global _plain_cpu
-    if _plain_cpu is None:
-        _plain_cpu = not (_staging.stage_cpu() or _device.routes_cpu())
-    if (not tensors[0].is_cpu or _device.routes_cpu()) and _device.takes(tensors, op, prescale_factor,
-                                                                         postscale_factor):
-        srcs = list(tensors) if in_place else [_contig(t) for t in tensors]
-        outs = srcs if in_place else [torch.empty_like(t) for t in srcs]
-        return _device.allreduce_async(srcs, outs, dts, name, op, prescale_factor, postscale_factor, process_set,
-                                       (outs[0] if single else outs,), single)
-    if not any(_staging.wanted(t) for t in tensors):
-        return None
-    # Reduced in place on host copies; copied back into the tensors (in place) or new tensors at synchronize.
-    hosts = [_staging.to_host(t) for t in tensors]
-    if in_place:
-        def back(_results):
-            return [_staging.copy_back(t, h) for t, h in zip(tensors, hosts)]
-    else:
-        def back(_results):
-            return [_staging.to_device(h, t) for h, t in zip(hosts, tensors)]
-    if single:
-        ptr = hosts[0].data_ptr()
-        return _c.allreduce_async(ptr, ptr, name, op, prescale_factor, postscale_factor, process_set, 0, dts[0],
-                                  lambda r: back(r)[0], hosts[0].shape, hosts[0])
-    bufs = [_np(h) for h in hosts]
-    return _c.grouped_allreduce_async(bufs, bufs, name, op, prescale_factor, postscale_factor, process_set,
-                                      dtypes=dts, finish=back)
-
-
-def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                    process_set=global_process_set):
-    """Start an allreduce of ``tensor`` into a new tensor; return a handle for :func:`synchronize`."""
-    dt = _dtype(tensor)
-    op = _op(op, average)
-    if not (tensor.is_cpu and _plain_cpu):
-        handle = _detour([tensor], False, [dt], name, op, prescale_factor, postscale_factor, process_set, True)
-        if handle is not None:
-            return handle
-    src = _contig(tensor)
-    out = torch.empty_like(src)
-    return _c.allreduce_async(src.data_ptr(), out.data_ptr(), name, op, prescale_factor,
-                              postscale_factor, process_set, 0, dt, (out,), src.shape, (src, out))
-
-
-def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                     process_set=global_process_set):
-    """Start an in-place allreduce of ``tensor``; return a handle."""
-    dt = _dtype(tensor)
-    if not tensor.is_contiguous():
-        raise ValueError("Tensor is required to be contiguous.")
-    op = _op(op, average)
-    if not (tensor.is_cpu and _plain_cpu):
-        handle = _detour([tensor], True, [dt], name, op, prescale_factor, postscale_factor, process_set, True)
-        if handle is not None:
-            return handle
-    ptr = tensor.data_ptr()
-    # (tensor,): synchronize returns the tensor itself, without a Python call.
-    return _c.allreduce_async(ptr, ptr, name, op, prescale_factor, postscale_factor, process_set,
-                              0, dt, (tensor,), tensor.shape, tensor)
-
-
-def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-               process_set=global_process_set):
-    """Allreduce ``tensor`` in place and return it."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
-                                        process_set))
-
-
-class _Allreduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor, average, name, op, prescale_factor, postscale_factor, process_set):
-        ctx.args = (average, op, prescale_factor, postscale_factor, process_set)
-        return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor,
-                                           process_set))
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        average, op, pre, post, ps = ctx.args
-        return (allreduce(grad_output, average=average, op=op, prescale_factor=pre, postscale_factor=post,
-                          process_set=ps), None, None, None, None, None, None)
-
-
-def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
-              postscale_factor=1.0, process_set=global_process_set):
-    """Return the reduction of ``tensor`` over all ranks (default Average). Differentiable.
-
-    Collective: every rank of ``process_set`` calls it with the same name, shape, dtype and op.
-
-    With a communicating compressor (``Compression.topk(0.01)`` ...), the result is that compressor's
-    estimate of the reduction (not differentiable); it needs ``name=`` to keep its residual per tensor.
-    """
-    if isinstance(compression, Reducer):
-        _dtype(tensor)
-        src = _contig(tensor.detach())
-        out = torch.empty_like(src)
-        return _reduce_compressed(compression, name, [src], [out], _op(op, average), prescale_factor,
-                                  postscale_factor, process_set).wait()[0]
-    compressed, ctx = compression.compress(tensor)
-    out = _Allreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor, process_set)
-    return compression.decompress(out, ctx)
-
-
-def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                            postscale_factor=1.0, process_set=global_process_set):
-    """Start allreduces of a list of tensors, negotiated together; return one handle."""
-    dts = [_dtype(t) for t in tensors]
-    op = _op(op, average)
-    if tensors and not (_plain_cpu and all(t.is_cpu for t in tensors)):
-        handle = _detour(tensors, False, dts, name, op, prescale_factor, postscale_factor, process_set, False)
-        if handle is not None:
-            return handle
-    srcs = [_contig(t) for t in tensors]
-    outs = [torch.empty_like(t) for t in srcs]
-    return _c.grouped_allreduce_async([_np(t) for t in srcs], [_np(o) for o in outs], name, op,
-                                      prescale_factor, postscale_factor, process_set, dtypes=dts,
-                                      finish=lambda r: outs)
-
-
-def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                             postscale_factor=1.0, process_set=global_process_set):
-    """Start in-place allreduces of a list of tensors, negotiated together; return one handle."""
-    dts = [_dtype(t) for t in tensors]
-    if not all(t.is_contiguous() for t in tensors):
-        raise ValueError("Tensor is required to be contiguous.")
-    op = _op(op, average)
-    if tensors and not (_plain_cpu and all(t.is_cpu for t in tensors)):
-        handle = _detour(tensors, True, dts, name, op, prescale_factor, postscale_factor, process_set, False)
-        if handle is not None:
-            return handle
-    bufs = [_np(t) for t in tensors]
-    return _c.grouped_allreduce_async(bufs, bufs, name, op, prescale_factor, postscale_factor,
-                                      process_set, dtypes=dts, finish=lambda r: list(tensors))
-
-
-def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                       process_set=global_process_set):
-    """Allreduce each tensor of ``tensors`` in place, negotiated together; return the list."""
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
-                                                process_set))
-
-
-class _GroupedAllreduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, average, name, op, prescale_factor, postscale_factor, process_set, *tensors):
-        ctx.args = (average, op, prescale_factor, postscale_factor, process_set)
-        return tuple(synchronize(grouped_allreduce_async(list(tensors), average, name, op, prescale_factor,
-                                                         postscale_factor, process_set)))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        average, op, pre, post, ps = ctx.args
-        out = grouped_allreduce(list(grads), average=average, op=op, prescale_factor=pre,
-                                postscale_factor=post, process_set=ps)
-        return (None,) * 6 + tuple(out)
-
-
-def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
-                      prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
-    """Return the allreduce of each tensor in ``tensors``, negotiated and fused together. Differentiable."""
-    pairs = [compression.compress(t) for t in tensors]
-    outs = _GroupedAllreduce.apply(average, name, op, prescale_factor, postscale_factor, process_set,
-                                   *[p[0] for p in pairs])
-    return [compression.decompress(o, p[1]) for o, p in zip(outs, pairs)]
-
-
-def sparse_allreduce_async(tensor, name, op, process_set=global_process_set, algorithm=None):
-    """Start an allreduce of a sparse COO tensor; return a callable that waits and returns the reduced
-    sparse tensor (of the input's size, dtype and sparse dimensions), as Horovod does.
-
-    The tensor is row-sparse over its sparse dimensions (an embedding gradient: ids x embedding width).
-    ``algorithm`` (a perseus addition) picks how: 'zen' (hash-partitioned push, sum at the owner, hash-bitmap
-    pull), 'allgather' (Horovod's path: every rank gathers every rank's indices and values; the result is
-    not coalesced and, for Average, the gathered values are divided by the set size), 'dense' (densify and
-    all-reduce), 'alltoall' (column partition), or 'auto' (the cheapest by a cost model fed with measured
-    densities, overlap and link; docs/sparse.md). None reads PERSEUS_SPARSE_ALGORITHM (default 'auto').
-    Except allgather, the result is coalesced: sorted unique indices, each the sum (or average) over the
-    ranks that had it. The callable has the :class:`perseus.sparse.SparseHandle` as ``.handle``.
-
-    Collective: every rank of ``process_set`` calls it with the same name, dense size, dtype, op and
-    algorithm (any number of non-zeros, none included).
-
-    Raises:
-        ValueError: not a sparse tensor, op other than Sum/Average, unknown algorithm.
-        MismatchError (a HorovodInternalError), from the callable on every rank: the ranks disagree about
-            the tensor (dense size, dtype, op or algorithm).
-    """
-    from perseus import sparse as _sparse
-
-    if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
-        raise ValueError("perseus.sparse_allreduce_async: expected a sparse COO tensor")
-    device = tensor.device
-    t = tensor.detach().coalesce()
-    if device.type != "cpu":  # staged: indices and values to the host, the result back to the device
-        t = t.cpu()
-    size = tuple(t.shape)
-    sdim = t.sparse_dim()
-    sparse_sizes, row_shape = size[:sdim], size[sdim:]
-    idx = t.indices().numpy()
-    num_rows = int(np.prod(sparse_sizes, dtype=np.int64))
-    rows = idx[0] if sdim == 1 else np.ravel_multi_index(tuple(idx), sparse_sizes)
-    values = t.values()
-    wide = values.dtype is torch.bfloat16
-    if wide:
-        values = values.float()
-    vals = values.contiguous().numpy()
-    handle = _sparse.sparse_allreduce_async(rows, vals, num_rows, name, resolve_op(op), process_set, algorithm,
-                                            coalesced=True)
-
-    def finish():
-        res = handle.wait()
-        k = int(res.rows.size)
-        if sdim == 1:
-            indices = torch.from_numpy(res.rows).reshape(1, k)
-        else:
-            indices = torch.from_numpy(np.stack(np.unravel_index(res.rows, sparse_sizes)).astype(np.int64))
-        out = torch.from_numpy(res.values).reshape((k,) + tuple(row_shape))
-        if wide:
-            out = out.to(torch.bfloat16)
-        result = torch.sparse_coo_tensor(indices, out, size=size, is_coalesced=bool(res.coalesced))
-        return result if device.type == "cpu" else result.to(device)
-    finish.handle = handle
-    return finish
-
-
-from perseus.torch._gather_ops import (  # noqa: E402 - these use the helpers above
-    allgather, allgather_async, alltoall, alltoall_async, barrier, broadcast, broadcast_, broadcast_async,
-    broadcast_async_, grouped_allgather, grouped_allgather_async, grouped_reducescatter,
-    grouped_reducescatter_async, join, reducescatter, reducescatter_async,
-)

@@ -1,297 +1,94 @@
 """DistributedOptimizer: average gradients across ranks while backward is still running.
 
-Each parameter's gradient is submitted to the engine from a post-accumulate-grad hook as soon as backward
-produces it, so communication overlaps the rest of backward; ``step()`` waits for the results.
+:func:`DistributedOptimizer` returns an instance of a class made for the wrapped optimizer's class: a mixin
+of this module (its methods first) on top of that class, so ``isinstance(opt, type(original))`` holds, the
+wrapped class's ``step()``, ``zero_grad()``, ``state_dict()`` ... are reached with ``super()``, and the
+result may itself be subclassed. The mixin keeps the configuration and forwards the work to a schedule
+(:class:`perseus.torch._schedule.Schedule`) chosen when the optimizer is built: the default one
+(:mod:`perseus.torch.default_schedule`), Adasum's (:mod:`perseus.torch.adasum_optimizer`) or DeAR's
+(:mod:`perseus.torch.dear`).
 """
 
 from __future__ import annotations
 
-import numbers
 import warnings
 from contextlib import contextmanager
 
 import torch
 
 from perseus.common import guard as _guard
-from perseus.common.api import _basics
-from perseus.compression import Pending, Reducer
-from perseus.common.partition import split_list
 from perseus.common.process_sets import global_process_set
-from perseus.common.reduce_ops import Average, ReduceOp, Sum, reject_adasum
+from perseus.common.reduce_ops import Average, ReduceOp
+from perseus.sparse import resolve_algorithm
+from perseus.torch._schedule import parameter_names
+from perseus.torch.adasum_optimizer import AdasumSchedule
 from perseus.torch.compression import Compression
-from perseus.torch.mpi_ops import (_reduce_compressed, allreduce, allreduce_async_, grouped_allreduce_async_, size,
-                                   sparse_allreduce_async, synchronize)
+from perseus.torch.dear import DearSchedule
+from perseus.torch.default_schedule import DefaultSchedule
 
 __all__ = ["DistributedOptimizer"]
 
 
+class _DistributedOptimizer:
+    """The methods of a DistributedOptimizer, placed before the wrapped optimizer's class in the class
+    :func:`DistributedOptimizer` makes. ``_schedule_type`` is the schedule each instance builds."""
 
-def parameter_names(named_parameters, param_groups) -> list:
-    """``[(name, parameter)]`` from ``named_parameters`` (checked), or made up from positions when None.
+    _schedule_type = DefaultSchedule
 
-    Raises:
-        ValueError: not (name, parameter) tuples, duplicate names, or parameters left unnamed.
-    """
-    if named_parameters is None:
-        return [(f"noname.{i}.{j}", p) for i, g in enumerate(param_groups) for j, p in enumerate(g["params"])]
-    named = list(named_parameters)
-    if any(not isinstance(item, tuple) for item in named):
-        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually "
-                         "produced by model.named_parameters().")
-    names = [n for n, _ in named]
-    dups = sorted({n for n in names if names.count(n) > 1})
-    if dups:
-        raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: " + ", ".join(dups))
-    unnamed = {id(p) for g in param_groups for p in g["params"]} - {id(p) for _, p in named}
-    if unnamed:
-        raise ValueError("named_parameters was specified, but one or more model parameters were not "
-                         "named. Python object ids: " + ", ".join(str(i) for i in sorted(unnamed)))
-    return named
-
-
-class _DistributedOptimizer(torch.optim.Optimizer):
-    """Methods mixed into a subclass of the user's optimizer class (see :func:`DistributedOptimizer`)."""
-
-    def __init__(self, params, named_parameters, compression, backward_passes_per_step=1, op=Average,
-                 gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
+    def __init__(self, params, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
+                 op=Average, gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
                  process_set=global_process_set, sparse_algorithm=None, _defaults=None, _state=None):
+        """Build the wrapped optimizer over ``params`` and this optimizer's schedule (the arguments are those
+        of :func:`DistributedOptimizer`; ``_defaults`` and ``_state`` carry the wrapped instance's defaults,
+        for optimizers with required constructor arguments, and state).
+
+        Collective when ``groups`` is given (the ranks agree on the order of the parameters).
+
+        Raises:
+            ValueError: bad names, groups, factors, ``backward_passes_per_step`` or ``sparse_algorithm``.
+            NotImplementedError: an argument the schedule does not support.
+        """
         try:
-            super(self.__class__, self).__init__(params)
+            super().__init__(params)
         except TypeError:  # optimizers with required constructor arguments: reuse the wrapped defaults
             torch.optim.Optimizer.__init__(self, params, _defaults or {})
         if _state:
             self.state.update(_state)
-        self._compression = compression
-        all_params = [p for g in self.param_groups for p in g["params"]]
         named = parameter_names(named_parameters, self.param_groups)
         if backward_passes_per_step <= 0:
             raise ValueError("backward_passes_per_step must be > 0")
-        reject_adasum(op, "torch.DistributedOptimizer")
-        if gradient_predivide_factor != 1.0 and op != Average:
-            raise ValueError("gradient_predivide_factor not supported with op != Average")
-        if groups is not None and not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
-            raise ValueError("groups should be a non-negative integer or a list of list of torch.Tensor.")
-        if isinstance(groups, list):
-            seen = set()
-            for group in groups:
-                for p in group:
-                    if not isinstance(p, torch.Tensor):
-                        raise ValueError("groups must consist of torch.Tensor.")
-                    if id(p) in seen:
-                        raise ValueError("A parameter can only appear once in groups.")
-                    seen.add(id(p))
         self._parameter_names = {p: n for n, p in sorted(named, key=lambda item: item[0])}
+        self._compression = compression
         self.backward_passes_per_step = backward_passes_per_step
-        self._allreduce_delay = {p: backward_passes_per_step for p in all_params}
         self.op = ReduceOp(op)
         self.gradient_predivide_factor = gradient_predivide_factor
         self.sparse_as_dense = sparse_as_dense
-        if sparse_algorithm is not None:
-            from perseus.sparse import resolve_algorithm
-
-            sparse_algorithm = resolve_algorithm(sparse_algorithm)
-        self.sparse_algorithm = sparse_algorithm
+        self.sparse_algorithm = None if sparse_algorithm is None else resolve_algorithm(sparse_algorithm)
         self.process_set = process_set
-        self._handles: dict = {}
-        self._hook_handles = []
-        self._requires_update = set()
-        self._synchronized = False
-        self._presynchronized = False  # clip_grad_norm_ synchronized already: the next step() does not
-        self._should_synchronize = True
         self._groups = groups
-        self._group_of: dict = {}
-        self._group_ready: dict = {}
-        #: PERSEUS_NONFINITE_GRADIENTS: each gradient checked as it is submitted, the verdict after the step's
-        #: reduction (perseus.common.guard); None when off
-        self._guard = _guard.for_optimizer(process_set)
-        self._skip_step = False
-        # An elastic job may grow from one rank, so its hooks are needed even at size 1.
-        if self.process_set.included() and (size() > 1 or _basics.settings.elastic):
-            self._register_hooks()
+        self._schedule = self._schedule_type(self)
+        self._schedule.start()
 
-    # -- set-up ----------------------------------------------------------------------------------------
-    def _register_hooks(self):
-        # A parameter marked perseus_model_parallel (a DistributedEmbedding's shard) differs on every rank and
-        # its gradient is complete already: it is never reduced.
-        trainable = [p for g in self.param_groups for p in g["params"]
-                     if p.requires_grad and not getattr(p, "perseus_model_parallel", False)]
-        if self._groups is not None:
-            from perseus.torch.functions import broadcast_object
-
-            # Every rank must form the same groups: order parameters as rank 0 names them.
-            order = broadcast_object([self._parameter_names[p] for p in trainable], root_rank=0,
-                                     name="perseus.param_order", process_set=self.process_set)
-            position = {n: i for i, n in enumerate(order)}
-            trainable.sort(key=lambda p: position.get(self._parameter_names[p], len(position)))
-            if isinstance(self._groups, list):
-                ids = {id(p) for p in trainable}
-                groups = [[p for p in g if id(p) in ids] for g in self._groups]
-                grouped = {id(p) for g in groups for p in g}
-                groups += [[p] for p in trainable if id(p) not in grouped]
-            else:
-                groups = [g for g in split_list(trainable, self._groups) if g]
-            for group in groups:
-                key = tuple(group)
-                for p in group:
-                    self._group_of[p] = key
-                self._group_ready[key] = set()
-        for p in trainable:
-            self._requires_update.add(p)
-            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook()))
-
-    def _make_hook(self):
-        def hook(p):
-            if p in self._handles and self._handles[p][0] is not None:
-                if self._allreduce_delay[p] <= 0:
-                    raise AssertionError(
-                        "Gradients were computed more than backward_passes_per_step times before call to "
-                        "step(). Increase backward_passes_per_step to accumulate gradients locally.")
-            assert not p.grad.requires_grad
-            assert self._allreduce_delay[p] > 0
-            self._allreduce_delay[p] -= 1
-            if self._allreduce_delay[p] > 0:
-                return
-            group = self._group_of.get(p)
-            if group is None:
-                self._handles[p] = self._allreduce_grad_async(p)
-                return
-            ready = self._group_ready[group]
-            ready.add(p)
-            if len(ready) == len(group):
-                self._handles[group] = self._grouped_allreduce_async(group)
-                ready.clear()
-        return hook
-
-    # -- submission ------------------------------------------------------------------------------------
-    def _scales(self):
-        if self.op == Average:  # the engine divides by the set size on top of postscale
-            return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
-        return 1.0, 1.0
-
-    def _allreduce_grad_async(self, p):
-        if p.grad is None:
-            # Another rank may have produced this gradient (dynamic graphs): submit zeros, never hang.
-            p.grad = torch.zeros_like(p)
-        name = f"grad.{self._parameter_names.get(p)}"
-        grad, sparse = p.grad, p.grad.is_sparse
-        if self._guard is not None:
-            self._check_finite(name, grad._values() if sparse else grad)
-        if sparse:
-            if not self.sparse_as_dense:
-                return sparse_allreduce_async(grad, name=name, op=self.op, process_set=self.process_set,
-                                              algorithm=self.sparse_algorithm), None
-            grad = grad.to_dense()
-        pre, post = self._scales()
-        if isinstance(self._compression, Reducer):
-            if not grad.is_contiguous() or sparse:
-                grad = p.grad = grad.contiguous()
-            pending = _reduce_compressed(self._compression, name, [grad], [grad], self.op, pre, post,
-                                         self.process_set)
-            return pending, None
-        compressed, ctx = self._compression.compress(grad)
-        handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=pre,
-                                  postscale_factor=post, process_set=self.process_set)
-        return handle, (ctx, sparse)
-
-    def _check_finite(self, name, grad):
-        """The guard's local check; in 'skip' mode a non-finite gradient is zeroed before it is sent, so that
-        nothing (a compressor's error feedback included) keeps its NaN once the step is skipped."""
-        finite = bool(torch.isfinite(grad).all())
-        self._guard.note(name, finite)
-        if not finite and self._guard.mode == "skip":
-            grad.zero_()
-
-    def _grouped_allreduce_async(self, group):
-        grads = []
-        for p in group:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad.to_dense() if p.grad.is_sparse else p.grad)
-            if self._guard is not None:
-                self._check_finite(f"grad.{self._parameter_names.get(p)}", grads[-1])
-        pre, post = self._scales()
-        if isinstance(self._compression, Reducer):
-            grads = [g.contiguous() for g in grads]
-            for p, g in zip(group, grads):
-                p.grad = g
-            pending = _reduce_compressed(self._compression, f"grad.group.{self._parameter_names[group[0]]}", grads,
-                                         grads, self.op, pre, post, self.process_set)
-            return pending, None
-        pairs = [self._compression.compress(g) for g in grads]
-        handle = grouped_allreduce_async_([c for c, _ in pairs],
-                                          name=f"grad.group.{self._parameter_names[group[0]]}",
-                                          op=self.op, prescale_factor=pre, postscale_factor=post,
-                                          process_set=self.process_set)
-        return handle, [(ctx, p.grad.is_sparse) for p, (_, ctx) in zip(group, pairs)]
-
-    # -- public methods --------------------------------------------------------------------------------
     def set_backward_passes_per_step(self, passes):
+        """Accumulate ``passes`` backward passes locally before each reduction, from now on."""
         self.backward_passes_per_step = passes
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = passes
+        self._schedule.reset_delays(passes)
 
     def synchronize(self):
         """Submit any gradient not yet submitted (zeros if it was never computed) and wait for all of them.
 
         Collective: every rank of the process set calls it (``step()`` does).
         """
-        if not self.process_set.included():
-            self._synchronized = True
-            return
-        done = set()
-        for key in self._handles:
-            done.update(key if isinstance(key, tuple) else (key,))
-        for p in self._requires_update - done:
-            group = self._group_of.get(p)
-            if group is None:
-                self._handles[p] = self._allreduce_grad_async(p)
-            elif group not in self._handles:
-                self._handles[group] = self._grouped_allreduce_async(group)
-                self._group_ready[group].clear()
-        for key, (handle, ctx) in list(self._handles.items()):
-            if isinstance(handle, Pending):  # a communicating compressor wrote the result into the gradients
-                handle.wait()
-                for p in key if isinstance(key, tuple) else (key,):
-                    self._allreduce_delay[p] = self.backward_passes_per_step
-                continue
-            if isinstance(key, tuple):
-                outputs = synchronize(handle)
-                for p, out, (c, sparse) in zip(key, outputs, ctx):
-                    self._allreduce_delay[p] = self.backward_passes_per_step
-                    self._set_grad(p, self._compression.decompress(out, c), sparse)
-                continue
-            p = key
-            self._allreduce_delay[p] = self.backward_passes_per_step
-            if callable(handle):  # a sparse reduction returns a closure
-                p.grad = handle()
-                continue
-            c, sparse = ctx
-            self._set_grad(p, self._compression.decompress(synchronize(handle), c), sparse)
-        self._handles.clear()
-        self._synchronized = True
-        if self._guard is not None and not self._guard.verdict():
-            self._skip_step = True  # PERSEUS_NONFINITE_GRADIENTS=skip: the next step() does nothing
-
-    @staticmethod
-    def _set_grad(p, value, sparse=False):
-        """Put the reduced gradient back: sparse again if it was sparse, else in place when possible."""
-        if sparse:
-            p.grad = value.to_sparse()
-        elif value is p.grad:
-            return
-        elif p.grad is not None and value.dtype == p.grad.dtype and value.shape == p.grad.shape:
-            p.grad.copy_(value)
-        else:
-            p.grad = value
+        self._schedule.synchronize()
 
     @contextmanager
     def skip_synchronize(self):
         """Inside this context ``step()`` does not synchronize (call ``synchronize()`` yourself first)."""
-        self._should_synchronize = False
+        self._schedule.should_synchronize = False
         try:
             yield
         finally:
-            self._should_synchronize = True
+            self._schedule.should_synchronize = True
 
     def step(self, closure=None):
         """One optimizer step with the gradients averaged over the ranks; returns the closure's loss, if any.
@@ -314,20 +111,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 optimizers diverged); every rank raises instead of waiting forever.
             TypeError: the closure returned something other than a tensor, a number or None.
         """
-        if closure is not None and self._hook_handles and self.process_set.included():
-            return self._step_with_closure(closure)
-        if self._should_synchronize and not self._presynchronized:
-            if self._synchronized:
-                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
-                              "optimizer.synchronize(). This can cause training slowdown. You may want to "
-                              "consider using optimizer.skip_synchronize() context if you use "
-                              "optimizer.synchronize() in your code.")
-            self.synchronize()
-        self._synchronized = self._presynchronized = False
-        if self._skip_step:  # non-finite gradients on some rank (every rank skips this step)
-            self._skip_step = False
-            return None
-        return super(self.__class__, self).step(closure)
+        return self._schedule.step(closure)
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
         """Clip the averaged gradients by their global norm; call it after backward, before ``step()``.
@@ -337,79 +121,99 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         norm. The same call works with ``schedule="dear"`` (docs/dear.md), so scripts can switch schedules.
 
         Collective: every rank of the process set calls it.
+
+        Raises:
+            NotImplementedError: ``op=Adasum`` (no averaged gradients exist).
         """
-        self.synchronize()
-        self._presynchronized = True
-        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
-
-    def _step_with_closure(self, closure):
-        if self._guard is not None and self._guard.mode == "skip":
-            raise NotImplementedError("PERSEUS_NONFINITE_GRADIENTS=skip does not apply to step(closure); use "
-                                      "'raise' (the closure's gradients are checked) or step() without a closure")
-        """``step(closure)`` across ranks: see :meth:`step`."""
-        if self._handles:  # a backward pass made before step(): finish its reductions before the closure runs
-            self.synchronize()
-
-        def evaluate():
-            self._closure_rendezvous(evaluating=True)
-            loss = closure()
-            self.synchronize()  # the gradients of this evaluation, averaged, before the optimizer reads them
-            return self._average_loss(loss)
-
-        loss = super(self.__class__, self).step(evaluate)
-        self._closure_rendezvous(evaluating=False)
-        self._synchronized = False
-        return loss
-
-    def _closure_rendezvous(self, evaluating):
-        """Every rank says whether it is about to evaluate the closure again (before any gradient is
-        submitted); a disagreement raises on every rank rather than leaving some ranks waiting forever."""
-        flag = torch.tensor([1.0 if evaluating else 0.0], dtype=torch.float64)
-        count = int(allreduce(flag, name="perseus.closure.evaluating", op=Sum, process_set=self.process_set))
-        members = self.process_set.size() or size()
-        if count not in (0, members):
-            raise RuntimeError(
-                f"optimizer.step(closure): {count} of {members} ranks evaluate the closure once more and the "
-                f"others have finished the step; the ranks' optimizers have diverged (this rank "
-                f"{'evaluates again' if evaluating else 'has finished'}). Every rank must compute the same "
-                "parameters: broadcast them from one rank, and give every rank the same data layout and "
-                "number of samples per step.")
-
-    def _average_loss(self, loss):
-        """The closure's loss averaged over the ranks (float64 on the wire), as the same kind of value."""
-        if loss is None:
-            return None
-        if torch.is_tensor(loss):
-            value = loss.detach()
-            mean = allreduce(value.to("cpu", torch.float64), name="perseus.closure.loss", op=Average,
-                             process_set=self.process_set)
-            return mean.to(device=value.device, dtype=value.dtype)
-        if isinstance(loss, numbers.Real):
-            mean = allreduce(torch.tensor([float(loss)], dtype=torch.float64), name="perseus.closure.loss",
-                             op=Average, process_set=self.process_set)
-            return float(mean[0])
-        raise TypeError(f"optimizer.step(closure): the closure returned a {type(loss).__name__}; it must return "
-                        "the loss as a tensor or a number, or None")
+        return self._schedule.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
     def _perseus_local_step(self, closure=None):
-        """The wrapped optimizer's own step, with no communication (used to initialise state)."""
-        return super(self.__class__, self).step(closure)
+        """The wrapped optimizer's own step, with no communication (the schedules' updates; initialising
+        state in broadcast_optimizer_state)."""
+        return super().step(closure)
 
     def zero_grad(self, *args, **kwargs):
-        if self._handles:
-            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
-                                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
-                                 "cause a race condition.")
-        return super(self.__class__, self).zero_grad(*args, **kwargs)
+        """The wrapped optimizer's ``zero_grad``.
+
+        Raises:
+            AssertionError: reductions are in flight (after backward, before ``step()``/``synchronize()``).
+        """
+        self._schedule.check_zero_grad()
+        return super().zero_grad(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        """The wrapped optimizer's state after every update the schedule has deferred has been applied."""
+        self._schedule.finish()
+        return super().state_dict(*args, **kwargs)
 
     def load_state_dict(self, *args, **kwargs):
-        self._handles = {}
-        self._synchronized = False
-        self._should_synchronize = True
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = self.backward_passes_per_step
-        return super(self.__class__, self).load_state_dict(*args, **kwargs)
+        """Apply deferred updates, forget what is in flight, then load the wrapped optimizer's state."""
+        self._schedule.finish()
+        self._schedule.forget()
+        return super().load_state_dict(*args, **kwargs)
+
+
+class _AdasumDistributedOptimizer(_DistributedOptimizer):
+    """``op=Adasum``: the wrapped optimizer runs per parameter during backward and the ranks' updates are
+    combined by Adasum (:mod:`perseus.torch.adasum_optimizer`)."""
+
+    _schedule_type = AdasumSchedule
+
+
+class _DearDistributedOptimizer(_DistributedOptimizer):
+    """``schedule="dear"`` (:mod:`perseus.torch.dear`, docs/dear.md), with DeAR's own methods."""
+
+    _schedule_type = DearSchedule
+
+    def step(self, closure=None):
+        """Finish this step's reduce-scatters, start the all-gathers and return; each group's parameters
+        are updated just before its first module's next forward (or by :meth:`synchronize`,
+        :meth:`finish`, ``state_dict()`` or the next backward). Returns None.
+
+        After :meth:`synchronize` (or inside ``skip_synchronize()``) it is the wrapped optimizer's full step
+        on the averaged gradients in ``.grad``, as with the default schedule.
+
+        Collective: every rank of the process set calls it.
+
+        Raises:
+            NotImplementedError: a closure was given (use schedule='default').
+        """
+        return self._schedule.step(closure)
+
+    def synchronize(self):
+        """Apply every pending update; then, if a backward ran since the last ``step()``, finish its
+        reduction and write the averaged gradients into ``.grad`` (Horovod's meaning, for
+        ``synchronize(); clip; with skip_synchronize(): step()``), after which ``step()`` is a full step.
+
+        Call it (or :meth:`finish`) after the last ``step()`` of training, so the last update is applied.
+
+        Collective: every rank of the process set calls it.
+        """
+        self._schedule.synchronize()
+
+    def finish(self):
+        """Apply every pending update (after the last ``step()``, before evaluating on only some ranks or
+        saving parameters). Every rank calls it; it waits only for all-gathers every rank already started."""
+        self._schedule.finish()
+
+    def set_dear_threshold(self, threshold_bytes):
+        """Regroup with groups of at most ``threshold_bytes`` at the start of the next backward (nothing is
+        in flight then). Every rank must call it before the same step (the autotuner does).
+
+        Raises:
+            ValueError: ``threshold_bytes`` is negative.
+        """
+        self._schedule.set_threshold(threshold_bytes)
+
+    def dear_groups(self):
+        """The current groups as lists of parameter names, in forward order (empty before the first
+        backward, or when this rank does not communicate)."""
+        return self._schedule.group_names()
+
+    @property
+    def _dear_threshold(self):
+        """The group size in force, in bytes (the autotuner starts its search from it)."""
+        return self._schedule.threshold
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
@@ -419,7 +223,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     """Wrap a torch optimizer so that ``step()`` uses gradients averaged over all ranks.
 
     The result is an instance of a subclass of the wrapped optimizer's class, with the same class name,
-    the same parameter groups and the same state.
+    the same parameter groups and the same state. That class may be subclassed again (``class
+    Mine(type(opt))``, overrides calling ``super()``); ``Mine(params, named_parameters, ...)`` takes the
+    arguments below in their order, less ``num_groups`` and ``schedule`` (the class keeps its schedule),
+    with the hyper-parameters in the groups of ``params``.
 
     ``step(closure)`` works too (``torch.optim.LBFGS``, or any optimizer given a closure): each evaluation of
     the closure gets gradients averaged over the ranks, and the loss it returns is averaged as well, so every
@@ -474,23 +281,17 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                       DeprecationWarning)
         if groups is None:
             groups = num_groups
-    methods = dict(_DistributedOptimizer.__dict__)
+    mixin = _DistributedOptimizer
     if int(op) == int(ReduceOp.ADASUM):
         if schedule == "dear":
             raise NotImplementedError("DistributedOptimizer: schedule='dear' with op=Adasum is not supported; "
                                       "use one of them")
-        from perseus.torch import adasum_optimizer
-
         _guard.refuse("DistributedOptimizer(op=Adasum)")
-        adasum_optimizer.check_arguments(compression, groups, sparse_as_dense, gradient_predivide_factor)
-        methods = adasum_optimizer.mixin()
+        mixin = _AdasumDistributedOptimizer
     elif schedule == "dear":
         _guard.refuse("DistributedOptimizer(schedule='dear')")
-        from perseus.torch import dear
-
-        dear.check_arguments(compression, groups)
-        methods = dear.mixin()
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
+        mixin = _DearDistributedOptimizer
+    cls = type(optimizer.__class__.__name__, (mixin, optimizer.__class__), {})
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups, sparse_as_dense, process_set, sparse_algorithm,
                _defaults=optimizer.defaults, _state=dict(optimizer.state))

@@ -52,7 +52,7 @@ def _train(hvd, net, schedule, steps=None, max_steps=400):
             time.sleep(rng.uniform(0, 0.004))
         opt.step()
         if schedule == "dear":
-            following = opt.__dict__.get("_dear_following")
+            following = opt._schedule.following
             follower = following.follower if following is not None else None
             record.append((len(opt.dear_groups()), opt._dear_threshold,
                            None if follower is None else follower.finished))

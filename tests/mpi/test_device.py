@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from perseus.torch import device, mpi_ops
+from perseus.torch import _allreduce_ops, device
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(120)
 def _route_cpu(monkeypatch, on):
     """What PERSEUS_DEVICE_BACKEND=gloo decides (CPU all-reduces through the launcher), for this test."""
     monkeypatch.setattr(device, "_gloo", on)
-    monkeypatch.setattr(mpi_ops, "_plain_cpu", None)  # read again
+    monkeypatch.setattr(_allreduce_ops, "_plain_cpu", None)  # read again
 
 
 @pytest.fixture

@@ -139,7 +139,7 @@ def test_training_equals_dense_data_parallel(hvd, variant, D):
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_parameters(model.named_parameters(), root_rank=0)
     for opt in opts:
-        assert all(p is not model.emb.weight for p in opt._requires_update)
+        assert all(p is not model.emb.weight for p in opt._schedule.requires_update)
     for step in range(5):
         for o in ref_opts:
             o.zero_grad()

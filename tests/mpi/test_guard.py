@@ -77,7 +77,7 @@ def test_skip_skips_the_step_everywhere_and_training_goes_on(hvd, guard_mode):
         if step != 2:  # the reference never sees step 2
             train_step(hvd, ref, ref_opt, step)
     torch.testing.assert_close(flat(model), flat(ref), rtol=1e-6, atol=1e-7)
-    assert opt._guard.skipped == 1
+    assert opt._schedule.guard.skipped == 1
     everyone = hvd.allgather_object(flat(model).tolist())
     assert all(e == everyone[0] for e in everyone)
 
@@ -109,7 +109,7 @@ def test_off_checks_nothing(hvd, guard_mode):
     model = net()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters())
-    assert opt._guard is None
+    assert opt._schedule.guard is None
     train_step(hvd, model, opt, 0, poison_rank=0, poison_step=0)
     assert not torch.isfinite(flat(model)).all()  # the NaN reached every rank, as without a guard
 

@@ -375,3 +375,65 @@ def test_diverging_closure_evaluations_raise_on_every_rank(hvd):
         opt.step(closure)
     # every rank raised at the same rendezvous: the job can still communicate
     assert hvd.allgather_object(rank, name="uneven.after") == list(range(size))
+
+
+def _counting_subclass(base):
+    """A user's subclass of a DistributedOptimizer class whose overrides reach it through super()."""
+    class Counting(base):
+        def step(self, closure=None):
+            self.steps = getattr(self, "steps", 0) + 1
+            return super().step(closure)
+
+        def synchronize(self):
+            self.syncs = getattr(self, "syncs", 0) + 1
+            super().synchronize()
+
+        def zero_grad(self, set_to_none=True):
+            return super().zero_grad(set_to_none=set_to_none)
+
+        def state_dict(self):
+            return super().state_dict()
+
+    return Counting
+
+
+@pytest.mark.parametrize("kind", ["default", "dear", "adasum"])
+def test_returned_class_can_be_subclassed(hvd, kind):
+    """Subclassing type(opt), built directly or put on an existing optimizer, trains exactly like the
+    optimizer DistributedOptimizer returned (its methods reach the wrapped class through super())."""
+    size, rank = hvd.size(), hvd.rank()
+    schedule = {"schedule": "dear"} if kind == "dear" else {}
+    op = {"op": hvd.Adasum} if kind == "adasum" else {}
+    torch.manual_seed(3)
+    models = [Net() for _ in range(3)]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+
+    def names(tag, model):
+        return [(f"sub.{kind}.{tag}.{n}", p) for n, p in model.named_parameters()]
+
+    plain = hvd.DistributedOptimizer(torch.optim.SGD(models[0].parameters(), lr=0.1, momentum=0.9),
+                                     named_parameters=names("plain", models[0]), **schedule, **op)
+    sub_cls = _counting_subclass(type(plain))
+    built = sub_cls([{"params": list(models[1].parameters()), "lr": 0.1, "momentum": 0.9}],
+                    named_parameters=names("built", models[1]), **op)
+    moved = hvd.DistributedOptimizer(torch.optim.SGD(models[2].parameters(), lr=0.1, momentum=0.9),
+                                     named_parameters=names("moved", models[2]), **schedule, **op)
+    moved.__class__ = _counting_subclass(type(moved))
+    for opt in (built, moved):
+        assert isinstance(opt, type(plain).__mro__[1]) and isinstance(opt, torch.optim.SGD)
+        assert hasattr(opt, "dear_groups") == (kind == "dear")
+    for step in range(3):
+        x, y = global_batch(step, size)
+        for model, opt in zip(models, (plain, built, moved)):
+            opt.zero_grad()
+            F.cross_entropy(model(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4]).backward()
+            opt.step()
+    for opt in (plain, built, moved):
+        opt.synchronize()  # DeAR: the last deferred update
+        assert opt.state_dict()["param_groups"][0]["lr"] == 0.1
+    for model, opt in zip(models[1:], (built, moved)):
+        assert opt.steps == 3
+        if kind != "dear" and size > 1:  # step() synchronizes through the (overridden) method
+            assert opt.syncs == 4
+        torch.testing.assert_close(flat(model), flat(models[0]), rtol=0, atol=0)

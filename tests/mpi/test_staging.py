@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from conftest import rank_data
-from perseus.torch import device, mpi_ops, staging
+from perseus.torch import _allreduce_ops, device, staging
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,7 +38,7 @@ def dev(request, monkeypatch):
     # Staging only: neither NCCL (CUDA) nor the gloo launcher (CPU, PERSEUS_DEVICE_BACKEND=gloo) takes over.
     monkeypatch.setattr(device, "_nccl", False)
     monkeypatch.setattr(device, "_gloo", False)
-    monkeypatch.setattr(mpi_ops, "_plain_cpu", None)  # the flags are read again
+    monkeypatch.setattr(_allreduce_ops, "_plain_cpu", None)  # the flags are read again
     if request.param == "cuda":
         torch.cuda.set_device(0)
         # Exact float32 on the GPU, to compare with the CPU path (TF32 would differ in the 3rd digit).
@@ -195,7 +195,7 @@ def test_optimizer_equals_cpu_path(hvd, dev, monkeypatch, compression, sync_bn):
     tag = f"st.opt.{compression}.{dev.kind}"
     with monkeypatch.context() as m:
         m.setattr(staging, "_stage_cpu", False)
-        m.setattr(mpi_ops, "_plain_cpu", None)
+        m.setattr(_allreduce_ops, "_plain_cpu", None)
         reference = _train(hvd, "cpu", 3, make(), sync_bn, f"{tag}.ref")
     got = _train(hvd, "cuda" if dev.kind == "cuda" else "cpu", 3, make(), sync_bn, tag)
     tol = 1e-3 if compression == "fp16" else 1e-5
@@ -219,7 +219,7 @@ def test_stage_cpu_flag_is_read_from_settings(hvd, monkeypatch):
 
 
 def test_non_staging_paths_refuse_device_tensors_clearly(hvd):
-    from perseus.torch.mpi_ops import _np
+    from perseus.torch._tensors import _np
 
     with pytest.raises(NotImplementedError, match="CPU tensors only"):
         _np(torch.ones(2, device="meta"))

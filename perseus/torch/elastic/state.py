@@ -66,7 +66,7 @@ class TorchState(ObjectState):
         state's optimizers (none with PERSEUS_ELASTIC_SNAPSHOT=sync or a DeAR optimizer)."""
         optimizers = [h.value for h in self._handlers.values() if isinstance(h, OptimizerStateHandler)]
         if not optimizers or read_knob("elastic_snapshot")[0] != "async" or \
-                any(hasattr(o, "_dear_apply") for o in optimizers):
+                any(hasattr(o, "dear_groups") for o in optimizers):
             return set()
         out = set()
         for opt in optimizers:

@@ -20,6 +20,8 @@
 #include "device_channel.h"
 #include "handles.h"
 #include "process_set.h"
+#include "set_context.h"
+#include "step_timer.h"
 #include "timeline.h"
 
 namespace perseus {
@@ -45,11 +47,6 @@ struct Settings {
   std::vector<std::string> network_interfaces;  // for the channels' links between hosts; empty: all
   double link_timeout_s = 30.0;
   int cpu_core = -1;  // pin the engine thread to this core (PERSEUS_THREAD_AFFINITY); -1: no pinning
-};
-
-struct EngineHooks {
-  std::function<std::string()> where;                        // main thread location (takes the GIL)
-  std::function<void(int level, const std::string&)> log;    // 30 warning, 40 error (takes the GIL)
 };
 
 class Engine {
@@ -91,8 +88,20 @@ class Engine {
   void wake();  // a submission arrived (lock-free unless the engine thread is waiting)
 
  private:
+  using Sets = std::vector<std::shared_ptr<ProcessSet>>;
+  struct Loop;  // the engine thread's own state (engine.cc)
+  SetContext set_context();
+  SetOptions set_options() const;
   void run();
+  bool turn(Loop* loop);
+  bool take_control(Loop* loop);
+  void close_removed(Sets* closing);
+  bool idle(Loop* loop, uint64_t seen, double deadline);
+  void fail_thread(const std::exception& e, const Sets& sets);
+  void drain(const Sets& sets);
   void close_all();
+  void send_outbox(const Sets& sets, std::vector<std::string>* outbox);
+  void write_logs(std::vector<std::string>* logs);
   std::shared_ptr<ProcessSet> find(int ps_id);
 
   Settings settings_;

@@ -100,6 +100,16 @@ class Negotiator {
   void order(RoundResult* result);
 
  private:
+  // Every rank's pending list, as read from the exchange.
+  struct Exchange {
+    std::vector<std::string> order;  // names in order of first appearance
+    std::unordered_map<std::string, std::vector<std::pair<int, Signature>>> seen;  // name -> (rank, signature)
+    std::vector<char> active;  // per rank: not joined
+  };
+  void read_payloads(const std::vector<std::string>& payloads, Exchange* exchange) const;
+  void admit(const std::string& name, const Signature& sig, bool complete, int64_t round, RoundResult* result,
+             std::vector<char>* already);
+
   int rank_, size_;
   Registry registry_;
   std::vector<uint64_t> words_;

@@ -2,10 +2,10 @@
 #include "algorithms.h"
 
 #include <algorithm>
-#include <cstring>
 #include <map>
 #include <numeric>
 
+#include "buffers.h"
 #include "kernels.h"
 
 namespace perseus {
@@ -17,15 +17,6 @@ std::vector<size_t> displacements(const std::vector<size_t>& counts) {
   size_t acc = 0;
   for (size_t i = 0; i < counts.size(); ++i) out[i] = acc, acc += counts[i];
   return out;
-}
-
-inline uint8_t* at(void* base, size_t elements, DType dt) { return static_cast<uint8_t*>(base) + elements * itemsize(dt); }
-inline const uint8_t* at(const void* base, size_t elements, DType dt) {
-  return static_cast<const uint8_t*>(base) + elements * itemsize(dt);
-}
-
-inline void copy_bytes(void* dst, const void* src, size_t n) {
-  if (n != 0) std::memcpy(dst, src, n);
 }
 
 }  // namespace
@@ -73,9 +64,9 @@ void ring_reduce_scatter(const Path& path, void* buf, const std::vector<size_t>&
   for (int step = 0; step < n - 1; ++step) {
     const int s = ((r - step - 1) % n + n) % n, q = ((r - step - 2) % n + n) % n;
     const void* origin = (src != nullptr && step == 0) ? src : buf;
-    path.sendrecv(at(origin, displs[s], dt), counts[s] * itemsize(dt), right, tmp, counts[q] * itemsize(dt), left);
-    const void* mine = at(src != nullptr ? src : buf, displs[q], dt);
-    combine(mine, tmp, at(buf, displs[q], dt), counts[q], dt, op);
+    path.sendrecv(element_at(origin, displs[s], dt), counts[s] * itemsize(dt), right, tmp, counts[q] * itemsize(dt), left);
+    const void* mine = element_at(src != nullptr ? src : buf, displs[q], dt);
+    combine(mine, tmp, element_at(buf, displs[q], dt), counts[q], dt, op);
   }
 }
 
@@ -85,7 +76,7 @@ void ring_reduce_scatter_to(const Path& path, const void* src, void* out, const 
   auto displs = displacements(counts);
   const size_t item = itemsize(dt);
   if (n == 1) {
-    copy_bytes(out, at(src, displs[0], dt), counts[0] * item);
+    copy_bytes(out, element_at(src, displs[0], dt), counts[0] * item);
     return;
   }
   const int right = (r + 1) % n, left = (r - 1 + n) % n;
@@ -97,9 +88,9 @@ void ring_reduce_scatter_to(const Path& path, const void* src, void* out, const 
   // sum just computed is live, so one accumulator suffices: it is sent before it is overwritten.
   for (int step = 0; step < n - 1; ++step) {
     const int s = ((r - step - 1) % n + n) % n, q = ((r - step - 2) % n + n) % n;
-    const void* outgoing = step == 0 ? at(src, displs[s], dt) : acc;
+    const void* outgoing = step == 0 ? element_at(src, displs[s], dt) : acc;
     path.sendrecv(outgoing, counts[s] * item, right, tmp, counts[q] * item, left);
-    combine(at(src, displs[q], dt), tmp, step == n - 2 ? out : acc, counts[q], dt, op);
+    combine(element_at(src, displs[q], dt), tmp, step == n - 2 ? out : acc, counts[q], dt, op);
   }
 }
 
@@ -109,7 +100,7 @@ void ring_allgather(const Path& path, void* buf, const std::vector<size_t>& coun
   const int right = (r + 1) % n, left = (r - 1 + n) % n;
   for (int step = 0; step < n - 1; ++step) {
     const int s = ((r - step) % n + n) % n, q = ((r - step - 1) % n + n) % n;
-    path.sendrecv(at(buf, displs[s], dt), counts[s] * itemsize(dt), right, at(buf, displs[q], dt),
+    path.sendrecv(element_at(buf, displs[s], dt), counts[s] * itemsize(dt), right, element_at(buf, displs[q], dt),
                   counts[q] * itemsize(dt), left);
   }
 }
@@ -121,8 +112,8 @@ void ring_allreduce(const Path& path, const void* send, void* recv, size_t count
   auto counts = even_counts(count, n);
   ring_reduce_scatter(path, recv, counts, dt, op, send, scratch);
   const size_t start = std::accumulate(counts.begin(), counts.begin() + r, size_t(0));
-  void* mine = at(recv, start, dt);
-  if (n == 1 && send != nullptr) scale_into(at(send, start, dt), mine, counts[r], dt, postscale);
+  void* mine = element_at(recv, start, dt);
+  if (n == 1 && send != nullptr) scale_into(element_at(send, start, dt), mine, counts[r], dt, postscale);
   else if (postscale != 1.0) scale_into(mine, mine, counts[r], dt, postscale);
   ring_allgather(path, recv, counts, dt);
 }
@@ -137,7 +128,7 @@ void hierarchical_allreduce(const Path& local, const Path& cross, const void* se
   auto counts = even_counts(count, lsize);
   ring_reduce_scatter(local, recv, counts, dt, op, send, scratch);
   const size_t start = std::accumulate(counts.begin(), counts.begin() + lr, size_t(0));
-  ring_allreduce(cross, nullptr, at(recv, start, dt), counts[lr], dt, op, postscale, scratch);
+  ring_allreduce(cross, nullptr, element_at(recv, start, dt), counts[lr], dt, op, postscale, scratch);
   ring_allgather(local, recv, counts, dt);
 }
 

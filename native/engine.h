@@ -2,8 +2,8 @@
 // channels of each set. Framework adapters submit from their own threads (one native call per request or
 // group) and wait on handles without the GIL.
 //
-// The engine thread never takes the GIL except through the two rare hooks below (where the main thread
-// is, for a stall probe; a log line). Waiting for peers inside a round is a short spin, then sleeps of
+// The engine thread never takes the GIL except through the two rare hooks of EngineHooks (set_context.h:
+// where the main thread is, for a stall probe; a log line). Waiting for peers inside a round is a short spin, then sleeps of
 // growing length; an engine with nothing to do sleeps on a condition variable and looks for control
 // messages (stall probes, aborts) only every idle_poll_max_ms.
 #pragma once

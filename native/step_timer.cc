@@ -10,8 +10,7 @@ StepTimer::StepTimer(bool on) : on_(on) {
 }
 
 void StepTimer::submitted(const Request& r, int64_t now) {
-  // The tuner's own requests come at irregular times: they belong to no step.
-  if (r.sig.op_type == OpType::TUNE || r.name.compare(0, 17, "perseus.autotune.") == 0) return;
+  if (r.sig.op_type == OpType::TUNE || r.timing == StepTiming::NONE) return;
   auto it = step_of_.find(r.name);
   if (it != step_of_.end() && it->second == step_) end_step();
   if (it != step_of_.end()) {
@@ -22,10 +21,10 @@ void StepTimer::submitted(const Request& r, int64_t now) {
   }
   if (begin_ns_ == 0) begin_ns_ = now;
   bytes_ += static_cast<int64_t>(r.nbytes());
-  // The sparse path's collectives depend on the algorithm chosen and on each step's rows: they are left out
-  // of the digest (the tuner adds the sparse tensors' own signature, perseus.sparse._runtime.signature()), as
-  // are perseus's own one-time collectives (perseus.sparse.seed, ...), which fall into whichever step runs them.
-  if (r.name.compare(0, 7, "sparse.") == 0 || r.name.compare(0, 8, "perseus.") == 0) return;
+  // Perseus's own one-time collectives (perseus.sparse.seed, perseus.guard.<step>, ...) reach the engine
+  // through the public collectives under names starting "perseus.": they fall into whichever step runs them
+  // and are left out of the digest, as are the requests their submitter marks UNSIGNED.
+  if (r.timing == StepTiming::UNSIGNED || r.name.compare(0, 8, "perseus.") == 0) return;
   digest_ += digest(r);
 }
 

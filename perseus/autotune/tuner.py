@@ -44,7 +44,7 @@ from perseus.autotune.search import Search
 from perseus.autotune.space import (ALGORITHMS, COMPRESSION_POLICIES, DEAR, DEAR_THRESHOLDS, POLICY, SPARSE,
                                     SPARSE_ALGORITHMS, STEP_PARAMS, Config, Space)
 from perseus.common.reduce_ops import ReduceOp
-from perseus.engine.messages import DType, OpType, Request
+from perseus.engine.messages import DType, OpType, Request, Timing
 
 __all__ = ["Tuner", "tuned_fixed_params"]
 
@@ -176,14 +176,14 @@ class Tuner:
 
     def _broadcast(self, values: np.ndarray) -> np.ndarray:
         item = Request(name=self._name("setting"), dtype=_INT64, shape=values.shape, input=values, output=values,
-                       root_rank=0)
+                       root_rank=0, timing=Timing.NONE)
         self._wait(self.engine.submit(0, _BROADCAST, [item], None, values))
         return values
 
     def _max(self, value: float) -> float:
         buf = np.array([value], np.float64)
         item = Request(name=self._name("score"), dtype=_FLOAT64, shape=buf.shape, input=buf, output=buf,
-                       reduce_op=_MAX)
+                       reduce_op=_MAX, timing=Timing.NONE)
         self._wait(self.engine.submit(0, _ALLREDUCE, [item], None, buf))
         return float(buf[0])
 

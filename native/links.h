@@ -55,6 +55,22 @@ class Links {
   int open_connections() const;
 
  private:
+  // One sendrecv in progress: each direction is an 8-byte length, then the body.
+  struct Transfer {
+    const void* send;
+    size_t send_bytes;
+    int dest;
+    void* recv;
+    size_t recv_bytes;
+    int source;
+    uint64_t out_hdr = 0, in_hdr = 0;
+    size_t out_done = 0, in_done = 0;  // bytes moved, header included
+    size_t out_total() const { return sizeof(out_hdr) + send_bytes; }
+    size_t in_total() const { return sizeof(in_hdr) + recv_bytes; }
+  };
+  bool send_some(int fd, Transfer* t);
+  bool recv_some(int fd, Transfer* t);
+  void check_stuck(const Transfer& t, double last_progress) const;
   int connection(int peer);
   int connect_to(int peer);
   void accept_from(int peer);

@@ -13,7 +13,8 @@ ends when one of its names comes again). One sample is ``steps_per_sample`` step
 The steps spent searching are ordinary training steps. When the budget of steps is spent, the two best
 settings are measured once more and the better one is applied for the rest of the run and remembered
 (:mod:`perseus.autotune.cache`), so that a later run of the same job on the same topology starts from it
-without searching. All collectives of the tuner are named ``perseus.autotune.*``; they belong to no step.
+without searching. All collectives of the tuner are named ``perseus.autotune.*`` and submitted with
+``Timing.NONE``: they belong to no step.
 
 When an Espresso compressor has registered (:mod:`perseus.autotune.policy`) and has made its decision by the
 time the search starts, its policy is one more dimension of the search: every setting then also carries a

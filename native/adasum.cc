@@ -113,7 +113,7 @@ bool adasum_supports(DType dt) {
   return dt == DType::FLOAT16 || dt == DType::BFLOAT16 || dt == DType::FLOAT32 || dt == DType::FLOAT64;
 }
 
-void adasum_allreduce(const Path& path, void* buf, size_t count, DType dt, const std::vector<size_t>& segments,
+void adasum_allreduce(PointToPoint& path, void* buf, size_t count, DType dt, const std::vector<size_t>& segments,
                       Scratch& scratch) {
   if (!adasum_supports(dt))
     throw TransportError(std::string("Adasum needs floating-point tensors, not ") + dtype_name(dt));
@@ -178,7 +178,7 @@ void adasum_allreduce(const Path& path, void* buf, size_t count, DType dt, const
   if (rank < extra) path.sendrecv(buf, count * item, rank + p2, nullptr, 0, rank + p2);
 }
 
-void adasum_unit(const Path& path, Unit* u, std::vector<uint8_t>& fusion, Scratch& scratch) {
+void adasum_unit(PointToPoint& path, Unit* u, std::vector<uint8_t>& fusion, Scratch& scratch) {
   const DType dt = u->dtype;
   const size_t item = itemsize(dt);
   std::vector<size_t> segments;

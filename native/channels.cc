@@ -9,6 +9,7 @@
 #include "adasum.h"
 #include "buffers.h"
 #include "kernels.h"
+#include "ring.h"
 
 namespace perseus {
 
@@ -142,7 +143,7 @@ void Channel::activity(Unit* u, const char* label) {
 void Channel::allreduce(Unit* u) {
   if (u->reduce_op == ReduceOp::ADASUM) {
     activity(u, "ADASUM_ALLREDUCE");
-    adasum_unit(Path{comm_.get(), links_.get()}, u, fusion_, scratch_);
+    adasum_unit(flat(), u, fusion_, scratch_);
     return;
   }
   const DType dt = u->dtype;
@@ -198,14 +199,13 @@ void Channel::allreduce_buffer(const void* send, void* recv, size_t count, DType
     else if (local_ != nullptr) a = Algorithm::HIERARCHICAL;
     else a = links_ != nullptr || postscale != 1.0 ? Algorithm::RING : Algorithm::MPI;
   }
-  const Path flat{comm_.get(), links_.get()};
   switch (a) {
     case Algorithm::HIERARCHICAL:
-      hierarchical_allreduce(Path{local_.get(), nullptr}, Path{cross_.get(), cross_links_.get()}, send, recv,
-                             count, dt, op, postscale, scratch_);
+      hierarchical_allreduce(*local_, cross_links_ != nullptr ? static_cast<PointToPoint&>(*cross_links_) : *cross_,
+                             send, recv, count, dt, op, postscale, scratch_);
       return;
     case Algorithm::RING:
-      ring_allreduce(flat, send, recv, count, dt, op, postscale, scratch_);
+      ring_allreduce(flat(), send, recv, count, dt, op, postscale, scratch_);
       return;
     default:
       comm_->allreduce(send, recv, count, dt, op);
@@ -254,7 +254,7 @@ void Channel::allgather(Unit* u) {
   } else if (use_ring(u->algorithm, r->result_bytes, false)) {
     const size_t start = std::accumulate(counts.begin(), counts.begin() + me, size_t(0));
     copy_bytes(element_at(r->result.get(), start, r->sig.dtype), r->input, counts[me] * itemsize(r->sig.dtype));
-    ring_allgather(Path{comm_.get(), links_.get()}, r->result.get(), counts, r->sig.dtype);
+    ring_allgather(flat(), r->result.get(), counts, r->sig.dtype);
   } else {
     comm_->allgatherv(r->input, r->result.get(), counts, r->sig.dtype);
   }
@@ -306,7 +306,7 @@ void Channel::reducescatter(Unit* u) {
   }
   ReduceOp op = u->reduce_op == ReduceOp::AVERAGE ? ReduceOp::SUM : u->reduce_op;
   if (use_ring(u->algorithm, total * itemsize(dt), true))
-    ring_reduce_scatter_to(Path{comm_.get(), links_.get()}, src, r->output, counts, dt, op, scratch_);
+    ring_reduce_scatter_to(flat(), src, r->output, counts, dt, op, scratch_);
   else
     comm_->reduce_scatter(src, r->output, counts, dt, op);
   if (u->postscale != 1.0) scale_into(r->output, r->output, counts[comm_->rank()], dt, u->postscale);

@@ -129,6 +129,7 @@ void Channel::execute(Unit* u) {
     case OpType::ALLTOALL: alltoall(u->pieces[0].request); break;
     case OpType::REDUCESCATTER: reducescatter(u); break;
     case OpType::BARRIER: comm_->barrier(); break;
+    case OpType::TUNE: break;  // never a unit: ProcessSet::dispatch applies TUNE requests itself
   }
 }
 

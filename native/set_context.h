@@ -43,7 +43,7 @@ struct EngineHooks {
   std::function<void(int level, const std::string&)> log;  // 30 warning, 40 error
 };
 
-// The engine-wide services a process set uses. The referenced objects outlive every set.
+// The engine-wide services a process set uses; the referenced objects belong to the engine that created it.
 struct SetContext {
   HandleTable& handles;
   TimelineRecorder& timeline;

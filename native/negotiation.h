@@ -91,7 +91,7 @@ class Negotiator {
   void exchange_payload(const NameMap& pending, bool joined,
                         std::string* out) const;
   // Merge every rank's list: new indices, newly ready names, mismatches. `rank_names` maps a position in
-  // the set to the job rank shown in messages.
+  // the set to the job rank shown in messages. Throws TransportError when a list is truncated.
   void apply_exchange(RoundResult* result, const std::vector<std::string>& payloads,
                       const std::vector<int>& rank_names, int64_t round);
   // While any rank has joined, only allreduce runs; other ready collectives fail on every rank.

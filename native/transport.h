@@ -1,6 +1,7 @@
-// The transport boundary. Negotiation, fusion and channels talk to other ranks only through `Comm`;
-// MPI (transport_mpi.cc) and an in-process loopback for tests (transport_loopback.cc) implement it, and
-// an NCCL transport will plug in beside them.
+// The transport boundary. Negotiation, fusion and channels talk to other ranks only through `Comm` (and
+// the algorithms of a channel through `PointToPoint`, which a channel's own TCP Links implement too: links.h);
+// MPI (transport_mpi.cc) and an in-process loopback for tests (transport_loopback.cc) implement Comm. Device
+// memory never passes here: the framework's launcher moves it (device_channel.h).
 //
 // One Comm is one communicator among the ranks of a process set. Each instance is used by one thread at
 // a time (the engine thread owns the negotiation Comm of a set, each channel thread its own dup).

@@ -2,9 +2,9 @@
 #include "adasum.h"
 
 #include <algorithm>
-#include <cstring>
 #include <string>
 
+#include "buffers.h"
 #include "kernels.h"
 
 namespace perseus {
@@ -73,13 +73,6 @@ void combine_into(const void* l, const void* r, void* dst, size_t n, DType dt, d
 
 inline double coefficient(double lr, double self_sq) { return self_sq > 0 ? 1.0 - lr / (2.0 * self_sq) : 1.0; }
 
-inline uint8_t* byte_at(void* base, size_t elements, DType dt) {
-  return static_cast<uint8_t*>(base) + elements * itemsize(dt);
-}
-inline const uint8_t* byte_at(const void* base, size_t elements, DType dt) {
-  return static_cast<const uint8_t*>(base) + elements * itemsize(dt);
-}
-
 // The tensors (segments) overlapping [lo, lo + len): for each, the overlap's start and length.
 template <typename F>
 void for_each_overlap(const std::vector<size_t>& segments, size_t lo, size_t len, F f) {
@@ -100,8 +93,8 @@ void combine_region(const void* left, const void* right, void* dst, size_t lo, s
   for_each_overlap(segments, lo, len, [&](size_t s, size_t a, size_t n) {
     const double lr = sums[3 * s], ll = sums[3 * s + 1], rr = sums[3 * s + 2];
     const size_t off = a - lo;
-    combine_into(byte_at(left, off, dt), byte_at(right, off, dt),
-                 byte_at(dst, off, dt), n, dt, coefficient(lr, ll), coefficient(lr, rr));
+    combine_into(element_at(left, off, dt), element_at(right, off, dt),
+                 element_at(dst, off, dt), n, dt, coefficient(lr, ll), coefficient(lr, rr));
   });
 }
 
@@ -109,7 +102,7 @@ void region_dots(const void* left, const void* right, size_t lo, size_t len, DTy
                  const std::vector<size_t>& segments, std::vector<double>* sums) {
   for_each_overlap(segments, lo, len, [&](size_t s, size_t a, size_t n) {
     const size_t off = a - lo;
-    dots(byte_at(left, off, dt), byte_at(right, off, dt), n, dt,
+    dots(element_at(left, off, dt), element_at(right, off, dt), n, dt,
          sums->data() + 3 * s);
   });
 }
@@ -120,7 +113,7 @@ bool adasum_supports(DType dt) {
   return dt == DType::FLOAT16 || dt == DType::BFLOAT16 || dt == DType::FLOAT32 || dt == DType::FLOAT64;
 }
 
-void adasum_allreduce(const Path& path, void* buf, size_t count, DType dt, const std::vector<size_t>& segments,
+void adasum_allreduce(PointToPoint& path, void* buf, size_t count, DType dt, const std::vector<size_t>& segments,
                       Scratch& scratch) {
   if (!adasum_supports(dt))
     throw TransportError(std::string("Adasum needs floating-point tensors, not ") + dtype_name(dt));
@@ -154,8 +147,8 @@ void adasum_allreduce(const Path& path, void* buf, size_t count, DType dt, const
     const size_t keep_lo = lower ? lo : lo + first, keep_len = lower ? first : second;
     const size_t give_lo = lower ? lo + first : lo, give_len = lower ? second : first;
     uint8_t* theirs = scratch.get(std::max<size_t>(keep_len * item, 1), 0);
-    path.sendrecv(byte_at(buf, give_lo, dt), give_len * item, partner, theirs, keep_len * item, partner);
-    void* mine = byte_at(buf, keep_lo, dt);
+    path.sendrecv(element_at(buf, give_lo, dt), give_len * item, partner, theirs, keep_len * item, partner);
+    void* mine = element_at(buf, keep_lo, dt);
     const void* left = lower ? mine : theirs;
     const void* right = lower ? static_cast<const void*>(theirs) : mine;
     std::fill(sums.begin(), sums.end(), 0.0);
@@ -179,13 +172,13 @@ void adasum_allreduce(const Path& path, void* buf, size_t count, DType dt, const
     const int partner = rank ^ d;
     const size_t other_lo = lo == parent.lo ? parent.lo + len : parent.lo;
     const size_t other_len = parent.len - len;
-    path.sendrecv(byte_at(buf, lo, dt), len * item, partner, byte_at(buf, other_lo, dt), other_len * item, partner);
+    path.sendrecv(element_at(buf, lo, dt), len * item, partner, element_at(buf, other_lo, dt), other_len * item, partner);
     lo = parent.lo, len = parent.len;
   }
   if (rank < extra) path.sendrecv(buf, count * item, rank + p2, nullptr, 0, rank + p2);
 }
 
-void adasum_unit(const Path& path, Unit* u, std::vector<uint8_t>& fusion, Scratch& scratch) {
+void adasum_unit(PointToPoint& path, Unit* u, std::vector<uint8_t>& fusion, Scratch& scratch) {
   const DType dt = u->dtype;
   const size_t item = itemsize(dt);
   std::vector<size_t> segments;
@@ -193,11 +186,11 @@ void adasum_unit(const Path& path, Unit* u, std::vector<uint8_t>& fusion, Scratc
   if (u->kind == UnitKind::INPLACE && u->pieces.size() == 1) {
     const Piece& p = u->pieces[0];
     Request* r = p.request;
-    void* dst = byte_at(r->output, static_cast<size_t>(p.offset), dt);
-    const void* src = r->input == nullptr ? dst : byte_at(r->input, static_cast<size_t>(p.offset), dt);
+    void* dst = element_at(r->output, static_cast<size_t>(p.offset), dt);
+    const void* src = r->input == nullptr ? dst : element_at(r->input, static_cast<size_t>(p.offset), dt);
     const size_t count = static_cast<size_t>(p.count);
     if (u->prescale != 1.0) scale_into(src, dst, count, dt, u->prescale);
-    else if (src != dst) std::memcpy(dst, src, count * item);
+    else if (src != dst) copy_bytes(dst, src, count * item);
     segments.push_back(count);
     adasum_allreduce(path, dst, count, dt, segments, scratch);
     if (u->postscale != 1.0) scale_into(dst, dst, count, dt, u->postscale);
@@ -208,16 +201,16 @@ void adasum_unit(const Path& path, Unit* u, std::vector<uint8_t>& fusion, Scratc
   uint8_t* buf = fusion.data();
   for (const Piece& p : u->pieces) {
     const void* src = p.request->input != nullptr ? p.request->input : p.request->output;
-    uint8_t* part = byte_at(buf, static_cast<size_t>(p.buf_offset), dt);
+    uint8_t* part = element_at(buf, static_cast<size_t>(p.buf_offset), dt);
     if (u->prescale != 1.0) scale_into(src, part, static_cast<size_t>(p.count), dt, u->prescale);
-    else std::memcpy(part, src, static_cast<size_t>(p.count) * item);
+    else copy_bytes(part, src, static_cast<size_t>(p.count) * item);
     segments.push_back(static_cast<size_t>(p.count));
   }
   adasum_allreduce(path, buf, total, dt, segments, scratch);
   for (const Piece& p : u->pieces) {
-    const uint8_t* part = byte_at(buf, static_cast<size_t>(p.buf_offset), dt);
+    const uint8_t* part = element_at(buf, static_cast<size_t>(p.buf_offset), dt);
     if (u->postscale != 1.0) scale_into(part, p.request->output, static_cast<size_t>(p.count), dt, u->postscale);
-    else std::memcpy(p.request->output, part, static_cast<size_t>(p.count) * item);
+    else copy_bytes(p.request->output, part, static_cast<size_t>(p.count) * item);
   }
 }
 

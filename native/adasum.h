@@ -23,6 +23,7 @@
 #include "algorithms.h"
 #include "common.h"
 #include "fusion.h"
+#include "transport.h"
 
 namespace perseus {
 
@@ -30,11 +31,11 @@ namespace perseus {
 bool adasum_supports(DType dt);
 
 // In place: every rank's buf (count elements) becomes the Adasum of all ranks' bufs. Collective over path.
-void adasum_allreduce(const Path& path, void* buf, size_t count, DType dt, const std::vector<size_t>& segments,
+void adasum_allreduce(PointToPoint& path, void* buf, size_t count, DType dt, const std::vector<size_t>& segments,
                       Scratch& scratch);
 
 // One all-reduce unit with reduce op ADASUM (whole tensors only: fusion never splits one): copies in
 // (times prescale), reduces with each tensor's own coefficients, copies out (times postscale).
-void adasum_unit(const Path& path, Unit* u, std::vector<uint8_t>& fusion, Scratch& scratch);
+void adasum_unit(PointToPoint& path, Unit* u, std::vector<uint8_t>& fusion, Scratch& scratch);
 
 }  // namespace perseus

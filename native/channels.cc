@@ -1,34 +1,22 @@
 // Stage 4: channel threads and how each unit runs on the transport (see channels.h).
 #include "channels.h"
 
-#include "adasum.h"
-
 #include <sched.h>
 
 #include <chrono>
-#include <cstring>
 #include <numeric>
 
+#include "adasum.h"
+#include "buffers.h"
 #include "kernels.h"
+#include "ring.h"
 
 namespace perseus {
 
 namespace {
 
-constexpr size_t kRingMinBytes = 64 << 10;
-constexpr int kSpinUs = 100;  // below this MPI's latency-optimised algorithms win over a ring
-
-// memcpy with a zero length may still not be given a null pointer (empty tensors have none).
-inline void copy_bytes(void* dst, const void* src, size_t n) {
-  if (n != 0) std::memcpy(dst, src, n);
-}
-
-inline uint8_t* at(void* base, size_t elements, DType dt) {
-  return static_cast<uint8_t*>(base) + elements * itemsize(dt);
-}
-inline const uint8_t* at(const void* base, size_t elements, DType dt) {
-  return static_cast<const uint8_t*>(base) + elements * itemsize(dt);
-}
+constexpr size_t kRingMinBytes = 64 << 10;  // below this MPI's latency-optimised algorithms win over a ring
+constexpr int kSpinUs = 100;  // how long an idle channel thread spins (yielding) before it sleeps
 
 }  // namespace
 
@@ -141,6 +129,7 @@ void Channel::execute(Unit* u) {
     case OpType::ALLTOALL: alltoall(u->pieces[0].request); break;
     case OpType::REDUCESCATTER: reducescatter(u); break;
     case OpType::BARRIER: comm_->barrier(); break;
+    case OpType::TUNE: break;  // never a unit: ProcessSet::dispatch applies TUNE requests itself
   }
 }
 
@@ -155,7 +144,7 @@ void Channel::activity(Unit* u, const char* label) {
 void Channel::allreduce(Unit* u) {
   if (u->reduce_op == ReduceOp::ADASUM) {
     activity(u, "ADASUM_ALLREDUCE");
-    adasum_unit(Path{comm_.get(), links_.get()}, u, fusion_, scratch_);
+    adasum_unit(flat(), u, fusion_, scratch_);
     return;
   }
   const DType dt = u->dtype;
@@ -163,8 +152,8 @@ void Channel::allreduce(Unit* u) {
   if (u->kind == UnitKind::INPLACE) {
     const Piece& p = u->pieces[0];
     Request* r = p.request;
-    void* dst = at(r->output, p.offset, dt);
-    const void* src = r->input == nullptr ? nullptr : at(r->input, p.offset, dt);
+    void* dst = element_at(r->output, p.offset, dt);
+    const void* src = r->input == nullptr ? nullptr : element_at(r->input, p.offset, dt);
     if (pre != 1.0) {
       scale_into(src != nullptr ? src : dst, dst, p.count, dt, pre);
       src = nullptr;
@@ -180,7 +169,7 @@ void Channel::allreduce(Unit* u) {
   activity(u, "MEMCPY_IN_FUSION_BUFFER");
   for (const Piece& p : u->pieces) {
     const void* src = p.request->input != nullptr ? p.request->input : p.request->output;
-    uint8_t* part = at(buf, p.buf_offset, dt);
+    uint8_t* part = element_at(buf, p.buf_offset, dt);
     if (pre != 1.0) scale_into(src, part, p.count, dt, pre);
     else copy_bytes(part, src, p.count * itemsize(dt));
   }
@@ -188,7 +177,7 @@ void Channel::allreduce(Unit* u) {
   allreduce_buffer(nullptr, buf, u->numel, dt, u->reduce_op, 1.0, u->algorithm);  // postscale on copy-out
   activity(u, "MEMCPY_OUT_FUSION_BUFFER");
   for (const Piece& p : u->pieces) {
-    const uint8_t* part = at(buf, p.buf_offset, dt);
+    const uint8_t* part = element_at(buf, p.buf_offset, dt);
     if (post != 1.0) scale_into(part, p.request->output, p.count, dt, post);
     else copy_bytes(p.request->output, part, p.count * itemsize(dt));
   }
@@ -211,14 +200,13 @@ void Channel::allreduce_buffer(const void* send, void* recv, size_t count, DType
     else if (local_ != nullptr) a = Algorithm::HIERARCHICAL;
     else a = links_ != nullptr || postscale != 1.0 ? Algorithm::RING : Algorithm::MPI;
   }
-  const Path flat{comm_.get(), links_.get()};
   switch (a) {
     case Algorithm::HIERARCHICAL:
-      hierarchical_allreduce(Path{local_.get(), nullptr}, Path{cross_.get(), cross_links_.get()}, send, recv,
-                             count, dt, op, postscale, scratch_);
+      hierarchical_allreduce(*local_, cross_links_ != nullptr ? static_cast<PointToPoint&>(*cross_links_) : *cross_,
+                             send, recv, count, dt, op, postscale, scratch_);
       return;
     case Algorithm::RING:
-      ring_allreduce(flat, send, recv, count, dt, op, postscale, scratch_);
+      ring_allreduce(flat(), send, recv, count, dt, op, postscale, scratch_);
       return;
     default:
       comm_->allreduce(send, recv, count, dt, op);
@@ -249,8 +237,7 @@ void Channel::allgather(Unit* u) {
   const int64_t rows = r->shape.empty() ? 1 : r->shape[0];
   std::vector<int64_t> all(n);
   comm_->allgather_i64(&rows, 1, all.data());
-  int64_t row = 1;
-  for (size_t i = 1; i < r->shape.size(); ++i) row *= r->shape[i];
+  const int64_t row = row_elements(r->shape);
   std::vector<size_t> counts(n);
   int64_t total_rows = 0;
   for (int i = 0; i < n; ++i) counts[i] = static_cast<size_t>(all[i] * row), total_rows += all[i];
@@ -267,8 +254,8 @@ void Channel::allgather(Unit* u) {
                             *config_.layout, me, r->input, r->result.get(), counts, r->sig.dtype, scratch_);
   } else if (use_ring(u->algorithm, r->result_bytes, false)) {
     const size_t start = std::accumulate(counts.begin(), counts.begin() + me, size_t(0));
-    copy_bytes(at(r->result.get(), start, r->sig.dtype), r->input, counts[me] * itemsize(r->sig.dtype));
-    ring_allgather(Path{comm_.get(), links_.get()}, r->result.get(), counts, r->sig.dtype);
+    copy_bytes(element_at(r->result.get(), start, r->sig.dtype), r->input, counts[me] * itemsize(r->sig.dtype));
+    ring_allgather(flat(), r->result.get(), counts, r->sig.dtype);
   } else {
     comm_->allgatherv(r->input, r->result.get(), counts, r->sig.dtype);
   }
@@ -287,8 +274,7 @@ void Channel::alltoall(Request* r) {
   const int n = comm_->size();
   std::vector<int64_t> recv_rows(n);
   comm_->alltoall_i64(r->splits.data(), recv_rows.data());
-  int64_t row = 1;
-  for (size_t i = 1; i < r->shape.size(); ++i) row *= r->shape[i];
+  const int64_t row = row_elements(r->shape);
   std::vector<size_t> send_counts(n), recv_counts(n);
   int64_t total_rows = 0;
   for (int i = 0; i < n; ++i) {
@@ -309,8 +295,7 @@ void Channel::reducescatter(Unit* u) {
   const int n = comm_->size();
   const DType dt = r->sig.dtype;
   auto rows = even_counts(static_cast<size_t>(r->shape.empty() ? 1 : r->shape[0]), n);
-  int64_t row = 1;
-  for (size_t i = 1; i < r->shape.size(); ++i) row *= r->shape[i];
+  const int64_t row = row_elements(r->shape);
   std::vector<size_t> counts(n);
   for (int i = 0; i < n; ++i) counts[i] = rows[i] * static_cast<size_t>(row);
   const void* src = r->input;
@@ -322,7 +307,7 @@ void Channel::reducescatter(Unit* u) {
   }
   ReduceOp op = u->reduce_op == ReduceOp::AVERAGE ? ReduceOp::SUM : u->reduce_op;
   if (use_ring(u->algorithm, total * itemsize(dt), true))
-    ring_reduce_scatter_to(Path{comm_.get(), links_.get()}, src, r->output, counts, dt, op, scratch_);
+    ring_reduce_scatter_to(flat(), src, r->output, counts, dt, op, scratch_);
   else
     comm_->reduce_scatter(src, r->output, counts, dt, op);
   if (u->postscale != 1.0) scale_into(r->output, r->output, counts[comm_->rank()], dt, u->postscale);

@@ -19,6 +19,8 @@
 
 #include "algorithms.h"
 #include "fusion.h"
+#include "hierarchical.h"
+#include "links.h"
 #include "timeline.h"
 #include "transport.h"
 
@@ -70,6 +72,8 @@ class Channel {
   void alltoall(Request* r);
   void reducescatter(Unit* u);
   void activity(Unit* u, const char* label);
+  // Where the set's flat ring travels: the channel's links across hosts, else the Comm's own messages.
+  PointToPoint& flat() { return links_ != nullptr ? static_cast<PointToPoint&>(*links_) : *comm_; }
 
   std::unique_ptr<Comm> comm_;
   ChannelConfig config_;

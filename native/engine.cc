@@ -9,6 +9,8 @@
 #include <chrono>
 #include <cstring>
 
+#include "control.h"
+
 namespace perseus {
 
 namespace {
@@ -16,6 +18,7 @@ namespace {
 constexpr double kIdleSpinS = 50e-6;
 constexpr double kDrainS = 2.0;  // longest a shutdown waits for rounds in flight
 constexpr double kFirstIdleWaitS = 50e-6;
+constexpr double kBusyWaitMaxS = 1e-3;  // the longest idle sleep while some set has work pending
 
 // Sets whose channel threads could not be stopped (stuck in a collective a dead peer will never finish)
 // stay allocated: those threads still point at them.
@@ -70,8 +73,41 @@ void Engine::start() {
   }
 }
 
+// What a set uses of the engine: the engine's tables, recorders and queue, its hooks and its abort().
+SetContext Engine::set_context() {
+  return SetContext{handles_, timeline_, faults_, device_queue_, hooks_, world_rank_,
+                    [this](const std::string& message, int origin, bool propagate, ErrorKind kind) {
+                      abort(message, origin, propagate, kind);
+                    }};
+}
+
+// A new set's options, from the engine's settings.
+SetOptions Engine::set_options() const {
+  const Settings& s = settings_;
+  SetOptions o;
+  o.params.fusion_threshold_bytes = s.fusion_threshold_bytes;
+  o.params.inplace_threshold_bytes = s.inplace_threshold_bytes;
+  o.params.channels = std::max(1, s.num_channels);
+  o.params.cycle_time_ms = s.cycle_time_ms;
+  o.params.algorithm = s.algorithm;
+  o.channels_created = std::max({1, s.num_channels, s.max_channels});
+  o.device_fusion_threshold_bytes = s.device_fusion_threshold_bytes;
+  o.device_cycle_time_ms = s.device_cycle_time_ms;
+  o.cache_capacity = s.cache_capacity;
+  o.track_steps = s.track_steps;
+  o.stall.disable = s.stall_check_disable;
+  o.stall.check_time_s = s.stall_check_time_s;
+  o.stall.shutdown_time_s = s.stall_shutdown_time_s;
+  o.host_key = s.host_key;
+  o.hierarchical_allgather = s.hierarchical_allgather;
+  o.links.interfaces = s.network_interfaces;
+  o.links.timeout_s = s.link_timeout_s;
+  return o;
+}
+
 void Engine::add_process_set(int id, std::unique_ptr<Comm> control, std::vector<int> world_ranks) {
-  auto set = std::make_shared<ProcessSet>(this, id, std::move(control), std::move(world_ranks));
+  auto set = std::make_shared<ProcessSet>(set_context(), set_options(), id, std::move(control),
+                                          std::move(world_ranks));
   std::lock_guard<std::mutex> lock(mu_);
   sets_[id] = set;
   if (id >= 0 && id < kFastSets) fast_[id].store(set.get());
@@ -234,13 +270,7 @@ void Engine::abort(const std::string& message_in, int origin, bool propagate, Er
     failed_ = {kind, message};
     has_failed_.store(true);
     for (auto& kv : sets_) sets.push_back(kv.second);
-    if (propagate) {
-      std::string msg("a");
-      int32_t o = origin;
-      msg.append(reinterpret_cast<const char*>(&o), sizeof(o));
-      msg.append(message_in);
-      outbox_.push_back(msg);
-    }
+    if (propagate) outbox_.push_back(encode(AbortMessage{origin, message_in}));
     logs_.push_back(message);
     control_dirty_.store(true);
     cv_.notify_one();
@@ -252,131 +282,25 @@ void Engine::abort(const std::string& message_in, int origin, bool propagate, Er
   }
 }
 
+// The engine thread's own state.
+struct Engine::Loop {
+  Sets sets, closing;  // copies of sets_ and to_close_, taken when control_dirty_ is set
+  std::vector<std::string> outbox, logs;
+  Backoff backoff;
+  double idle_wait = kFirstIdleWaitS;
+};
+
 void Engine::run() {
   prctl(PR_SET_TIMERSLACK, 1000, 0, 0, 0);  // wake short sleeps on time (default slack adds ~50 us)
-  Backoff backoff;
-  const double cap_busy = 1e-3;
-  double idle_wait = kFirstIdleWaitS;
-  std::vector<std::shared_ptr<ProcessSet>> sets, closing;
-  std::vector<std::string> outbox, logs;
+  Loop loop;
   try {
-    for (;;) {
-      if (control_dirty_.load(std::memory_order_acquire)) {
-        std::lock_guard<std::mutex> lock(mu_);
-        control_dirty_.store(false);
-        if (stop_) break;  // close_all() sends what is still in the outbox
-        sets.clear();
-        for (auto& kv : sets_) sets.push_back(kv.second);
-        closing.swap(to_close_);
-        outbox.swap(outbox_);
-        logs.swap(logs_);
-      }
-      if (!closing.empty()) {
-        for (auto& s : closing) {
-          s->mark_dead("perseus: process set " + std::to_string(s->id()) + " was removed");
-          s->step(now_s());  // releases what it still holds
-          if (!s->close(false)) abandoned().push_back(s);
-        }
-        closing.clear();
-        std::lock_guard<std::mutex> lock(mu_);
-        closed_done_ = close_generation_;
-        closed_cv_.notify_all();
-      }
-      if (!outbox.empty()) {
-        for (auto& s : sets)
-          if (s->id() == 0)
-            for (auto& m : outbox) s->send_to_all(m);
-        outbox.clear();
-      }
-      if (!logs.empty()) {
-        for (auto& m : logs)
-          if (hooks_.log) hooks_.log(40, m);
-        logs.clear();
-      }
-      const uint64_t seen = submissions_.load();
-      const double now = now_s();
-      bool progressed = false, waiting = false;
-      double deadline = 1e300;
-      for (auto& s : sets) {
-        StepResult r = s->step(now);
-        progressed |= r.progressed;
-        waiting |= r.waiting;
-        deadline = std::min(deadline, r.deadline);
-      }
-      if (progressed) {
-        backoff.reset();
-        idle_wait = kFirstIdleWaitS;
-        continue;
-      }
-      if (waiting) {
-        backoff.wait();
-        continue;
-      }
-      // Nothing to do: first spin (yielding) a little, since the next request of a step or of a loop of
-      // small synchronous collectives usually comes within microseconds; then sleep.
-      if (idle_wait == kFirstIdleWaitS) {  // only right after progress
-        const double spin_until = now_s() + kIdleSpinS;
-        while (submissions_.load() == seen && now_s() < spin_until) sched_yield();
-        if (submissions_.load() != seen) continue;
-      }
-      std::unique_lock<std::mutex> lock(mu_);
-      idle_.store(true);
-      if (stop_) {
-        idle_.store(false);
-        break;
-      }
-      if (submissions_.load() != seen || control_dirty_.load() || !to_close_.empty() || !outbox_.empty() ||
-          !logs_.empty()) {
-        idle_.store(false);
-        continue;
-      }
-      lock.unlock();
-      bool has_work = false;
-      for (auto& s : sets) has_work = has_work || s->has_work();
-      lock.lock();
-      const double cap = has_work ? cap_busy : settings_.idle_poll_max_ms * 1e-3;
-      const double timeout = std::max(std::min({deadline - now_s(), idle_wait, cap}), 0.0);
-      if (submissions_.load() == seen && !stop_ && !control_dirty_.load())
-        cv_.wait_for(lock, std::chrono::duration<double>(timeout));
-      idle_.store(false);
-      idle_wait = std::min(idle_wait * 2, cap);
+    while (turn(&loop)) {
     }
   } catch (const std::exception& e) {
-    abort(std::string("perseus engine thread failed: ") + e.what(), world_rank_, true, ErrorKind::INTERNAL);
-    // Send the abort before closing.
-    std::vector<std::string> out;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      out.swap(outbox_);
-    }
-    // The transport that just failed may refuse these sends too; nothing more can be told to peers then
-    // (an exception escaping here would terminate the process).
-    try {
-      for (auto& s : sets)
-        if (s->id() == 0)
-          for (auto& m : out) s->send_to_all(m);
-    } catch (const std::exception&) {
-    }
+    fail_thread(e, loop.sets);
   }
-  // Finish the negotiation rounds already started, without starting new ones: a peer that is in the same
-  // round finishes it too and dispatches the same units, so the channels drain the same collectives on every
-  // rank. Left unfinished, a peer that completed the round would wait forever in a unit this rank never runs.
-  if (!has_failed_.load()) {
-    try {
-      Backoff drain;
-      const double give_up = now_s() + kDrainS;
-      for (auto& s : sets) s->begin_drain();
-      for (;;) {
-        bool busy = false;
-        for (auto& s : sets) busy = s->step(now_s()).waiting || busy;
-        if (!busy || now_s() > give_up) break;
-        drain.wait();
-      }
-    } catch (const std::exception&) {
-      // The transport failed: nothing more can be finished.
-    }
-  }
-  sets.clear();
+  drain(loop.sets);
+  loop.sets.clear();
   close_all();
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -386,8 +310,150 @@ void Engine::run() {
   closed_cv_.notify_all();
 }
 
+// One turn of the engine loop: take what changed, step every set once, then wait as the sets' state asks
+// (not at all after progress, a backoff inside a round, else spin and sleep). False when stopping.
+bool Engine::turn(Loop* loop) {
+  if (control_dirty_.load(std::memory_order_acquire) && !take_control(loop)) return false;
+  close_removed(&loop->closing);
+  send_outbox(loop->sets, &loop->outbox);
+  write_logs(&loop->logs);
+  const uint64_t seen = submissions_.load();
+  const double now = now_s();
+  bool progressed = false, waiting = false;
+  double deadline = 1e300;
+  for (auto& s : loop->sets) {
+    StepResult r = s->step(now);
+    progressed |= r.progressed;
+    waiting |= r.waiting;
+    deadline = std::min(deadline, r.deadline);
+  }
+  if (progressed) {
+    loop->backoff.reset();
+    loop->idle_wait = kFirstIdleWaitS;
+    return true;
+  }
+  if (waiting) {
+    loop->backoff.wait();
+    return true;
+  }
+  return idle(loop, seen, deadline);
+}
+
+// Copy what user threads changed (sets, sets to close, aborts to send, lines to log). False when stopping:
+// close_all() then sends what is still in the outbox.
+bool Engine::take_control(Loop* loop) {
+  std::lock_guard<std::mutex> lock(mu_);
+  control_dirty_.store(false);
+  if (stop_) return false;
+  loop->sets.clear();
+  for (auto& kv : sets_) loop->sets.push_back(kv.second);
+  loop->closing.swap(to_close_);
+  loop->outbox.swap(outbox_);
+  loop->logs.swap(logs_);
+  return true;
+}
+
+// Close the sets remove_process_set() handed over, between steps, and wake the threads waiting for that.
+void Engine::close_removed(Sets* closing) {
+  if (closing->empty()) return;
+  for (auto& s : *closing) {
+    s->mark_dead("perseus: process set " + std::to_string(s->id()) + " was removed");
+    s->step(now_s());  // releases what it still holds
+    if (!s->close(false)) abandoned().push_back(s);
+  }
+  closing->clear();
+  std::lock_guard<std::mutex> lock(mu_);
+  closed_done_ = close_generation_;
+  closed_cv_.notify_all();
+}
+
+// Nothing to do: first spin (yielding) a little, since the next request of a step or of a loop of small
+// synchronous collectives usually comes within microseconds; then sleep until a submission, a change or
+// the earliest deadline of a set, for at most idle_wait (doubled each time, capped: short while some set
+// has work, idle_poll_max_ms otherwise, the longest a control message waits). False when stopping.
+bool Engine::idle(Loop* loop, uint64_t seen, double deadline) {
+  if (loop->idle_wait == kFirstIdleWaitS) {  // only right after progress
+    const double spin_until = now_s() + kIdleSpinS;
+    while (submissions_.load() == seen && now_s() < spin_until) sched_yield();
+    if (submissions_.load() != seen) return true;
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  idle_.store(true);
+  if (stop_) {
+    idle_.store(false);
+    return false;
+  }
+  if (submissions_.load() != seen || control_dirty_.load() || !to_close_.empty() || !outbox_.empty() ||
+      !logs_.empty()) {
+    idle_.store(false);
+    return true;
+  }
+  lock.unlock();
+  bool has_work = false;
+  for (auto& s : loop->sets) has_work = has_work || s->has_work();
+  lock.lock();
+  const double cap = has_work ? kBusyWaitMaxS : settings_.idle_poll_max_ms * 1e-3;
+  const double timeout = std::max(std::min({deadline - now_s(), loop->idle_wait, cap}), 0.0);
+  if (submissions_.load() == seen && !stop_ && !control_dirty_.load())
+    cv_.wait_for(lock, std::chrono::duration<double>(timeout));
+  idle_.store(false);
+  loop->idle_wait = std::min(loop->idle_wait * 2, cap);
+  return true;
+}
+
+// The engine thread failed: fail every rank, and send the abort before closing. The transport that just
+// failed may refuse these sends too; nothing more can be told to peers then (an exception escaping here
+// would terminate the process).
+void Engine::fail_thread(const std::exception& e, const Sets& sets) {
+  abort(std::string("perseus engine thread failed: ") + e.what(), world_rank_, true, ErrorKind::INTERNAL);
+  std::vector<std::string> out;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    out.swap(outbox_);
+  }
+  try {
+    send_outbox(sets, &out);
+  } catch (const std::exception&) {
+  }
+}
+
+// Finish the negotiation rounds already started, without starting new ones: a peer that is in the same
+// round finishes it too and dispatches the same units, so the channels drain the same collectives on every
+// rank. Left unfinished, a peer that completed the round would wait forever in a unit this rank never runs.
+void Engine::drain(const Sets& sets) {
+  if (has_failed_.load()) return;
+  try {
+    Backoff backoff;
+    const double give_up = now_s() + kDrainS;
+    for (auto& s : sets) s->begin_drain();
+    for (;;) {
+      bool busy = false;
+      for (auto& s : sets) busy = s->step(now_s()).waiting || busy;
+      if (!busy || now_s() > give_up) break;
+      backoff.wait();
+    }
+  } catch (const std::exception&) {
+    // The transport failed: nothing more can be finished.
+  }
+}
+
+// Abort messages go to set 0's peers (every rank is a member of it). Throws what the transport throws.
+void Engine::send_outbox(const Sets& sets, std::vector<std::string>* outbox) {
+  if (outbox->empty()) return;
+  for (auto& s : sets)
+    if (s->id() == 0)
+      for (auto& m : *outbox) s->send_to_all(m);
+  outbox->clear();
+}
+
+void Engine::write_logs(std::vector<std::string>* logs) {
+  for (auto& m : *logs)
+    if (hooks_.log) hooks_.log(40, m);
+  logs->clear();
+}
+
 void Engine::close_all() {
-  std::vector<std::shared_ptr<ProcessSet>> sets;
+  Sets sets;
   std::vector<std::string> logs, outbox;
   bool notify;
   {
@@ -400,15 +466,12 @@ void Engine::close_all() {
     logs.swap(logs_);
     outbox.swap(outbox_);
   }
-  for (auto& m : logs)
-    if (hooks_.log) hooks_.log(40, m);
+  write_logs(&logs);
   // An abort not sent yet (the failure happened just before shutdown) must still reach the peers, or they
   // would wait forever in the collective this rank abandoned.
   // (A broken transport refuses: nothing more can be told then, and an exception must not escape here.)
   try {
-    for (auto& s : sets)
-      if (s->id() == 0)
-        for (auto& m : outbox) s->send_to_all(m);
+    send_outbox(sets, &outbox);
   } catch (const std::exception&) {
   }
   for (auto& s : sets) {

@@ -2,8 +2,8 @@
 // channels of each set. Framework adapters submit from their own threads (one native call per request or
 // group) and wait on handles without the GIL.
 //
-// The engine thread never takes the GIL except through the two rare hooks below (where the main thread
-// is, for a stall probe; a log line). Waiting for peers inside a round is a short spin, then sleeps of
+// The engine thread never takes the GIL except through the two rare hooks of EngineHooks (set_context.h:
+// where the main thread is, for a stall probe; a log line). Waiting for peers inside a round is a short spin, then sleeps of
 // growing length; an engine with nothing to do sleeps on a condition variable and looks for control
 // messages (stall probes, aborts) only every idle_poll_max_ms.
 #pragma once
@@ -20,15 +20,12 @@
 #include "device_channel.h"
 #include "handles.h"
 #include "process_set.h"
+#include "set_context.h"
+#include "step_timer.h"
 #include "settings.h"
 #include "timeline.h"
 
 namespace perseus {
-
-struct EngineHooks {
-  std::function<std::string()> where;                        // main thread location (takes the GIL)
-  std::function<void(int level, const std::string&)> log;    // 30 warning, 40 error (takes the GIL)
-};
 
 class Engine {
  public:
@@ -69,8 +66,20 @@ class Engine {
   void wake();  // a submission arrived (lock-free unless the engine thread is waiting)
 
  private:
+  using Sets = std::vector<std::shared_ptr<ProcessSet>>;
+  struct Loop;  // the engine thread's own state (engine.cc)
+  SetContext set_context();
+  SetOptions set_options() const;
   void run();
+  bool turn(Loop* loop);
+  bool take_control(Loop* loop);
+  void close_removed(Sets* closing);
+  bool idle(Loop* loop, uint64_t seen, double deadline);
+  void fail_thread(const std::exception& e, const Sets& sets);
+  void drain(const Sets& sets);
   void close_all();
+  void send_outbox(const Sets& sets, std::vector<std::string>* outbox);
+  void write_logs(std::vector<std::string>* logs);
   std::shared_ptr<ProcessSet> find(int ps_id);
 
   Settings settings_;

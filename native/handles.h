@@ -26,6 +26,14 @@ namespace perseus {
 
 struct Handle;
 
+// How the run-time tuner's step timer (step_timer.h) counts a request; the submitter says (the same codes as
+// perseus.engine.messages.Timing).
+enum class StepTiming : int8_t {
+  NONE = 0,      // in no step (the tuner's own collectives, which come at irregular times)
+  UNSIGNED = 1,  // in the step's time and bytes, not in its digest (collectives whose shapes vary by step)
+  FULL = 2,      // in the step and in its digest
+};
+
 struct Request {
   std::string name;
   Signature sig;
@@ -34,6 +42,7 @@ struct Request {
   void* output = nullptr;       // nullptr for allgather/alltoall: the engine allocates `result`
   std::vector<int64_t> splits;  // alltoall rows per destination
   int ps_id = 0;
+  StepTiming timing = StepTiming::FULL;
   Handle* handle = nullptr;
   double submit_time = 0;
   std::atomic<int> remaining{0};  // units still to finish (set by fusion)
@@ -74,7 +83,7 @@ struct Handle {
   std::atomic<bool> user_released{false};
   bool is_join = false;
   int64_t join_result = -1;
-  std::mutex mu;  // guards error, callbacks_pending
+  std::mutex mu;  // guards error, wants_callback and the binding layer's callbacks in `extra`
   Error error;
   bool wants_callback = false;      // a completion callback is registered (binding layer runs it)
   std::unique_ptr<HandleExtra> extra;

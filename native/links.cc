@@ -282,82 +282,90 @@ void Links::sendrecv(const void* send, size_t send_bytes, int dest, void* recv, 
   if (dest > rank_) connection(dest);
   if (source > rank_) connection(source);
   const int out = connection(dest), in = connection(source);
-
-  uint64_t out_hdr = send_bytes, in_hdr = 0;
-  const size_t out_total = sizeof(out_hdr) + send_bytes, in_total = sizeof(in_hdr) + recv_bytes;
-  size_t out_done = 0, in_done = 0;
+  Transfer t{send, send_bytes, dest, recv, recv_bytes, source};
+  t.out_hdr = send_bytes;
   double last_progress = now_s();
-  while (out_done < out_total || in_done < in_total) {
+  while (t.out_done < t.out_total() || t.in_done < t.in_total()) {
     pollfd p[2];
     int n = 0, out_i = -1, in_i = -1;
-    if (out_done < out_total) { p[n] = {out, POLLOUT, 0}; out_i = n++; }
-    if (in_done < in_total) {
+    if (t.out_done < t.out_total()) { p[n] = {out, POLLOUT, 0}; out_i = n++; }
+    if (t.in_done < t.in_total()) {
       if (out_i >= 0 && in == out) { p[out_i].events |= POLLIN; in_i = out_i; }
       else { p[n] = {in, POLLIN, 0}; in_i = n++; }
     }
     const int ready = ::poll(p, n, kSliceMs);
     if (ready < 0 && errno != EINTR) fail(dest, "poll failed: " + errno_text(errno));
     if (ready <= 0) {
-      check_cancel(out_done < out_total ? dest : source);
-      if (now_s() - last_progress > options_.timeout_s) {
-        const int stuck = in_done < in_total ? source : dest;
-        fail(stuck, "no data moved for " + std::to_string(static_cast<int>(options_.timeout_s)) + " s (" +
-                        std::to_string(in_done) + " of " + std::to_string(in_total) + " bytes received, " +
-                        std::to_string(out_done) + " of " + std::to_string(out_total) + " sent)");
-      }
+      check_stuck(t, last_progress);
       continue;
     }
-    if (out_i >= 0 && (p[out_i].revents & (POLLOUT | POLLERR | POLLHUP))) {
-      iovec iov[2];
-      int k = 0;
-      if (out_done < sizeof(out_hdr))
-        iov[k++] = {reinterpret_cast<char*>(&out_hdr) + out_done, sizeof(out_hdr) - out_done};
-      const size_t body = out_done > sizeof(out_hdr) ? out_done - sizeof(out_hdr) : 0;
-      if (send_bytes > body) iov[k++] = {const_cast<char*>(static_cast<const char*>(send)) + body, send_bytes - body};
-      msghdr m{};
-      m.msg_iov = iov;
-      m.msg_iovlen = k;
-      const ssize_t sent = ::sendmsg(out, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (sent > 0) {
-        const size_t moved = static_cast<size_t>(sent);
-        const size_t header = out_done < sizeof(out_hdr) ? std::min(moved, sizeof(out_hdr) - out_done) : 0;
-        wire_->control(header, 0);
-        wire_->data(moved - header, 0);
-        out_done += moved;
-        last_progress = now_s();
-      } else if (sent < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-        fail(dest, "sending failed: " + errno_text(errno));
-      }
-    }
-    if (in_i >= 0 && (p[in_i].revents & (POLLIN | POLLERR | POLLHUP))) {
-      iovec iov[2];
-      int k = 0;
-      if (in_done < sizeof(in_hdr)) iov[k++] = {reinterpret_cast<char*>(&in_hdr) + in_done, sizeof(in_hdr) - in_done};
-      const size_t body = in_done > sizeof(in_hdr) ? in_done - sizeof(in_hdr) : 0;
-      // The body is read only once the length is known to match, so a disagreeing peer cannot overrun it.
-      if (in_done >= sizeof(in_hdr) && recv_bytes > body)
-        iov[k++] = {static_cast<char*>(recv) + body, recv_bytes - body};
-      msghdr m{};
-      m.msg_iov = iov;
-      m.msg_iovlen = k;
-      const ssize_t got = ::recvmsg(in, &m, MSG_DONTWAIT);
-      if (got == 0) fail(source, "the connection was closed");
-      if (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
-        fail(source, "receiving failed: " + errno_text(errno));
-      if (got > 0) {
-        const bool had_header = in_done >= sizeof(in_hdr);
-        const size_t moved = static_cast<size_t>(got);
-        const size_t header = had_header ? 0 : std::min(moved, sizeof(in_hdr) - in_done);
-        wire_->control(0, header);
-        wire_->data(0, moved - header);
-        in_done += moved;
-        last_progress = now_s();
-        if (!had_header && in_done >= sizeof(in_hdr) && in_hdr != recv_bytes)
-          fail(source, "it sent " + std::to_string(in_hdr) + " bytes where " + std::to_string(recv_bytes) +
-                           " were expected (the ranks disagree about a collective; this is a bug in perseus)");
-      }
-    }
+    if (out_i >= 0 && (p[out_i].revents & (POLLOUT | POLLERR | POLLHUP)) && send_some(out, &t)) last_progress = now_s();
+    if (in_i >= 0 && (p[in_i].revents & (POLLIN | POLLERR | POLLHUP)) && recv_some(in, &t)) last_progress = now_s();
   }
+}
+
+// Nothing moved in the last slice: fail when the set is cancelled or nothing has moved for timeout_s.
+void Links::check_stuck(const Transfer& t, double last_progress) const {
+  check_cancel(t.out_done < t.out_total() ? t.dest : t.source);
+  if (now_s() - last_progress <= options_.timeout_s) return;
+  const int stuck = t.in_done < t.in_total() ? t.source : t.dest;
+  fail(stuck, "no data moved for " + std::to_string(static_cast<int>(options_.timeout_s)) + " s (" +
+                  std::to_string(t.in_done) + " of " + std::to_string(t.in_total()) + " bytes received, " +
+                  std::to_string(t.out_done) + " of " + std::to_string(t.out_total()) + " sent)");
+}
+
+// Send what the socket takes now of the length header and the body; true when some bytes left.
+bool Links::send_some(int fd, Transfer* t) {
+  iovec iov[2];
+  int k = 0;
+  if (t->out_done < sizeof(t->out_hdr))
+    iov[k++] = {reinterpret_cast<char*>(&t->out_hdr) + t->out_done, sizeof(t->out_hdr) - t->out_done};
+  const size_t body = t->out_done > sizeof(t->out_hdr) ? t->out_done - sizeof(t->out_hdr) : 0;
+  if (t->send_bytes > body)
+    iov[k++] = {const_cast<char*>(static_cast<const char*>(t->send)) + body, t->send_bytes - body};
+  msghdr m{};
+  m.msg_iov = iov;
+  m.msg_iovlen = k;
+  const ssize_t sent = ::sendmsg(fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+  if (sent < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+    fail(t->dest, "sending failed: " + errno_text(errno));
+  if (sent <= 0) return false;
+  const size_t moved = static_cast<size_t>(sent);
+  const size_t header = t->out_done < sizeof(t->out_hdr) ? std::min(moved, sizeof(t->out_hdr) - t->out_done) : 0;
+  wire_->control(header, 0);
+  wire_->data(moved - header, 0);
+  t->out_done += moved;
+  return true;
+}
+
+// Receive what has arrived of the length header and the body; true when some bytes came. The body is read
+// only once the length is known to match, so a disagreeing peer cannot overrun it.
+bool Links::recv_some(int fd, Transfer* t) {
+  iovec iov[2];
+  int k = 0;
+  if (t->in_done < sizeof(t->in_hdr))
+    iov[k++] = {reinterpret_cast<char*>(&t->in_hdr) + t->in_done, sizeof(t->in_hdr) - t->in_done};
+  const size_t body = t->in_done > sizeof(t->in_hdr) ? t->in_done - sizeof(t->in_hdr) : 0;
+  if (t->in_done >= sizeof(t->in_hdr) && t->recv_bytes > body)
+    iov[k++] = {static_cast<char*>(t->recv) + body, t->recv_bytes - body};
+  msghdr m{};
+  m.msg_iov = iov;
+  m.msg_iovlen = k;
+  const ssize_t got = ::recvmsg(fd, &m, MSG_DONTWAIT);
+  if (got == 0) fail(t->source, "the connection was closed");
+  if (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+    fail(t->source, "receiving failed: " + errno_text(errno));
+  if (got <= 0) return false;
+  const bool had_header = t->in_done >= sizeof(t->in_hdr);
+  const size_t moved = static_cast<size_t>(got);
+  const size_t header = had_header ? 0 : std::min(moved, sizeof(t->in_hdr) - t->in_done);
+  wire_->control(0, header);
+  wire_->data(0, moved - header);
+  t->in_done += moved;
+  if (!had_header && t->in_done >= sizeof(t->in_hdr) && t->in_hdr != t->recv_bytes)
+    fail(t->source, "it sent " + std::to_string(t->in_hdr) + " bytes where " + std::to_string(t->recv_bytes) +
+                        " were expected (the ranks disagree about a collective; this is a bug in perseus)");
+  return true;
 }
 
 }  // namespace perseus

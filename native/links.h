@@ -37,24 +37,41 @@ struct LinkOptions {
   std::vector<int> world_ranks;  // for messages: the world rank of each rank of the Comm
 };
 
-class Links {
+class Links : public PointToPoint {
  public:
   // Collective over `comm` (used only here, for the address exchange). Throws TransportError when no
   // listening socket can be opened or the named interfaces have no IPv4 address.
   Links(Comm& comm, LinkOptions options);
-  ~Links();
+  ~Links() override;
   Links(const Links&) = delete;
   Links& operator=(const Links&) = delete;
 
-  int rank() const { return rank_; }
-  int size() const { return size_; }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
   // Send send_bytes to dest while receiving recv_bytes from source; either may be this rank's peer on the
   // same host (the connection then stays on this machine).
-  void sendrecv(const void* send, size_t send_bytes, int dest, void* recv, size_t recv_bytes, int source);
+  void sendrecv(const void* send, size_t send_bytes, int dest, void* recv, size_t recv_bytes,
+                int source) override;
   // Connections open now (for tests and diagnostics).
   int open_connections() const;
 
  private:
+  // One sendrecv in progress: each direction is an 8-byte length, then the body.
+  struct Transfer {
+    const void* send;
+    size_t send_bytes;
+    int dest;
+    void* recv;
+    size_t recv_bytes;
+    int source;
+    uint64_t out_hdr = 0, in_hdr = 0;
+    size_t out_done = 0, in_done = 0;  // bytes moved, header included
+    size_t out_total() const { return sizeof(out_hdr) + send_bytes; }
+    size_t in_total() const { return sizeof(in_hdr) + recv_bytes; }
+  };
+  bool send_some(int fd, Transfer* t);
+  bool recv_some(int fd, Transfer* t);
+  void check_stuck(const Transfer& t, double last_progress) const;
   int connection(int peer);
   int connect_to(int peer);
   void accept_from(int peer);

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <map>
 
+#include "codec.h"
+
 namespace perseus {
 
 // -- registry ------------------------------------------------------------------------------------------
@@ -91,143 +93,146 @@ bool Negotiator::decode(RoundResult* result) {
 // -- exchange ------------------------------------------------------------------------------------------
 namespace {
 
-template <typename T>
-void put(std::string* out, T v) {
-  out->append(reinterpret_cast<const char*>(&v), sizeof(T));
+constexpr const char* kWhat = "negotiation message";
+
+void put_signature(Writer* w, const Signature& s) {
+  w->put<int32_t>(static_cast<int32_t>(s.op_type));
+  w->put<int32_t>(static_cast<int32_t>(s.dtype));
+  w->put<uint32_t>(static_cast<uint32_t>(s.shape.size()));
+  for (int64_t d : s.shape) w->put<int64_t>(d);
+  w->put<int32_t>(s.reduce_op);
+  w->put<int32_t>(s.root_rank);
+  w->put<double>(s.prescale);
+  w->put<double>(s.postscale);
+  w->put<int32_t>(s.priority);
+  w->put<int32_t>(s.device);
 }
 
-struct Reader {
-  const char* p;
-  const char* end;
-  template <typename T>
-  T get() {
-    if (p + sizeof(T) > end) throw TransportError("perseus: truncated negotiation message");
-    T v;
-    std::memcpy(&v, p, sizeof(T));
-    p += sizeof(T);
-    return v;
+Signature get_signature(Reader* in) {
+  Signature s;
+  s.op_type = static_cast<OpType>(in->get<int32_t>());
+  s.dtype = static_cast<DType>(in->get<int32_t>());
+  const uint32_t nd = in->get<uint32_t>();
+  s.shape.resize(nd);
+  for (uint32_t d = 0; d < nd; ++d) s.shape[d] = in->get<int64_t>();
+  s.reduce_op = in->get<int32_t>();
+  s.root_rank = in->get<int32_t>();
+  s.prescale = in->get<double>();
+  s.postscale = in->get<double>();
+  s.priority = in->get<int32_t>();
+  s.device = in->get<int32_t>();
+  return s;
+}
+
+// The ranks that sent a name, grouped by the signature they sent, groups in order of first appearance.
+using SignatureGroups = std::vector<std::pair<const Signature*, std::vector<int>>>;
+
+SignatureGroups group_by_signature(const std::vector<std::pair<int, Signature>>& by_rank) {
+  SignatureGroups groups;
+  for (auto& rs : by_rank) {
+    bool placed = false;
+    for (auto& g : groups)
+      if (*g.first == rs.second) {
+        g.second.push_back(rs.first);
+        placed = true;
+        break;
+      }
+    if (!placed) groups.push_back({&rs.second, {rs.first}});
   }
-  std::string str(size_t n) {
-    if (p + n > end) throw TransportError("perseus: truncated negotiation message");
-    std::string s(p, n);
-    p += n;
-    return s;
-  }
-};
+  return groups;
+}
+
+// The error for a name sent with different signatures: the first two groups, with ranks as `rank_names`
+// shows them (positions in the set when empty).
+std::string mismatch(const std::string& name, const SignatureGroups& groups, const std::vector<int>& rank_names) {
+  auto show = [&](const std::vector<int>& rs) {
+    std::vector<int> out;
+    for (int r : rs) out.push_back(rank_names.empty() ? r : rank_names[r]);
+    return out;
+  };
+  return mismatch_message(name, *groups[0].first, show(groups[0].second), *groups[1].first, show(groups[1].second));
+}
 
 }  // namespace
 
 void Negotiator::exchange_payload(const NameMap& pending, bool joined, std::string* out) const {
   out->clear();
-  put<uint8_t>(out, joined ? 1 : 0);
-  put<uint32_t>(out, static_cast<uint32_t>(pending.size()));
+  Writer w(out);
+  w.put<uint8_t>(joined ? 1 : 0);
+  w.put<uint32_t>(static_cast<uint32_t>(pending.size()));
   for (auto& kv : pending) {
-    const Signature& s = kv.second->sig;
-    put<uint32_t>(out, static_cast<uint32_t>(kv.first.size()));
-    out->append(kv.first.data(), kv.first.size());
-    put<int32_t>(out, static_cast<int32_t>(s.op_type));
-    put<int32_t>(out, static_cast<int32_t>(s.dtype));
-    put<uint32_t>(out, static_cast<uint32_t>(s.shape.size()));
-    for (int64_t d : s.shape) put<int64_t>(out, d);
-    put<int32_t>(out, s.reduce_op);
-    put<int32_t>(out, s.root_rank);
-    put<double>(out, s.prescale);
-    put<double>(out, s.postscale);
-    put<int32_t>(out, s.priority);
-    put<int32_t>(out, s.device);
+    w.put_str(kv.first);
+    put_signature(&w, kv.second->sig);
+  }
+}
+
+// Every rank's pending list read into `exchange`: names in order of first appearance (rank 0's list
+// first), which is the same on every rank. Throws TransportError on a truncated list.
+void Negotiator::read_payloads(const std::vector<std::string>& payloads, Exchange* exchange) const {
+  exchange->active.assign(payloads.size(), 0);
+  for (size_t r = 0; r < payloads.size(); ++r) {
+    Reader in(payloads[r], kWhat);
+    exchange->active[r] = in.get<uint8_t>() == 0;  // a joined rank submits nothing of its own
+    const uint32_t n = in.get<uint32_t>();
+    for (uint32_t i = 0; i < n; ++i) {
+      std::string name = in.str();
+      Signature s = get_signature(&in);
+      auto it = exchange->seen.find(name);
+      if (it == exchange->seen.end()) {
+        exchange->order.push_back(name);
+        it = exchange->seen.emplace(name, std::vector<std::pair<int, Signature>>()).first;
+      }
+      it->second.emplace_back(static_cast<int>(r), std::move(s));
+    }
   }
 }
 
 void Negotiator::apply_exchange(RoundResult* result, const std::vector<std::string>& payloads,
                                 const std::vector<int>& rank_names, int64_t round) {
   result->exchanged = true;
-  // name -> (rank -> signature), names in order of first appearance (rank 0's list first), which is the
-  // same on every rank.
-  std::vector<std::string> order;
-  std::unordered_map<std::string, std::vector<std::pair<int, Signature>>> seen;
-  std::vector<char> active(payloads.size(), 0);
-  for (size_t r = 0; r < payloads.size(); ++r) {
-    Reader in{payloads[r].data(), payloads[r].data() + payloads[r].size()};
-    bool joined = in.get<uint8_t>() != 0;
-    active[r] = !joined;
-    uint32_t n = in.get<uint32_t>();
-    for (uint32_t i = 0; i < n; ++i) {
-      std::string name = in.str(in.get<uint32_t>());
-      Signature s;
-      s.op_type = static_cast<OpType>(in.get<int32_t>());
-      s.dtype = static_cast<DType>(in.get<int32_t>());
-      uint32_t nd = in.get<uint32_t>();
-      s.shape.resize(nd);
-      for (uint32_t d = 0; d < nd; ++d) s.shape[d] = in.get<int64_t>();
-      s.reduce_op = in.get<int32_t>();
-      s.root_rank = in.get<int32_t>();
-      s.prescale = in.get<double>();
-      s.postscale = in.get<double>();
-      s.priority = in.get<int32_t>();
-      s.device = in.get<int32_t>();
-      auto it = seen.find(name);
-      if (it == seen.end()) {
-        order.push_back(name);
-        it = seen.emplace(name, std::vector<std::pair<int, Signature>>()).first;
-      }
-      it->second.emplace_back(static_cast<int>(r), std::move(s));
-    }
-  }
+  Exchange exchange;
+  read_payloads(payloads, &exchange);
   std::vector<char> already(registry_.slots(), 0);
   for (int idx : result->ready) already[idx] = 1;
-  for (const std::string& name : order) {
-    auto& by_rank = seen[name];
-    // Group ranks by signature, groups in order of first appearance.
-    std::vector<std::pair<const Signature*, std::vector<int>>> groups;
-    std::vector<char> has(payloads.size(), 0);
-    for (auto& rs : by_rank) {
-      has[rs.first] = 1;
-      bool placed = false;
-      for (auto& g : groups)
-        if (*g.first == rs.second) {
-          g.second.push_back(rs.first);
-          placed = true;
-          break;
-        }
-      if (!placed) groups.push_back({&rs.second, {rs.first}});
-    }
-    bool complete = true;
+  std::vector<char> has;
+  for (const std::string& name : exchange.order) {
+    const auto& by_rank = exchange.seen[name];
+    has.assign(payloads.size(), 0);
+    for (auto& rs : by_rank) has[rs.first] = 1;
+    bool complete = true;  // every active rank has submitted the name
     for (size_t r = 0; r < payloads.size(); ++r)
-      if (active[r] && !has[r]) complete = false;
+      if (exchange.active[r] && !has[r]) complete = false;
+    const SignatureGroups groups = group_by_signature(by_rank);
     if (groups.size() > 1) {
-      if (complete) {  // wait until every rank has submitted, so that every rank raises together
-        auto show = [&](const std::vector<int>& rs) {
-          std::vector<int> out;
-          for (int r : rs) out.push_back(rank_names.empty() ? r : rank_names[r]);
-          return out;
-        };
-        result->errors.emplace_back(name, mismatch_message(name, *groups[0].first, show(groups[0].second),
-                                                           *groups[1].first, show(groups[1].second)));
-      }
+      // Raised once every rank has submitted, so that every rank raises together.
+      if (complete) result->errors.emplace_back(name, mismatch(name, groups, rank_names));
       continue;
     }
-    const Signature& sig = *groups[0].first;
-    int idx = registry_.lookup(name);
-    if (complete) {
-      if (idx < 0) {
-        idx = registry_.add(name, sig, round);
-      } else {
-        registry_.set_signature(idx, sig);
-      }
-      if (static_cast<size_t>(idx) >= already.size()) already.resize(idx + 1, 0);
-      if (!already[idx]) {
-        result->ready.push_back(idx);
-        already[idx] = 1;
-      }
-    } else if (idx < 0) {
-      registry_.add(name, sig, round);
-    }
+    admit(name, *groups[0].first, complete, round, result, &already);
   }
   if (!result->errors.empty()) {
     auto& ready = result->ready;
     ready.erase(std::remove_if(ready.begin(), ready.end(),
                                [&](int idx) { return result->has_error(registry_.name(idx)); }),
                 ready.end());
+  }
+}
+
+// A name every rank that sent it sent with one signature: record it (a new index, or the signature of a
+// known one when every rank agrees on a new signature), and once every active rank has it, it is ready.
+void Negotiator::admit(const std::string& name, const Signature& sig, bool complete, int64_t round,
+                       RoundResult* result, std::vector<char>* already) {
+  int idx = registry_.lookup(name);
+  if (!complete) {
+    if (idx < 0) registry_.add(name, sig, round);
+    return;
+  }
+  if (idx < 0) idx = registry_.add(name, sig, round);
+  else registry_.set_signature(idx, sig);
+  if (static_cast<size_t>(idx) >= already->size()) already->resize(idx + 1, 0);
+  if (!(*already)[idx]) {
+    result->ready.push_back(idx);
+    (*already)[idx] = 1;
   }
 }
 

@@ -91,7 +91,7 @@ class Negotiator {
   void exchange_payload(const NameMap& pending, bool joined,
                         std::string* out) const;
   // Merge every rank's list: new indices, newly ready names, mismatches. `rank_names` maps a position in
-  // the set to the job rank shown in messages.
+  // the set to the job rank shown in messages. Throws TransportError when a list is truncated.
   void apply_exchange(RoundResult* result, const std::vector<std::string>& payloads,
                       const std::vector<int>& rank_names, int64_t round);
   // While any rank has joined, only allreduce runs; other ready collectives fail on every rank.
@@ -100,6 +100,16 @@ class Negotiator {
   void order(RoundResult* result);
 
  private:
+  // Every rank's pending list, as read from the exchange.
+  struct Exchange {
+    std::vector<std::string> order;  // names in order of first appearance
+    std::unordered_map<std::string, std::vector<std::pair<int, Signature>>> seen;  // name -> (rank, signature)
+    std::vector<char> active;  // per rank: not joined
+  };
+  void read_payloads(const std::vector<std::string>& payloads, Exchange* exchange) const;
+  void admit(const std::string& name, const Signature& sig, bool complete, int64_t round, RoundResult* result,
+             std::vector<char>* already);
+
   int rank_, size_;
   Registry registry_;
   std::vector<uint64_t> words_;

@@ -1,5 +1,10 @@
 // Stage 1-2 driver: one process set's request queue and negotiation state machine, stepped by the engine
-// thread, plus its channels.
+// thread, plus its channels. The class is spread over one file per stage:
+//   process_set.cc           construction, the queue user threads submit to, step(), failure and closing
+//   process_set_rounds.cc    negotiation rounds (the state machine below)
+//   process_set_dispatch.cc  negotiated requests to units, units to channels or the device queue; TUNE; completion
+//   process_set_control.cc   control messages (control.h) and the stall inspector's probes (stall.h)
+// The set uses nothing of the engine but its SetContext (set_context.h).
 //
 // Rounds follow three rules, identical on every rank, so no rank waits in a round that others will not
 // join for a reason other than missing work:
@@ -15,35 +20,18 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "channels.h"
 #include "device_channel.h"
 #include "handles.h"
 #include "negotiation.h"
+#include "set_context.h"
+#include "stall.h"
+#include "step_timer.h"
 #include "transport.h"
 
 namespace perseus {
-
-class Engine;
-
-// One training step as the run-time tuner sees it: from the first submission of the step to the last
-// completion before the next step began, and the bytes its requests carried.
-struct StepSample {
-  int64_t begin_ns = 0, end_ns = 0;
-  int64_t bytes = 0;
-  uint64_t digest = 0;  // of the step's names, ops, dtypes and shapes (not data-dependent ones), whatever their order
-};
-
-// The parameters a TUNE request changes at run time (at the same negotiated point on every rank).
-struct TuneParams {
-  int64_t fusion_threshold_bytes = 0;
-  int64_t inplace_threshold_bytes = 0;
-  int channels = 1;  // active channels: unit k goes to channel k % channels
-  double cycle_time_ms = 0.0;
-  Algorithm algorithm = Algorithm::AUTO;
-};
 
 struct StepResult {
   bool progressed = false;
@@ -53,7 +41,9 @@ struct StepResult {
 
 class ProcessSet {
  public:
-  ProcessSet(Engine* engine, int id, std::unique_ptr<Comm> control, std::vector<int> world_ranks);
+  // Collective over the ranks of `control`: creates the set's channels (dups of it).
+  ProcessSet(SetContext context, const SetOptions& options, int id, std::unique_ptr<Comm> control,
+             std::vector<int> world_ranks);
   ~ProcessSet();
   int id() const { return id_; }
   int size() const { return size_; }
@@ -76,7 +66,7 @@ class ProcessSet {
   void begin_drain() { draining_ = true; }
   void send_to_all(const std::string& message);  // engine thread only
   TuneParams params();  // any thread
-  // Completed steps with index >= since (at most the last kStepsKept); *first = index of out[0].
+  // Completed steps with index >= since (at most the last StepTimer::kKept); *first = index of out[0].
   void steps(int64_t since, int64_t* first, std::vector<StepSample>* out);
   int max_channels() const;
   // Bytes this rank has sent and received for the set since it was created (any thread; see wire.h).
@@ -84,22 +74,33 @@ class ProcessSet {
 
  private:
   enum class State { IDLE, BAND, EXCHANGE, JOINGATHER };
+  // process_set.cc
+  void release_held(const Error& error);
+  // process_set_rounds.cc
   StepResult maybe_start(double now);
+  double start_delay_ms();
   void start_round();
   void finish_band();
+  StepResult step_exchange(double now);
   void finish_round();
+  void fail_mismatches();
+  void take_ready();
   void finish_join();
+  Request* phantom(int idx);
+  // process_set_dispatch.cc
   void dispatch(std::vector<Request*>& ready);
   void apply_tune(Request* r);
-  Request* phantom(int idx);
-  void poll_control(double now);
-  void check_stall(double now);
-  void peer_shutdown(int world_rank);
-  void track_step(Request* r, int64_t now);
   void piece_done(Request* r);
   void unit_failed(Unit* u, const std::string& what, ErrorKind kind);
+  void forget(Request* r);
+  void finish(Request* r, const Error* error);
+  // process_set_control.cc
+  void poll_control();
+  void answer_probe(int source, const ProbeMessage& probe);
+  void check_stall(double now);
+  void peer_shutdown(int world_rank);
 
-  Engine* engine_;
+  SetContext ctx_;
   int id_, rank_, size_;
   std::vector<int> world_ranks_;
   std::unique_ptr<Comm> control_;
@@ -110,10 +111,13 @@ class ProcessSet {
   std::vector<std::unique_ptr<Channel>> channels_;
   std::shared_ptr<DeviceChannel> device_channel_;  // units of device requests go to the launcher
   TuneParams params_;  // written by the engine thread under mu_
+  const int64_t device_fusion_threshold_bytes_;
+  const double device_cycle_time_ms_;
+  const int64_t cache_capacity_;
   std::vector<Request*> tunes_;
 
   // Shared with user threads.
-  std::mutex mu_;  // guards incoming_, inflight_, join_handle_, dead_
+  std::mutex mu_;  // guards incoming_, inflight_, join_handle_, dead_, timer_'s steps
   std::vector<Request*> incoming_;
   NameMap inflight_;  // submitted, not yet finished (duplicate check)
   Handle* join_handle_ = nullptr;
@@ -122,19 +126,11 @@ class ProcessSet {
   std::atomic<int> incoming_count_{0};  // size of incoming_, readable without the lock
   std::atomic<bool> join_waiting_{false};
   std::string dead_;
-  // Step timing (Settings::track_steps), guarded by mu_: a step ends when a name it already submitted comes
-  // again. Names map to the last step that submitted them (no allocation once every name was seen).
-  bool track_steps_ = false;
-  std::unordered_map<std::string, int64_t> step_of_;
-  int64_t step_ = 0, step_begin_ns_ = 0, step_bytes_ = 0;
-  uint64_t step_digest_ = 0;
-  std::vector<StepSample> steps_;  // ring of the last kStepsKept completed steps
-  std::atomic<int64_t> last_done_ns_{0};
+  StepTimer timer_;  // submitted() under mu_; finished() from channel threads
   std::atomic<bool> is_dead_{false};
 
   // Engine-thread state.
   NameMap pending_;  // seen by the engine, not yet negotiated
-  std::vector<Request*> batch_;
   State state_ = State::IDLE;
   int64_t round_ = 0;
   bool continue_mode_ = false;
@@ -154,19 +150,8 @@ class ProcessSet {
   int exchange_phase_ = 0;
   std::vector<Request*> ready_;
   std::vector<Unit*> units_;
-  std::vector<std::unique_ptr<Request>> phantoms_;
-
-  // Stall inspection.
-  struct Probe {
-    int64_t id;
-    std::vector<int> waiting_for;
-    struct Answer { std::vector<std::string> pending; bool joined; std::string where; };
-    std::unordered_map<int, Answer> answers;
-    double deadline;
-  };
-  std::unique_ptr<Probe> probe_;
-  int64_t probe_counter_ = 0;
-  double last_warn_ = 0, last_poll_ = 0, last_stall_check_ = 0;
+  StallInspector stall_;
+  double last_poll_ = 0;
 };
 
 }  // namespace perseus

@@ -152,6 +152,16 @@ void shape_of(PyObject* obj, std::vector<int64_t>* out) {
   if (PyErr_Occurred()) throw py::error_already_set();
 }
 
+// A request's Timing code (perseus.engine.messages.Timing).
+StepTiming timing_of(PyObject* obj) {
+  const long v = PyLong_AsLong(obj);
+  if (v < 0 || v > 2) {
+    if (PyErr_Occurred()) throw py::error_already_set();
+    throw py::value_error("perseus: unknown timing code " + std::to_string(v));
+  }
+  return static_cast<StepTiming>(v);
+}
+
 // A loopback world as Python sees it (the world itself is opaque).
 struct PyWorld {
   std::shared_ptr<LoopbackWorld> world;
@@ -228,7 +238,7 @@ class PyEngine {
   }
 
   // items: sequence of (name, dtype, shape, input, output, reduce_op, root_rank, prescale, postscale,
-  // priority, splits). device >= 0: the buffers are device memory, moved by the launcher (next_device_unit)
+  // priority, splits[, timing]) (perseus.engine.messages.Request; timing defaults to Timing.FULL). device >= 0: the buffers are device memory, moved by the launcher (next_device_unit)
   // rather than the channels. Returns the handle id.
   int64_t submit(int ps_id, int op_type, py::sequence items, py::object finish, py::object keepalive,
                  int device) {
@@ -244,9 +254,10 @@ class PyEngine {
       for (Py_ssize_t i = 0; i < n; ++i) {
         py::object item = py::reinterpret_steal<py::object>(PySequence_GetItem(items.ptr(), i));
         PyObject* t = item.ptr();
-        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 11) throw py::value_error("perseus: bad request tuple");
+        const Py_ssize_t fields = PyTuple_Check(t) ? PyTuple_GET_SIZE(t) : 0;
+        if (fields != 11 && fields != 12) throw py::value_error("perseus: bad request tuple");
         PyObject** f = &PyTuple_GET_ITEM(t, 0);
-        add_request(h, ps_id, op, f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10]);
+        add_request(h, ps_id, op, f, fields == 12 ? f[11] : nullptr);
         h->requests.back()->sig.device = device < 0 ? -1 : device;
       }
     } catch (...) {
@@ -256,9 +267,10 @@ class PyEngine {
     return enqueue(ps_id, h);
   }
 
-  // One request: the fields of submit()'s tuple as arguments (the per-gradient path: no tuple, no list).
+  // One request: (ps_id, op_type, the first 11 fields of submit()'s tuple, finish, keepalive[, timing]) as
+  // arguments (the per-gradient path: no tuple, no list).
   int64_t submit_one(py::args a) {
-    if (a.size() != 15) throw py::type_error("perseus: submit_one takes 15 arguments");
+    if (a.size() != 15 && a.size() != 16) throw py::type_error("perseus: submit_one takes 15 or 16 arguments");
     PyObject** f = &PyTuple_GET_ITEM(a.ptr(), 0);
     const int ps_id = static_cast<int>(PyLong_AsLong(f[0]));
     const OpType op = static_cast<OpType>(PyLong_AsLong(f[1]));
@@ -268,7 +280,7 @@ class PyEngine {
     extra->finish = py::reinterpret_borrow<py::object>(f[13]);
     extra->keepalive = py::reinterpret_borrow<py::object>(f[14]);
     try {
-      add_request(h, ps_id, op, f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11], f[12]);
+      add_request(h, ps_id, op, f + 2, a.size() == 16 ? f[15] : nullptr);
     } catch (...) {
       discard(h);
       throw;
@@ -276,11 +288,13 @@ class PyEngine {
     return enqueue(ps_id, h);
   }
 
-  void add_request(Handle* h, int ps_id, OpType op, PyObject* name, PyObject* dtype, PyObject* shape,
-                   PyObject* input, PyObject* output, PyObject* reduce_op, PyObject* root, PyObject* pre,
-                   PyObject* post, PyObject* priority, PyObject* splits) {
+  // A request of h from `f`, the first 11 fields of a Request in order; timing null: Timing.FULL.
+  void add_request(Handle* h, int ps_id, OpType op, PyObject* const* f, PyObject* timing) {
+    PyObject *name = f[0], *dtype = f[1], *shape = f[2], *input = f[3], *output = f[4], *reduce_op = f[5],
+             *root = f[6], *pre = f[7], *post = f[8], *priority = f[9], *splits = f[10];
     Request* r = engine_->handles().new_request(h);
     r->ps_id = ps_id;
+    r->timing = timing == nullptr ? StepTiming::FULL : timing_of(timing);
     r->remaining.store(0, std::memory_order_relaxed);
     Py_ssize_t len;
     const char* text = PyUnicode_AsUTF8AndSize(name, &len);

@@ -1,6 +1,7 @@
-// The transport boundary. Negotiation, fusion and channels talk to other ranks only through `Comm`;
-// MPI (transport_mpi.cc) and an in-process loopback for tests (transport_loopback.cc) implement it, and
-// an NCCL transport will plug in beside them.
+// The transport boundary. Negotiation, fusion and channels talk to other ranks only through `Comm` (and
+// the algorithms of a channel through `PointToPoint`, which a channel's own TCP Links implement too: links.h);
+// MPI (transport_mpi.cc) and an in-process loopback for tests (transport_loopback.cc) implement Comm. Device
+// memory never passes here: the framework's launcher moves it (device_channel.h).
 //
 // One Comm is one communicator among the ranks of a process set. Each instance is used by one thread at
 // a time (the engine thread owns the negotiation Comm of a set, each channel thread its own dup).
@@ -26,11 +27,21 @@ class PendingOp {
   virtual bool test() = 0;
 };
 
-class Comm {
+// Point-to-point transfers between the ranks of a group: what the ring, hierarchical and Adasum algorithms
+// (ring.h, hierarchical.h, adasum.h) are built from. A Comm's own messages (MPI: shared memory on one host)
+// and a channel's Links (its own TCP connections between hosts: links.h) both provide them.
+class PointToPoint {
  public:
-  virtual ~Comm() = default;
+  virtual ~PointToPoint() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
+  // Send send_bytes to dest while receiving recv_bytes from source (blocking; throws TransportError).
+  virtual void sendrecv(const void* send, size_t send_bytes, int dest, void* recv, size_t recv_bytes,
+                        int source) = 0;
+};
+
+class Comm : public PointToPoint {
+ public:
   // A new communicator over the same ranks with its own message space. Collective.
   virtual std::unique_ptr<Comm> dup() = 0;
   // A new communicator over the ranks that pass the same color, ranked by (key, rank). Collective.
@@ -56,9 +67,6 @@ class Comm {
   // Reduce send (sum of counts elements) across ranks; this rank receives counts[rank] elements.
   virtual void reduce_scatter(const void* send, void* recv, const std::vector<size_t>& counts, DType dtype,
                               ReduceOp op) = 0;
-  // Send send_bytes to dest while receiving recv_bytes from source (ring algorithms).
-  virtual void sendrecv(const void* send, size_t send_bytes, int dest, void* recv, size_t recv_bytes,
-                        int source) = 0;
   // all[r * n + i] = rank r's mine[i].
   virtual void allgather_i64(const int64_t* mine, size_t n, int64_t* all) = 0;
   // One value to and from every rank.

@@ -25,6 +25,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "buffers.h"
 #include "kernels.h"
 
 namespace perseus {
@@ -76,11 +77,6 @@ struct CommState {
 bool valid_dtype(DType d) {
   int v = static_cast<int>(d);
   return v >= 0 && v < kNumDTypes;
-}
-
-// memcpy with a null pointer is undefined even for 0 bytes, and empty vectors may hand out null.
-void copy_bytes(void* dst, const void* src, size_t n) {
-  if (n) std::memcpy(dst, src, n);
 }
 
 std::vector<char> bytes_of(const void* p, size_t n, std::string* error) {

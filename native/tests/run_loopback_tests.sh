@@ -7,8 +7,8 @@ here="$(cd "$(dirname "$0")" && pwd)"
 native="$(dirname "$here")"
 out="${LOOPBACK_BUILD_DIR:-${TMPDIR:-/tmp}/perseus_loopback_tests}"
 mkdir -p "$out"
-srcs=("$here/test_transport_loopback.cc" "$native/transport_loopback.cc" "$native/algorithms.cc" "$native/links.cc"
-      "$native/kernels.cc" "$native/common.cc")
+srcs=("$here/test_transport_loopback.cc" "$native/transport_loopback.cc" "$native/algorithms.cc" "$native/ring.cc"
+      "$native/links.cc" "$native/kernels.cc" "$native/common.cc")
 common_flags=(-std=c++17 -g -Wall -Wextra -Werror -pthread)
 
 build_and_run() {  # name, extra flags...

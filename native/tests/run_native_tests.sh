@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build and run the native core's C++ tests: the kernels and repr helpers (against double references and
-# against NumPy/Python via gen_reference.py), then the MPI transport under mpirun on 2 and 3 ranks.
+# against NumPy/Python via gen_reference.py), the engine's message codec (control messages, negotiation
+# payloads), then the MPI transport under mpirun on 2 and 3 ranks.
 # The kernels are tested as debug code (-O1) and as shipped (-O3, which vectorises them): with the
 # per-CPU variants this CPU picks, with the plain baseline x86-64 loops, and with AVX2 code generation.
 # Exits non-zero on the first failure. Usage: bash native/tests/run_native_tests.sh
@@ -29,6 +30,8 @@ if grep -qw avx2 /proc/cpuinfo 2>/dev/null; then
   VARIANTS+=(avx2)
   "$MPICXX" "${FLAGS[@]}" -O3 -mavx2 -DPERSEUS_NO_TARGET_CLONES -o "$WORK/test_kernels_avx2" "${KERNELS[@]}"
 fi
+"$MPICXX" "${FLAGS[@]}" -o "$WORK/test_codec" native/tests/test_codec.cc native/control.cc native/negotiation.cc \
+  native/common.cc
 
 echo "-- kernels and repr helpers"
 "$PY" native/tests/gen_reference.py "$WORK/reference.bin"
@@ -37,6 +40,9 @@ for VARIANT in "${VARIANTS[@]}"; do
   echo "   -O3, $VARIANT:"
   timeout 120 "$WORK/test_kernels_$VARIANT" "$WORK/reference.bin"
 done
+
+echo "-- message codec"
+timeout 60 "$WORK/test_codec"
 
 for NP in 2 3; do
   echo "-- MPI transport on $NP ranks"

@@ -1,7 +1,7 @@
 // Tests of the in-process loopback transport (transport_loopback.h): every Comm call with known answers on
 // 1-4 rank-threads, concurrent dups, non-blocking ops, control messages, bounded tables over many
 // collectives, collective mismatches and loopback_world_fail; and the ring reduce-scatter and allgather of
-// algorithms.h over it (the channels' algorithms across hosts are tested through the engine in
+// ring.h over it (the channels' algorithms across hosts are tested through the engine in
 // tests/unit/test_engine_loopback.py). Build and run: run_loopback_tests.sh.
 #include <unistd.h>
 
@@ -17,7 +17,7 @@
 #include <thread>
 #include <vector>
 
-#include "../algorithms.h"
+#include "../ring.h"
 #include "../kernels.h"
 #include "../transport_loopback.h"
 
@@ -335,7 +335,7 @@ void test_ring_reduce_scatter_and_allgather(int n) {
     for (size_t x : counts) total += x;
     run_world(n, [&](Comm& c) {
       const int me = c.rank(), left = (me - 1 + n) % n, right = (me + 1) % n;
-      const Path path{&c, nullptr};
+      PointToPoint& path = c;
       Scratch scratch;
       size_t offset = 0;
       for (int r = 0; r < me; ++r) offset += counts[r];

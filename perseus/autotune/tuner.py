@@ -13,7 +13,8 @@ ends when one of its names comes again). One sample is ``steps_per_sample`` step
 The steps spent searching are ordinary training steps. When the budget of steps is spent, the two best
 settings are measured once more and the better one is applied for the rest of the run and remembered
 (:mod:`perseus.autotune.cache`), so that a later run of the same job on the same topology starts from it
-without searching. All collectives of the tuner are named ``perseus.autotune.*``; they belong to no step.
+without searching. All collectives of the tuner are named ``perseus.autotune.*`` and submitted with
+``Timing.NONE``: they belong to no step.
 
 When an Espresso compressor has registered (:mod:`perseus.common.step_policy`) and has made its decision by the
 time the search starts, its policy is one more dimension of the search: every setting then also carries a
@@ -44,10 +45,10 @@ from perseus.autotune.search import Search
 from perseus.autotune.space import (ALGORITHMS, COMPRESSION_POLICIES, DEAR, DEAR_THRESHOLDS, POLICY, SPARSE,
                                     SPARSE_ALGORITHMS, STEP_PARAMS, Config, Space)
 from perseus.common.reduce_ops import ReduceOp
-from perseus.engine.messages import DType, OpType, Request
+from perseus.engine.messages import DType, OpType, Request, Timing
+from perseus.engine.settings import allreduce_algorithm
 from perseus.sparse import choice
 from perseus.sparse._runtime import signature
-from perseus.engine.settings import allreduce_algorithm
 
 __all__ = ["Tuner", "tuned_fixed_params"]
 
@@ -177,14 +178,14 @@ class Tuner:
 
     def _broadcast(self, values: np.ndarray) -> np.ndarray:
         item = Request(name=self._name("setting"), dtype=_INT64, shape=values.shape, input=values, output=values,
-                       root_rank=0)
+                       root_rank=0, timing=Timing.NONE)
         self._wait(self.engine.submit(0, _BROADCAST, [item], None, values))
         return values
 
     def _max(self, value: float) -> float:
         buf = np.array([value], np.float64)
         item = Request(name=self._name("score"), dtype=_FLOAT64, shape=buf.shape, input=buf, output=buf,
-                       reduce_op=_MAX)
+                       reduce_op=_MAX, timing=Timing.NONE)
         self._wait(self.engine.submit(0, _ALLREDUCE, [item], None, buf))
         return float(buf[0])
 

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-__all__ = ["DType", "OpType", "Request", "numpy_dtype", "dtype_of"]
+__all__ = ["DType", "OpType", "Request", "Timing", "numpy_dtype", "dtype_of"]
 
 
 class DType(enum.IntEnum):
@@ -57,6 +57,14 @@ def dtype_of(array: np.ndarray) -> DType:
         raise ValueError(f"Tensor type {array.dtype} is not supported.") from None
 
 
+class Timing(enum.IntEnum):
+    """How the run-time tuner's step timer counts a request (``native/step_timer.h``)."""
+
+    NONE = 0      # in no training step: the tuner's own collectives, which come at irregular times
+    UNSIGNED = 1  # in the step's time and bytes, not in its digest: collectives whose shapes vary by step
+    FULL = 2      # in the step and in its digest (what a training loop submits)
+
+
 class Request(NamedTuple):
     """One tensor of a submission to ``Engine.submit``. The native core reads the fields in this order
     (``native/python.cc``, ``add_request``); build it with keywords. A request is collective: every rank of the
@@ -75,6 +83,7 @@ class Request(NamedTuple):
     postscale: float = 1.0
     priority: int = 0
     splits: Optional[list] = None   # alltoall: rows sent to each rank
+    timing: int = Timing.FULL       # a Timing: how the step timer counts it (the caller's own, not collective)
 
 
 class OpType(enum.IntEnum):

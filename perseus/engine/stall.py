@@ -1,6 +1,6 @@
 """Stall inspection, Python's part: where the main thread is.
 
-The native engine runs the stall inspector (``native/process_set.cc``): a rank whose oldest pending request has
+The native engine runs the stall inspector (``native/stall.cc``): a rank whose oldest pending request has
 waited longer than the warning time probes its peers, which answer with their pending names, whether they have
 joined, and where their main thread is -- the one thing only Python knows, computed here.
 """

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from perseus.common.exceptions import MismatchError
-from perseus.engine.messages import DType, OpType, Request, dtype_of
+from perseus.engine.messages import DType, OpType, Request, Timing, dtype_of
 
 HEADER = 10
 MAGIC = 0x5A454E5350415253  # "ZENSPARS"
@@ -158,14 +158,16 @@ class Reader:
 def submit_bytes(engine, ps_id: int, op_type: int, name: str, buf: np.ndarray,
                  splits: Optional[Sequence[int]] = None) -> int:
     """Start an allgather or alltoall of the uint8 ``buf`` named exactly ``name``; synchronize gives
-    ``[(received uint8 array, received splits)]``."""
+    ``[(received uint8 array, received splits)]``. Timed in the training step, not in its digest (the
+    sizes vary by step)."""
     item = Request(name=name, dtype=_UINT8, shape=(int(buf.size),), input=buf,
-                   splits=None if splits is None else [int(s) for s in splits])
+                   splits=None if splits is None else [int(s) for s in splits], timing=Timing.UNSIGNED)
     return engine.submit(ps_id, op_type, [item], lambda r: r, buf)
 
 
 def submit_allreduce(engine, ps_id: int, names: Sequence[str], arrays: Sequence[np.ndarray], ops: Sequence[int]) -> int:
-    """Start in-place allreduces of ``arrays`` (negotiated together) under exactly ``names``."""
-    items = [Request(name=nm, dtype=int(dtype_of(a)), shape=a.shape, input=a, output=a, reduce_op=int(op))
-             for nm, a, op in zip(names, arrays, ops)]
+    """Start in-place allreduces of ``arrays`` (negotiated together) under exactly ``names``. Timed in the
+    training step, not in its digest (which the tuner takes from the sparse tensors' own signature)."""
+    items = [Request(name=nm, dtype=int(dtype_of(a)), shape=a.shape, input=a, output=a, reduce_op=int(op),
+                     timing=Timing.UNSIGNED) for nm, a, op in zip(names, arrays, ops)]
     return engine.submit(ps_id, ALLREDUCE, items, (None,), list(arrays))

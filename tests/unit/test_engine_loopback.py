@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from perseus.common.exceptions import MismatchError, PerseusInternalError, StallError
-from perseus.engine.messages import DType, OpType, Request, numpy_dtype
+from perseus.engine.messages import DType, OpType, Request, Timing, numpy_dtype
 from perseus.engine.native import ENGINE_SETTINGS, Engine, load_core
 
 pytestmark = pytest.mark.timeout(120)
@@ -162,11 +162,13 @@ def make_sim():
 
 # ----------------------------------------------------------------------------- requests
 
-def item(name, dtype, x, out, *, op=SUM, root=-1, pre=1.0, post=1.0, prio=0, splits=None, shape=None):
+def item(name, dtype, x, out, *, op=SUM, root=-1, pre=1.0, post=1.0, prio=0, splits=None, shape=None,
+         timing=Timing.FULL):
     """One request as perseus.common.collectives builds it."""
     shape = tuple(x.shape if x is not None else out.shape) if shape is None else tuple(shape)
     return Request(name=name, dtype=int(dtype), shape=shape, input=x, output=out, reduce_op=int(op),
-                   root_rank=int(root), prescale=float(pre), postscale=float(post), priority=int(prio), splits=splits)
+                   root_rank=int(root), prescale=float(pre), postscale=float(post), priority=int(prio), splits=splits,
+                   timing=timing)
 
 
 def RESULTS(results):
@@ -1563,7 +1565,7 @@ def test_tune_out_of_range_fails_on_every_rank_and_keeps_the_old_values(make_sim
 
 
 def test_steps_are_timed_from_first_submission_to_last_completion(make_sim):
-    # A step ends when one of its names comes again; the tuner's own requests belong to no step.
+    # A step ends when one of its names comes again; the tuner's own requests (Timing.NONE) belong to no step.
     sim = make_sim(2, autotune=True)
     xs = [np.ones(1000, np.float32) for _ in range(3)]
 
@@ -1574,8 +1576,8 @@ def test_steps_are_timed_from_first_submission_to_last_completion(make_sim):
                 hids.append(submit(e, ALLREDUCE, [item(f"g{i}", DType.FLOAT32, x, x)], x))
                 if step == 2 and i == 0:
                     time.sleep(0.1)  # the third step's last gradients come later: it lasts longer
-            wait(e, submit(e, ALLREDUCE, [item(f"perseus.autotune.score.{step}", DType.FLOAT32, xs[0][:1].copy(),
-                                               np.zeros(1, np.float32))], None))
+            wait(e, submit(e, ALLREDUCE, [item(f"tuner.score.{step}", DType.FLOAT32, xs[0][:1].copy(),
+                                               np.zeros(1, np.float32), timing=Timing.NONE)], None))
             for h in hids:
                 wait(e, h)
             time.sleep(0.01)  # time between steps is not part of a step
@@ -1587,6 +1589,25 @@ def test_steps_are_timed_from_first_submission_to_last_completion(make_sim):
         assert len({d for _, _, d in steps}) == 1, steps  # the same names, dtypes and shapes every step
         assert steps[2][0] >= 0.1 > max(steps[0][0], steps[1][0], steps[3][0]), steps
         assert first3 == 3 and steps3 == steps[3:]
+
+
+def test_unsigned_requests_count_in_the_step_but_not_its_digest(make_sim):
+    # A request marked Timing.UNSIGNED whose size changes every step: its bytes are the step's, the digest
+    # (names, ops, dtypes, shapes) stays the same.
+    sim = make_sim(2, autotune=True)
+    x = np.ones(100, np.float32)
+
+    def rank(r, e):
+        for step in range(4):
+            rows = np.ones(step + 1, np.float32)
+            wait(e, submit(e, ALLREDUCE, [item("rows", DType.FLOAT32, rows, rows, timing=Timing.UNSIGNED)], rows))
+            wait(e, submit(e, ALLREDUCE, [item("g", DType.FLOAT32, x, x)], x))
+        return e.steps(0)
+
+    for first, steps in sim.run(rank):
+        assert first == 0 and len(steps) == 3, steps
+        assert [b for _, b, _ in steps] == [400 + 4 * (k + 1) for k in range(3)], steps
+        assert len({d for _, _, d in steps}) == 1, steps
 
 
 # ============================================================================= bytes on the wire

@@ -117,20 +117,20 @@ void check_library() {
 // float16 and bfloat16 travel as two distinct 2-byte types, so that one user-defined reduction can tell
 // them apart by the datatype MPI hands it. Created once per process and never freed: MPI_Finalize
 // releases them, and an op may still be referenced by a request in flight at any earlier point.
-struct Registry {
+struct HalfFloatTypes {
   MPI_Datatype f16 = MPI_DATATYPE_NULL;
   MPI_Datatype bf16 = MPI_DATATYPE_NULL;
   MPI_Op sum = MPI_OP_NULL, min = MPI_OP_NULL, max = MPI_OP_NULL, product = MPI_OP_NULL;
 };
-Registry g_registry;
-std::once_flag g_registry_once;
+HalfFloatTypes g_half;
+std::once_flag g_half_once;
 
 template <ReduceOp Op>
 void reduce_16bit(void* in, void* inout, int* len, MPI_Datatype* type) {
   DType dtype;
-  if (*type == g_registry.f16) {
+  if (*type == g_half.f16) {
     dtype = DType::FLOAT16;
-  } else if (*type == g_registry.bf16) {
+  } else if (*type == g_half.bf16) {
     dtype = DType::BFLOAT16;
   } else {
     // Only this file uses these ops, always with the types above: anything else is memory corruption.
@@ -154,19 +154,19 @@ MPI_Op make_op(MPI_User_function* fn) {
   return op;
 }
 
-const Registry& registry() {
+const HalfFloatTypes& half_types() {
   // If creation throws, call_once leaves the flag unset and the next caller tries again.
-  std::call_once(g_registry_once, [] {
-    Registry r;
+  std::call_once(g_half_once, [] {
+    HalfFloatTypes r;
     r.f16 = make_2byte_type("perseus_float16");
     r.bf16 = make_2byte_type("perseus_bfloat16");
     r.sum = make_op(&reduce_16bit<ReduceOp::SUM>);
     r.min = make_op(&reduce_16bit<ReduceOp::MIN>);
     r.max = make_op(&reduce_16bit<ReduceOp::MAX>);
     r.product = make_op(&reduce_16bit<ReduceOp::PRODUCT>);
-    g_registry = r;
+    g_half = r;
   });
-  return g_registry;
+  return g_half;
 }
 
 MPI_Datatype mpi_type(DType dtype) {
@@ -180,8 +180,8 @@ MPI_Datatype mpi_type(DType dtype) {
     case DType::FLOAT32: return MPI_FLOAT;
     case DType::FLOAT64: return MPI_DOUBLE;
     case DType::BOOL: return MPI_C_BOOL;
-    case DType::FLOAT16: return registry().f16;
-    case DType::BFLOAT16: return registry().bf16;
+    case DType::FLOAT16: return half_types().f16;
+    case DType::BFLOAT16: return half_types().bf16;
   }
   throw TransportError("unknown dtype " + std::to_string(static_cast<int>(dtype)));
 }
@@ -192,7 +192,7 @@ MPI_Op mpi_op(DType dtype, ReduceOp op) {
     return (op == ReduceOp::MIN || op == ReduceOp::PRODUCT) ? MPI_LAND : MPI_LOR;
   }
   if (dtype == DType::FLOAT16 || dtype == DType::BFLOAT16) {
-    const Registry& r = registry();
+    const HalfFloatTypes& r = half_types();
     switch (op) {
       case ReduceOp::MIN: return r.min;
       case ReduceOp::MAX: return r.max;

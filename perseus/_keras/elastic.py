@@ -1,4 +1,8 @@
-"""Elastic state and callbacks for Keras models (Keras 3 and tf-keras 2), built for a given Keras module."""
+"""Elastic state and callbacks for Keras models (Keras 3 and tf-keras 2), built for a given Keras module.
+
+Each callback's behaviour is a plain class here (``_CommitState``...); :func:`make_elastic_callbacks` derives
+the public classes from it and the Keras module's ``Callback``.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,9 @@ import numpy as np
 
 from perseus.common.basics import state as _state
 from perseus.common.elastic import ObjectState
+from perseus._keras.classes import keras_class
 from perseus._keras.values import broadcast_values
+from perseus.tensorflow.functions import broadcast_object
 
 __all__ = ["KerasState", "make_elastic_callbacks"]
 
@@ -49,7 +55,6 @@ class KerasState(ObjectState):
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
         self.backend = backend
         self._save_model()
-        from perseus.tensorflow.functions import broadcast_object
         super().__init__(bcast_object=broadcast_object, get_rank=_state().rank, **kwargs)
 
     def _variables(self):
@@ -93,69 +98,75 @@ class KerasState(ObjectState):
         super().sync()
 
 
-@functools.lru_cache(maxsize=None)
-def make_elastic_callbacks(keras):
-    """CommitStateCallback, UpdateBatchStateCallback and UpdateEpochStateCallback for module ``keras``."""
-    base = keras.callbacks.Callback
+class _CommitState:
+    """Commit the state every ``batches_per_commit`` batches and at the end of every epoch."""
 
-    class CommitStateCallback(base):
-        """Commit the state every ``batches_per_commit`` batches and at the end of every epoch."""
+    def __init__(self, state, batches_per_commit=1):
+        super().__init__()
+        self.state = state
+        self.batches_per_commit = batches_per_commit
+        self.batches_remaining = batches_per_commit
 
-        def __init__(self, state, batches_per_commit=1):
-            super().__init__()
-            self.state = state
-            self.batches_per_commit = batches_per_commit
-            self.batches_remaining = batches_per_commit
+    def on_train_begin(self, logs=None):
+        self.batches_remaining = self.batches_per_commit
 
-        def on_train_begin(self, logs=None):
+    def on_batch_end(self, batch, logs=None):
+        self.batches_remaining -= 1
+        if self.batches_remaining == 0:
+            self.state.commit()
             self.batches_remaining = self.batches_per_commit
 
-        def on_batch_end(self, batch, logs=None):
-            self.batches_remaining -= 1
-            if self.batches_remaining == 0:
-                self.state.commit()
-                self.batches_remaining = self.batches_per_commit
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.commit()
 
-        def on_epoch_end(self, epoch, logs=None):
-            self.state.commit()
 
-    class UpdateBatchStateCallback(base):
-        """Track the batch within the epoch in ``state.batch`` (0 at the end of an epoch); a resumed epoch
-        runs only its remaining steps where Keras honours ``params['steps']``."""
+class _UpdateBatchState:
+    """Track the batch within the epoch in ``state.batch`` (0 at the end of an epoch); a resumed epoch
+    runs only its remaining steps where Keras honours ``params['steps']``."""
 
-        def __init__(self, state):
-            super().__init__()
-            self.state = state
-            self.steps_per_epoch = None
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+        self.steps_per_epoch = None
 
-        def on_train_begin(self, logs=None):
-            self.steps_per_epoch = None
+    def on_train_begin(self, logs=None):
+        self.steps_per_epoch = None
 
-        def on_epoch_begin(self, epoch, logs=None):
-            params = self.params or {}
-            if params.get("steps"):
-                if self.steps_per_epoch is None:
-                    self.steps_per_epoch = params["steps"]
-                params["steps"] = self.steps_per_epoch - self.state.batch
+    def on_epoch_begin(self, epoch, logs=None):
+        params = self.params or {}
+        if params.get("steps"):
+            if self.steps_per_epoch is None:
+                self.steps_per_epoch = params["steps"]
+            params["steps"] = self.steps_per_epoch - self.state.batch
 
-        def on_batch_end(self, batch, logs=None):
-            self.state.batch = batch
+    def on_batch_end(self, batch, logs=None):
+        self.state.batch = batch
 
-        def on_epoch_end(self, epoch, logs=None):
-            self.state.batch = 0
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.batch = 0
 
-    class UpdateEpochStateCallback(base):
-        """Track the number of finished epochs, across resets, in ``state.epoch``."""
 
-        def __init__(self, state):
-            super().__init__()
-            self.state = state
-            self.initial_epoch = state.epoch
+class _UpdateEpochState:
+    """Track the number of finished epochs, across resets, in ``state.epoch``."""
 
-        def on_train_begin(self, logs=None):
-            self.initial_epoch = self.state.epoch
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+        self.initial_epoch = state.epoch
 
-        def on_epoch_end(self, epoch, logs=None):
-            self.state.epoch = self.initial_epoch + epoch + 1
+    def on_train_begin(self, logs=None):
+        self.initial_epoch = self.state.epoch
 
-    return {cls.__name__: cls for cls in (CommitStateCallback, UpdateBatchStateCallback, UpdateEpochStateCallback)}
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.epoch = self.initial_epoch + epoch + 1
+
+
+@functools.lru_cache(maxsize=None)
+def make_elastic_callbacks(keras):
+    """CommitStateCallback, UpdateBatchStateCallback and UpdateEpochStateCallback for module ``keras``, by
+    name: subclasses of its ``callbacks.Callback``."""
+    base = keras.callbacks.Callback
+    classes = (keras_class("CommitStateCallback", _CommitState, base),
+               keras_class("UpdateBatchStateCallback", _UpdateBatchState, base),
+               keras_class("UpdateEpochStateCallback", _UpdateEpochState, base))
+    return {cls.__name__: cls for cls in classes}

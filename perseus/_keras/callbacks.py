@@ -13,9 +13,9 @@ import functools
 import numpy as np
 
 from perseus.common.basics import state
-from perseus._keras.values import allreduce_value, broadcast_values
-from perseus._keras.aggregation import is_model_parallel, var_key
 from perseus._keras.classes import keras_class
+from perseus._keras.values import allreduce_value, broadcast_values
+from perseus.tensorflow.gradient_aggregation import is_model_parallel, var_key
 
 __all__ = ["make_callbacks"]
 

@@ -5,8 +5,8 @@ and inside ``tf.function`` (through ``tf.py_function``; XLA ``jit_compile=True``
 differentiable. A cross-rank mismatch raises ``tf.errors.FailedPreconditionError`` on every rank.
 
 ``DistributedOptimizer`` wraps Keras optimizers (perseus.tensorflow.keras) and TF1
-``tf.compat.v1.train.Optimizer`` objects; ``BroadcastGlobalVariablesHook`` (TF1 sessions) is not supported. ``SyncBatchNormalization`` is a
-``tf.keras`` layer with global batch statistics.
+``tf.compat.v1.train.Optimizer`` objects; ``BroadcastGlobalVariablesHook`` (TF1 sessions) is not supported.
+``SyncBatchNormalization`` is a ``tf.keras`` layer with global batch statistics.
 """
 
 import tensorflow as tf
@@ -47,7 +47,8 @@ __all__ = [
     "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "ProcessSet",
     "global_process_set", "add_process_set", "remove_process_set", "Average", "Sum", "Adasum", "Min", "Max",
     "Product", "ReduceOp", "broadcast_variables", "broadcast_object", "broadcast_object_fn",
-    "allgather_object", "broadcast_global_variables", "DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer",
+    "allgather_object", "broadcast_global_variables", "DistributedGradientTape", "PartialDistributedGradientTape",
+    "DistributedOptimizer",
     "HorovodInternalError", "PerseusInternalError", "PerseusFailedPreconditionError", "PerseusUnknownError",
     "gpu_available", "split_list", "handle_average_backwards_compatibility", "check_num_rank_power_of_2",
     "mpi_ops", "util", "elastic", "SyncBatchNormalization", "wire_bytes",

@@ -30,8 +30,8 @@ from perseus.tensorflow.compression import Compression
 from perseus.tensorflow.gradient_aggregation import LocalGradientAggregationHelper, is_model_parallel, var_key
 from perseus.tensorflow.gradient_tape import _make_allreduce_grads_fn
 
-__all__ = ["distributed_optimizer", "create_distributed_optimizer", "distributed_class", "is_keras3_optimizer", "CallableList",
-           "load_model", "check_keras_op"]
+__all__ = ["distributed_optimizer", "create_distributed_optimizer", "distributed_class", "is_keras3_optimizer",
+           "CallableList", "load_model", "check_keras_op"]
 
 
 class CallableList(list):

@@ -13,7 +13,6 @@ from perseus.common.api import wire_bytes
 from perseus.common.reduce_ops import Adasum
 from perseus._keras import frontend as _frontend
 from perseus._keras.embedding import make_embedding_class as _make_embedding_class
-from perseus.tensorflow import keras as _tf_keras
 from perseus.tensorflow.keras import (  # noqa: F401 - re-exported
     Average, Compression, DistributedOptimizer, PartialDistributedOptimizer, ProcessSet, Sum, add_process_set,
     allgather, broadcast, broadcast_global_variables, ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
@@ -25,7 +24,16 @@ from perseus.keras import callbacks, elastic  # noqa: E402
 
 DistributedEmbedding = _make_embedding_class(_keras)
 
-__all__ = list(_tf_keras.__all__) + ["Adasum", "wire_bytes"]
+# perseus.tensorflow.keras's __all__, then the two names only this module exports.
+__all__ = [
+    "init", "shutdown", "is_initialized", "start_timeline", "stop_timeline", "size", "local_size",
+    "cross_size", "rank", "local_rank", "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built",
+    "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "Average", "Sum",
+    "Compression", "DistributedOptimizer", "PartialDistributedOptimizer", "broadcast_global_variables",
+    "allreduce", "allgather", "broadcast", "reducescatter", "load_model", "callbacks", "elastic",
+    "DistributedEmbedding", "Adasum", "wire_bytes",
+]
 
 
 def allreduce(value, name=None, average=True, prescale_factor=1.0, postscale_factor=1.0, op=None,

@@ -1,161 +1,89 @@
-"""Elastic state and callbacks for Keras models (Keras 3 and tf-keras 2), built for a given Keras module."""
+"""Elastic callbacks for Keras models (Keras 3 and tf-keras 2), built for a given Keras module, and the
+elastic state of a Keras model (:class:`KerasState`, defined in perseus.tensorflow.keras_state).
+
+Each callback's behaviour is a plain class here (``_CommitState``...); :func:`make_elastic_callbacks` derives
+the public classes from it and the Keras module's ``Callback``.
+"""
 
 from __future__ import annotations
 
 import functools
 
-import numpy as np
-
-from perseus.common.state import runtime as _state
-from perseus.elastic.state import ObjectState
-from perseus._keras.values import broadcast_values
+from perseus._keras.classes import keras_class
+from perseus.tensorflow.keras_state import KerasState
 
 __all__ = ["KerasState", "make_elastic_callbacks"]
 
 
-def _optimizer_variables(optimizer):
-    if optimizer is None:
-        return []
-    variables = optimizer.variables
-    if callable(variables) and not isinstance(variables, list):
-        variables = variables()
-    return list(variables)
+class _CommitState:
+    """Commit the state every ``batches_per_commit`` batches and at the end of every epoch."""
+
+    def __init__(self, state, batches_per_commit=1):
+        super().__init__()
+        self.state = state
+        self.batches_per_commit = batches_per_commit
+        self.batches_remaining = batches_per_commit
+
+    def on_train_begin(self, logs=None):
+        self.batches_remaining = self.batches_per_commit
+
+    def on_batch_end(self, batch, logs=None):
+        self.batches_remaining -= 1
+        if self.batches_remaining == 0:
+            self.state.commit()
+            self.batches_remaining = self.batches_per_commit
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.commit()
 
 
-def _model_built(model) -> bool:
-    return bool(getattr(model, "built", False)) and bool(model.variables)
+class _UpdateBatchState:
+    """Track the batch within the epoch in ``state.batch`` (0 at the end of an epoch); a resumed epoch
+    runs only its remaining steps where Keras honours ``params['steps']``."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+        self.steps_per_epoch = None
+
+    def on_train_begin(self, logs=None):
+        self.steps_per_epoch = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        params = self.params or {}
+        if params.get("steps"):
+            if self.steps_per_epoch is None:
+                self.steps_per_epoch = params["steps"]
+            params["steps"] = self.steps_per_epoch - self.state.batch
+
+    def on_batch_end(self, batch, logs=None):
+        self.state.batch = batch
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.batch = 0
 
 
-def _snapshot(variables):
-    return [np.array(v.numpy() if hasattr(v, "numpy") else v, copy=True) for v in variables]
+class _UpdateEpochState:
+    """Track the number of finished epochs, across resets, in ``state.epoch``."""
 
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+        self.initial_epoch = state.epoch
 
-class KerasState(ObjectState):
-    """Elastic state of a Keras model and optimizer, plus any keyword values (``epoch=0, batch=0``).
+    def on_train_begin(self, logs=None):
+        self.initial_epoch = self.state.epoch
 
-    ``commit()`` copies the model's and the optimizer's variables to host memory; ``restore()`` writes the
-    copy back; ``sync()`` broadcasts rank 0's variables and values to every rank. The model must be built.
-
-    Args:
-        model: a built Keras model.
-        optimizer: the optimizer (default ``model.optimizer``).
-        kwargs: more values to keep, exposed as attributes.
-    """
-
-    def __init__(self, model, optimizer=None, backend=None, **kwargs):
-        if not _model_built(model):
-            raise ValueError("Model must be built first. Run `model.build(input_shape)`.")
-        self.model = model
-        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
-        self.backend = backend
-        self._save_model()
-        from perseus.tensorflow.functions import broadcast_object
-        super().__init__(bcast_object=broadcast_object, get_rank=_state().rank, **kwargs)
-
-    def _variables(self):
-        return list(self.model.variables) + _optimizer_variables(self.optimizer)
-
-    def _save_model(self):
-        self._saved_model_state = _snapshot(self._variables())
-
-    def _load_model(self):
-        variables = self._variables()
-        if len(variables) != len(self._saved_model_state):
-            raise RuntimeError(f"KerasState: the model/optimizer now has {len(variables)} variables, the "
-                               f"commit has {len(self._saved_model_state)}; commit after the optimizer is built")
-        for var, value in zip(variables, self._saved_model_state):
-            var.assign(value)
-
-    def save(self):
-        self._save_model()
-        super().save()
-
-    def restore(self):
-        self._load_model()
-        super().restore()
-
-    def snapshot_payload(self):
-        return {"objects": self._saved_state, "variables": self._saved_model_state}
-
-    def load_snapshot_payload(self, payload):
-        self._saved_model_state = list(payload["variables"])
-        self._saved_state = dict(payload["objects"])
-        if self.optimizer is not None and len(self._variables()) < len(self._saved_model_state):
-            build = getattr(self.optimizer, "build", None)
-            if callable(build):  # Keras 3 builds its slots lazily; the commit has them
-                build(self.model.trainable_variables)
-
-    def sync(self):
-        variables = self._variables()
-        for var, value in zip(variables, broadcast_values(variables, 0, "KerasState.sync")):
-            var.assign(value)
-        self._save_model()
-        super().sync()
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.epoch = self.initial_epoch + epoch + 1
 
 
 @functools.lru_cache(maxsize=None)
 def make_elastic_callbacks(keras):
-    """CommitStateCallback, UpdateBatchStateCallback and UpdateEpochStateCallback for module ``keras``."""
+    """CommitStateCallback, UpdateBatchStateCallback and UpdateEpochStateCallback for module ``keras``, by
+    name: subclasses of its ``callbacks.Callback``."""
     base = keras.callbacks.Callback
-
-    class CommitStateCallback(base):
-        """Commit the state every ``batches_per_commit`` batches and at the end of every epoch."""
-
-        def __init__(self, state, batches_per_commit=1):
-            super().__init__()
-            self.state = state
-            self.batches_per_commit = batches_per_commit
-            self.batches_remaining = batches_per_commit
-
-        def on_train_begin(self, logs=None):
-            self.batches_remaining = self.batches_per_commit
-
-        def on_batch_end(self, batch, logs=None):
-            self.batches_remaining -= 1
-            if self.batches_remaining == 0:
-                self.state.commit()
-                self.batches_remaining = self.batches_per_commit
-
-        def on_epoch_end(self, epoch, logs=None):
-            self.state.commit()
-
-    class UpdateBatchStateCallback(base):
-        """Track the batch within the epoch in ``state.batch`` (0 at the end of an epoch); a resumed epoch
-        runs only its remaining steps where Keras honours ``params['steps']``."""
-
-        def __init__(self, state):
-            super().__init__()
-            self.state = state
-            self.steps_per_epoch = None
-
-        def on_train_begin(self, logs=None):
-            self.steps_per_epoch = None
-
-        def on_epoch_begin(self, epoch, logs=None):
-            params = self.params or {}
-            if params.get("steps"):
-                if self.steps_per_epoch is None:
-                    self.steps_per_epoch = params["steps"]
-                params["steps"] = self.steps_per_epoch - self.state.batch
-
-        def on_batch_end(self, batch, logs=None):
-            self.state.batch = batch
-
-        def on_epoch_end(self, epoch, logs=None):
-            self.state.batch = 0
-
-    class UpdateEpochStateCallback(base):
-        """Track the number of finished epochs, across resets, in ``state.epoch``."""
-
-        def __init__(self, state):
-            super().__init__()
-            self.state = state
-            self.initial_epoch = state.epoch
-
-        def on_train_begin(self, logs=None):
-            self.initial_epoch = self.state.epoch
-
-        def on_epoch_end(self, epoch, logs=None):
-            self.state.epoch = self.initial_epoch + epoch + 1
-
-    return {cls.__name__: cls for cls in (CommitStateCallback, UpdateBatchStateCallback, UpdateEpochStateCallback)}
+    classes = (keras_class("CommitStateCallback", _CommitState, base),
+               keras_class("UpdateBatchStateCallback", _UpdateBatchState, base),
+               keras_class("UpdateEpochStateCallback", _UpdateEpochState, base))
+    return {cls.__name__: cls for cls in classes}

@@ -2,31 +2,18 @@
 
 from __future__ import annotations
 
-import warnings
+import tensorflow as tf
 
 from perseus.common.process_sets import global_process_set
 from perseus.common.reduce_ops import Average, resolve_op
-from perseus._keras.optimizer import (_Settings, check_keras_op, create_distributed_optimizer, distributed_class,
-                                     load_model as _load_model)
 from perseus._keras.values import allgather_value, allreduce_value, broadcast_value, reducescatter_value
+from perseus.tensorflow._reduce import allreduce
+from perseus.tensorflow.compression import Compression
+from perseus.tensorflow.keras_optimizer import (_Settings, check_keras_op, distributed_class, distributed_optimizer,
+                                                load_model as _load_model)
 
 __all__ = ["distributed_optimizer", "partial_distributed_optimizer", "keras_load_model", "value_allreduce",
            "value_allgather", "value_broadcast", "value_reducescatter"]
-
-
-def distributed_optimizer(optimizer, name=None, device_dense='', device_sparse='', compression=None,
-                          sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average,
-                          backward_passes_per_step=1, average_aggregated_gradients=False, num_groups=0,
-                          groups=None, process_set=global_process_set, scale_local_gradients=True):
-    """See perseus.tensorflow.keras.DistributedOptimizer."""
-    if num_groups != 0:
-        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed",
-                      DeprecationWarning, stacklevel=3)
-        if groups is None:
-            groups = num_groups
-    return create_distributed_optimizer(optimizer, name, device_dense, device_sparse, compression,
-                                        sparse_as_dense, gradient_predivide_factor, op, backward_passes_per_step,
-                                        average_aggregated_gradients, groups, process_set, scale_local_gradients)
 
 
 def partial_distributed_optimizer(optimizer, local_layers=None, **kwargs):
@@ -46,8 +33,7 @@ def partial_distributed_optimizer(optimizer, local_layers=None, **kwargs):
 
 def keras_load_model(keras, filepath, custom_optimizers=None, custom_objects=None, compression=None):
     """Load a saved Keras model whose optimizer comes back as a DistributedOptimizer (see
-    :func:`perseus._keras.load_model`)."""
-    from perseus.tensorflow.compression import Compression
+    :func:`perseus.tensorflow.keras_optimizer.load_model`)."""
     settings = _Settings(None, '', '', compression or Compression.none, False, 1.0, check_keras_op(Average), 1,
                          False, None, global_process_set, True)
     modules = [keras.optimizers]
@@ -59,8 +45,6 @@ def keras_load_model(keras, filepath, custom_optimizers=None, custom_objects=Non
 
 def _tensor(array):
     """A NumPy result as an eager tf.Tensor: Horovod's Keras value collectives return tensors in eager mode."""
-    import tensorflow as tf
-
     return tf.convert_to_tensor(array)
 
 
@@ -68,10 +52,7 @@ def value_allreduce(value, name=None, average=None, prescale_factor=1.0, postsca
                     compression=None):
     """Reduce a value (array, tensor, number) across all ranks now; returns a tf.Tensor."""
     op = resolve_op(op, average)
-    from perseus.tensorflow.compression import Compression
     if compression is not None and compression is not Compression.none:
-        import tensorflow as tf
-        from perseus.tensorflow import allreduce
         return allreduce(tf.convert_to_tensor(value), name=name, op=op, prescale_factor=prescale_factor,
                          postscale_factor=postscale_factor, compression=compression)
     return _tensor(allreduce_value(value, name, op, prescale_factor, postscale_factor))

@@ -1,40 +1,38 @@
 """perseus.keras: Horovod's horovod.keras on perseus, for the stand-alone ``keras`` package (Keras 3 with the
 TensorFlow backend). Change ``import horovod.keras as hvd`` to ``import perseus.keras as hvd``.
 
-The functions are those of :mod:`perseus.tensorflow.keras`, except that ``allreduce`` averages by default (as
-Horovod's ``horovod.keras.allreduce``) and ``load_model`` loads with the ``keras`` package.
+Everything is :mod:`perseus.tensorflow.keras`'s (re-exported from there), except what depends on the Keras
+module or differs in Horovod: ``allreduce`` averages by default (as Horovod's ``horovod.keras.allreduce``),
+``load_model``, ``DistributedEmbedding``, ``callbacks`` and ``elastic`` use the ``keras`` package, and
+``Adasum`` and ``wire_bytes`` are exported too.
 """
 
 import keras as _keras
 
 from perseus.common.api import wire_bytes
-from perseus.common.process_sets import ProcessSet, global_process_set
-from perseus.lifecycle import add_process_set, remove_process_set
-from perseus.common.reduce_ops import Adasum, Average, Sum
+from perseus.common.reduce_ops import Adasum
 from perseus._keras import frontend as _frontend
 from perseus._keras.embedding import make_embedding_class as _make_embedding_class
-from perseus.tensorflow.compression import Compression
 from perseus.tensorflow.keras import (  # noqa: F401 - re-exported
-    DistributedOptimizer, PartialDistributedOptimizer, allgather, broadcast, broadcast_global_variables,
-    reducescatter,
-)
-from perseus.tensorflow.mpi_ops import (  # noqa: F401 - re-exported
-    ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init, is_initialized,
-    local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
-    shutdown, size, start_timeline, stop_timeline,
+    Average, Compression, DistributedOptimizer, PartialDistributedOptimizer, ProcessSet, Sum, add_process_set,
+    allgather, broadcast, broadcast_global_variables, ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
+    global_process_set, gloo_built, gloo_enabled, init, is_initialized, local_rank, local_size, mpi_built,
+    mpi_enabled, mpi_threads_supported, nccl_built, rank, reducescatter, remove_process_set, rocm_built, shutdown,
+    size, start_timeline, stop_timeline,
 )
 from perseus.keras import callbacks, elastic  # noqa: E402
 
 DistributedEmbedding = _make_embedding_class(_keras)
 
+# perseus.tensorflow.keras's __all__, then the two names only this module exports.
 __all__ = [
     "init", "shutdown", "is_initialized", "start_timeline", "stop_timeline", "size", "local_size",
     "cross_size", "rank", "local_rank", "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built",
     "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
-    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "Average", "Sum", "Adasum",
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "Average", "Sum",
     "Compression", "DistributedOptimizer", "PartialDistributedOptimizer", "broadcast_global_variables",
-    "allreduce", "allgather", "broadcast", "reducescatter", "load_model", "callbacks", "elastic", "wire_bytes",
-    "DistributedEmbedding",
+    "allreduce", "allgather", "broadcast", "reducescatter", "load_model", "callbacks", "elastic",
+    "DistributedEmbedding", "Adasum", "wire_bytes",
 ]
 
 

@@ -4,35 +4,19 @@ collectives (top-k, random-k, sign, QSGD, PowerSGD; framework-neutral, in perseu
 import numpy as np
 
 from perseus import compression as _lossy
-from perseus.common.compression import CastCompressor, Compressor, NoneCompressor
+from perseus.common.compression import Compressor, NoneCompressor, cast_compressors, compression_namespace
 
 __all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "Compression"]
 
 
-class FP16Compressor(CastCompressor):
-    """Send floating-point NDArrays as float16; other dtypes travel unchanged."""
-
-    wire_dtype = np.float16
-
-    @staticmethod
-    def _cast(tensor, dtype):
-        return tensor.astype(dtype, copy=False)
-
-    @staticmethod
-    def _is_float(dtype) -> bool:
-        return np.issubdtype(np.dtype(dtype), np.floating)
+def _cast(tensor, dtype):
+    return tensor.astype(dtype, copy=False)
 
 
-class Compression:
-    """The compressors: Horovod's (classes, not instances) and perseus's communicating ones, which are
-    built with their parameters (``Compression.topk(0.01)``); see docs/compression.md."""
-
-    none = NoneCompressor
-    fp16 = FP16Compressor
+def _is_float(dtype) -> bool:
+    return np.issubdtype(np.dtype(dtype), np.floating)
 
 
-for _name, _cls in _lossy.REDUCERS.items():
-    setattr(Compression, _name, _cls)
-if Compression.__doc__:  # None under python -OO
-    Compression.__doc__ += ("\n\n    The communicating ones: "
-                            + ", ".join(f"``{name}``" for name in _lossy.REDUCERS) + ".")
+FP16Compressor, _ = cast_compressors(__name__, _cast, _is_float, np.float16)
+
+Compression = compression_namespace(__name__, _lossy.REDUCERS, none=NoneCompressor, fp16=FP16Compressor)

@@ -5,8 +5,8 @@ and inside ``tf.function`` (through ``tf.py_function``; XLA ``jit_compile=True``
 differentiable. A cross-rank mismatch raises ``tf.errors.FailedPreconditionError`` on every rank.
 
 ``DistributedOptimizer`` wraps Keras optimizers (perseus.tensorflow.keras) and TF1
-``tf.compat.v1.train.Optimizer`` objects; ``BroadcastGlobalVariablesHook`` (TF1 sessions) is not supported. ``SyncBatchNormalization`` is a
-``tf.keras`` layer with global batch statistics.
+``tf.compat.v1.train.Optimizer`` objects; ``BroadcastGlobalVariablesHook`` (TF1 sessions) is not supported.
+``SyncBatchNormalization`` is a ``tf.keras`` layer with global batch statistics.
 """
 
 import tensorflow as tf
@@ -22,8 +22,10 @@ from perseus.tensorflow._reduce import allreduce, grouped_allreduce, grouped_red
 from perseus.tensorflow.compression import Compression
 from perseus.tensorflow.functions import (allgather_object, broadcast_global_variables, broadcast_object,
                                          broadcast_object_fn, broadcast_variables)
+from perseus.tensorflow.keras_optimizer import distributed_optimizer as _keras_distributed_optimizer
 from perseus.tensorflow.gradient_tape import (DistributedGradientTape, PartialDistributedGradientTape,
                                               _make_allreduce_grads_fn, split_list)
+from perseus.tensorflow.legacy_optimizer import DistributedLegacyOptimizer as _DistributedLegacyOptimizer
 from perseus.tensorflow.sync_batch_norm import SyncBatchNormalization
 from perseus.tensorflow.mpi_ops import (
     Adasum, Average, Max, Min, Product, ProcessSet, ReduceOp, Sum, _allreduce, _check_has_gpu, _grouped_allreduce,
@@ -45,7 +47,8 @@ __all__ = [
     "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "ProcessSet",
     "global_process_set", "add_process_set", "remove_process_set", "Average", "Sum", "Adasum", "Min", "Max",
     "Product", "ReduceOp", "broadcast_variables", "broadcast_object", "broadcast_object_fn",
-    "allgather_object", "broadcast_global_variables", "DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer",
+    "allgather_object", "broadcast_global_variables", "DistributedGradientTape", "PartialDistributedGradientTape",
+    "DistributedOptimizer",
     "HorovodInternalError", "PerseusInternalError", "PerseusFailedPreconditionError", "PerseusUnknownError",
     "gpu_available", "split_list", "handle_average_backwards_compatibility", "check_num_rank_power_of_2",
     "mpi_ops", "util", "elastic", "SyncBatchNormalization", "wire_bytes",
@@ -71,8 +74,8 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
                          num_groups=0, groups=None, process_set=global_process_set, scale_local_gradients=True):
     """Wrap an optimizer so gradients are reduced across the ranks of ``process_set``.
 
-    A Keras optimizer (Keras 3 or tf-keras 2) gets :func:`perseus.tensorflow.keras.DistributedOptimizer`;
-    unlike Horovod, ``op`` and ``groups`` are passed on to it rather than dropped. A TF1
+    A Keras optimizer (Keras 3 or tf-keras 2) gets what :func:`perseus.tensorflow.keras.DistributedOptimizer`
+    returns; unlike Horovod, ``op`` and ``groups`` are passed on rather than dropped. A TF1
     ``tf.compat.v1.train.Optimizer`` gets a TF1 optimizer whose ``compute_gradients`` reduces the gradients
     (:class:`perseus.tensorflow.legacy_optimizer.DistributedLegacyOptimizer`), for graph and session code.
 
@@ -89,12 +92,9 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
             raise NotImplementedError(
                 "perseus.tensorflow.DistributedOptimizer: backward_passes_per_step > 1 is not implemented for TF1 "
                 "tf.compat.v1.train.Optimizer objects; use a Keras optimizer, or accumulate gradients yourself")
-        from perseus.tensorflow.legacy_optimizer import DistributedLegacyOptimizer
-
-        return DistributedLegacyOptimizer(optimizer, name, use_locking, device_dense, device_sparse, compression,
-                                          sparse_as_dense, op, gradient_predivide_factor,
-                                          groups if groups is not None else (num_groups or None), process_set)
-    from perseus.tensorflow.keras import DistributedOptimizer as _keras_distributed_optimizer
+        return _DistributedLegacyOptimizer(optimizer, name, use_locking, device_dense, device_sparse, compression,
+                                           sparse_as_dense, op, gradient_predivide_factor,
+                                           groups if groups is not None else (num_groups or None), process_set)
     return _keras_distributed_optimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
                                         gradient_predivide_factor, op, backward_passes_per_step,
                                         average_aggregated_gradients, num_groups, groups, process_set,

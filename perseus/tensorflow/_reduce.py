@@ -14,7 +14,9 @@ import tensorflow as tf
 
 from perseus.common.process_sets import global_process_set
 from perseus.common.reduce_ops import Adasum, Average, ReduceOp, Sum, resolve_op
+from perseus import sparse as _sparse
 from perseus.compression import Reducer
+from perseus.compression.base import _to_bf16_words
 from perseus.tensorflow import _core
 from perseus.tensorflow.compression import Compression
 from perseus.tensorflow.mpi_ops import (_grouped_allreduce, _grouped_reducescatter, _ps_info, _reducescatter,
@@ -158,8 +160,6 @@ class _SparseResults:
             h.on_done(one)
 
     def wait(self):
-        from perseus.compression.base import _to_bf16_words
-
         outs = []
         for h, (row_shape, index_dtype, bf16) in zip(self.handles, self.specs):
             res = h.wait()
@@ -189,8 +189,6 @@ def _sparse_allreduce(slices, op, process_set, ignore_name_scope, names=None, al
     graph (one op for all of them). A slice without a dense_shape can only be all-gathered. The results are
     tf.IndexedSlices of the same dense shapes; except with allgather their indices are sorted and unique.
     Not differentiable."""
-    from perseus import sparse as _sparse
-
     set_size = _ps_info(process_set)[1]
     algorithm = _sparse.resolve_algorithm(algorithm)
     if any(not (s.values.dtype.is_floating or s.values.dtype == tf.bfloat16) for s in slices):

@@ -52,6 +52,46 @@ def _gradient_keys(prefix, indices, variables, use_generic_names):
     return keys
 
 
+def _partition(grads, variables, groups):
+    """The positions of the present (not None) gradients, split into the reduction's groups: one group
+    without ``groups``; the listed variables' gradients together (each other gradient alone) for a list of
+    lists of variables; else ``groups`` nearly equal parts."""
+    present = [i for i, g in enumerate(grads) if g is not None]
+    if groups is None:
+        return [present] if present else []
+    if isinstance(groups, list):
+        if variables is None:
+            raise ValueError("groups given as lists of variables need the variables of the gradients")
+        where = {var_key(variables[i]): i for i in present}
+        parts = []
+        for group in groups:
+            part = [where.pop(var_key(v)) for v in group if var_key(v) in where]
+            if part:
+                parts.append(sorted(part))
+        parts.extend([i] for i in sorted(where.values()))
+        return parts
+    return [p for p in split_list(present, int(groups)) if p]
+
+
+def _reduce_compressed(reducer, name, grads, variables, use_generic_names, groups, op, prescale, postscale,
+                       process_set):
+    """Reduce ``grads`` with a communicating compressor: each gradient on its own (each group as one vector
+    with ``groups``), keyed ``<name>.<variable name>``; tf.IndexedSlices are densified first."""
+    grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+    present = [i for i, g in enumerate(grads) if g is not None]
+    parts = [[i] for i in present] if groups is None else _partition(grads, variables, groups)
+    keys = _gradient_keys(name, present, variables, use_generic_names)
+    group_keys = [keys[p[0]] if len(p) == 1 and groups is None else f"{keys[p[0]]}.group{gi}"
+                  for gi, p in enumerate(parts)]
+    out = list(grads)
+    reduced = reduce_with(reducer, [[grads[i] for i in p] for p in parts], group_keys, op, prescale, postscale,
+                          process_set)
+    for part, rs in zip(parts, reduced):
+        for i, r in zip(part, rs):
+            out[i] = r
+    return out
+
+
 def _make_allreduce_grads_fn(name, device_dense, device_sparse, compression, sparse_as_dense, op,
                              gradient_predivide_factor, groups, process_set):
     """Return ``allreduce_grads(grads, vars=None, use_generic_names=False)`` reducing a list of gradients.
@@ -69,38 +109,6 @@ def _make_allreduce_grads_fn(name, device_dense, device_sparse, compression, spa
     else:
         prescale = postscale = 1.0
 
-    def _partition(grads, variables):
-        present = [i for i, g in enumerate(grads) if g is not None]
-        if groups is None:
-            return [present] if present else []
-        if isinstance(groups, list):
-            if variables is None:
-                raise ValueError("groups given as lists of variables need the variables of the gradients")
-            where = {var_key(variables[i]): i for i in present}
-            parts = []
-            for group in groups:
-                part = [where.pop(var_key(v)) for v in group if var_key(v) in where]
-                if part:
-                    parts.append(sorted(part))
-            parts.extend([i] for i in sorted(where.values()))
-            return parts
-        return [p for p in split_list(present, int(groups)) if p]
-
-    def compressed(grads, variables, use_generic_names):
-        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
-        present = [i for i, g in enumerate(grads) if g is not None]
-        parts = [[i] for i in present] if groups is None else _partition(grads, variables)
-        keys = _gradient_keys(name, present, variables, use_generic_names)
-        group_keys = [keys[p[0]] if len(p) == 1 and groups is None else f"{keys[p[0]]}.group{gi}"
-                      for gi, p in enumerate(parts)]
-        out = list(grads)
-        reduced = reduce_with(compression, [[grads[i] for i in p] for p in parts], group_keys, op, prescale,
-                              postscale, process_set)
-        for part, rs in zip(parts, reduced):
-            for i, r in zip(part, rs):
-                out[i] = r
-        return out
-
     def allreduce_grads(grads, vars=None, use_generic_names=False):
         grads = list(grads)
         if sparse_as_dense:
@@ -108,10 +116,11 @@ def _make_allreduce_grads_fn(name, device_dense, device_sparse, compression, spa
         if not process_set.included() or process_set.size() <= 1:
             return grads
         if isinstance(compression, Reducer):
-            return compressed(grads, vars, use_generic_names)
+            return _reduce_compressed(compression, name, grads, vars, use_generic_names, groups, op, prescale,
+                                      postscale, process_set)
         out = list(grads)
         with tf.name_scope(name + "_Allreduce"):
-            for gi, part in enumerate(_partition(grads, vars)):
+            for gi, part in enumerate(_partition(grads, vars, groups)):
                 reduced = grouped_allreduce([grads[i] for i in part], device_dense=device_dense,
                                             device_sparse=device_sparse, compression=compression, op=op,
                                             prescale_factor=prescale, postscale_factor=postscale,

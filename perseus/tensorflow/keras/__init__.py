@@ -13,6 +13,7 @@ from perseus.common.reduce_ops import Average, Sum
 from perseus._keras import frontend as _frontend
 from perseus._keras.embedding import make_embedding_class as _make_embedding_class
 from perseus.tensorflow.compression import Compression
+from perseus.tensorflow.functions import broadcast_global_variables as _broadcast_global_variables
 from perseus.tensorflow.mpi_ops import (  # noqa: F401 - re-exported
     ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init, is_initialized,
     local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
@@ -79,8 +80,7 @@ def PartialDistributedOptimizer(optimizer, name=None, device_dense='', device_sp
 def broadcast_global_variables(root_rank):
     """TF1 graph mode only, as in Horovod: eagerly raises RuntimeError (broadcast the model's variables with
     ``perseus.tensorflow.broadcast_variables`` or use ``callbacks.BroadcastGlobalVariablesCallback``)."""
-    from perseus.tensorflow.functions import broadcast_global_variables as _bgv
-    return _bgv(root_rank)
+    return _broadcast_global_variables(root_rank)
 
 
 def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,

@@ -1,4 +1,5 @@
-"""Keras support shared by perseus.tensorflow.keras and perseus.keras (Keras 3 and tf-keras 2).
+"""The Keras DistributedOptimizer (Keras 3 and tf-keras 2), for perseus.tensorflow, perseus.tensorflow.keras and
+perseus.keras.
 
 :func:`create_distributed_optimizer` returns an optimizer of a dynamically created subclass of the wrapped
 optimizer's class, with the same class name and module (a saved model loads without perseus), whose gradients
@@ -13,21 +14,24 @@ are reduced across the ranks before they are applied:
   ``compute_gradients``/``_compute_gradients``, ``get_gradients``); ``apply_gradients`` applies what it gets.
 
 With ``backward_passes_per_step > 1`` gradients are summed locally and reduced every that many passes
-(:mod:`perseus._keras.aggregation`).
+(:mod:`perseus.tensorflow.gradient_aggregation`).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import tensorflow as tf
 
 from perseus.common import guard as _guard
 from perseus.common.process_sets import global_process_set
 from perseus.common.reduce_ops import Average, ReduceOp, Sum
-from perseus._keras.aggregation import LocalGradientAggregationHelper, is_model_parallel, var_key
+from perseus.tensorflow.compression import Compression
+from perseus.tensorflow.gradient_aggregation import LocalGradientAggregationHelper, is_model_parallel, var_key
 from perseus.tensorflow.gradient_tape import _make_allreduce_grads_fn
 
-__all__ = ["create_distributed_optimizer", "distributed_class", "is_keras3_optimizer", "CallableList",
-           "load_model", "check_keras_op"]
+__all__ = ["distributed_optimizer", "create_distributed_optimizer", "distributed_class", "is_keras3_optimizer",
+           "CallableList", "load_model", "check_keras_op"]
 
 
 class CallableList(list):
@@ -226,7 +230,6 @@ def create_distributed_optimizer(optimizer, name=None, device_dense='', device_s
     Raises ValueError for an op other than Average/Sum, or ``gradient_predivide_factor`` with Sum.
     """
     _guard.refuse("the Keras DistributedOptimizer")
-    from perseus.tensorflow.compression import Compression
     op = check_keras_op(op)
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
@@ -239,6 +242,22 @@ def create_distributed_optimizer(optimizer, name=None, device_dense='', device_s
                          groups, process_set, scale_local_gradients)
     cls = distributed_class(type(optimizer), settings)
     return cls.from_config(optimizer.get_config())
+
+
+def distributed_optimizer(optimizer, name=None, device_dense='', device_sparse='', compression=None,
+                          sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average,
+                          backward_passes_per_step=1, average_aggregated_gradients=False, num_groups=0,
+                          groups=None, process_set=global_process_set, scale_local_gradients=True):
+    """:func:`create_distributed_optimizer` with Horovod's deprecated ``num_groups`` (a DeprecationWarning;
+    it stands for ``groups`` when that is None). See perseus.tensorflow.keras.DistributedOptimizer."""
+    if num_groups != 0:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed",
+                      DeprecationWarning, stacklevel=3)
+        if groups is None:
+            groups = num_groups
+    return create_distributed_optimizer(optimizer, name, device_dense, device_sparse, compression,
+                                        sparse_as_dense, gradient_predivide_factor, op, backward_passes_per_step,
+                                        average_aggregated_gradients, groups, process_set, scale_local_gradients)
 
 
 def load_model(keras, wrap_optimizer, optimizer_modules, filepath, custom_optimizers=None, custom_objects=None):

@@ -21,7 +21,7 @@ __all__ = ["init", "shutdown", "add_process_set", "remove_process_set"]
 _SERVICES = (TunerService(),)
 
 
-def init(comm=None, process_sets=None) -> None:
+def init(comm=None, process_sets=None):
     """Start perseus on this process. On a running perseus (e.g. started by another framework module) it
     starts nothing; given ``process_sets`` it then assigns them the ids of the registered sets with their
     ranks. See :meth:`perseus.common.state.Runtime.start` for the arguments.
@@ -38,7 +38,7 @@ def init(comm=None, process_sets=None) -> None:
         worker.session(rt.rank(), rt.size())  # report to the elastic launcher's driver from the start
 
 
-def shutdown() -> None:
+def shutdown():
     """Stop perseus on this rank: the services stop, pending requests fail, and per-job state (handles, the
     numbering of unnamed requests) is forgotten, so that a later ``init()`` starts afresh. Safe to call more
     than once."""

@@ -13,13 +13,12 @@ class ProcessSet:
 
     Build it from a sequence of ranks, or from an mpi4py communicator (only at ``init(process_sets=...)``).
     The object becomes usable once registered: at ``init(process_sets=[...])``, or by
-    ``add_process_set()`` with ``HOROVOD_DYNAMIC_PROCESS_SETS=1``; the runtime then sets its id and this rank's
-    job rank (``_member_rank``).
+    ``add_process_set()`` with ``HOROVOD_DYNAMIC_PROCESS_SETS=1``, when it gets its id.
     """
 
     def __init__(self, ranks_or_comm):
         self.process_set_id: Optional[int] = None
-        self._member_rank = -1  # this process's rank in the job, set when the runtime registers the set
+        self._member_rank = -1  # this process's job rank, set by the runtime when it registers the set
         self.mpi_comm = None
         if hasattr(ranks_or_comm, "Get_rank") and hasattr(ranks_or_comm, "Get_group"):
             self.mpi_comm = ranks_or_comm

@@ -442,7 +442,7 @@ class Runtime:
         return False
 
     def nccl_built(self) -> int:
-        """NCCL version code, or 0: the NCCL transport is not implemented yet."""
+        """0: the framework-neutral runtime uses no NCCL (``perseus.torch`` reports the NCCL its torch has)."""
         return 0
 
     def ddl_built(self) -> bool:
@@ -454,7 +454,7 @@ class Runtime:
         return False
 
     def cuda_built(self) -> bool:
-        """False: GPU tensors are not supported yet."""
+        """False: GPU tensors are supported by ``perseus.torch`` only, which reports its own answer."""
         return False
 
     def rocm_built(self) -> bool:

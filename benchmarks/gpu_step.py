@@ -90,7 +90,7 @@ _tunes = [0]
 
 def set_cycle_time(cycle_us):
     """Change the negotiation cycle at run time (a TUNE request: collective, same values on every rank)."""
-    engine = hvd.mpi_ops._state.engine
+    engine = hvd.mpi_ops._runtime.engine
     fusion, inplace, channels, current, algorithm = engine.params(0)[:5]
     if current != cycle_us:
         _tunes[0] += 1

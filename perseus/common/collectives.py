@@ -107,7 +107,7 @@ def _gathered(allocs, finish):
     return done
 
 
-_state = runtime()
+_runtime = runtime()
 
 
 def _target(process_set: ProcessSet):
@@ -116,11 +116,11 @@ def _target(process_set: ProcessSet):
     Raises:
         ValueError: not initialised, or the set is not registered / this rank is not a member.
     """
-    engine = _state.running_engine()
+    engine = _runtime.running_engine()
     if engine is not None and process_set is global_process_set:
         return engine, 0
-    ps_id, _, _ = _state.process_set_info(process_set)
-    return _state.engine, ps_id
+    ps_id, _, _ = _runtime.process_set_info(process_set)
+    return _runtime.engine, ps_id
 
 
 #: float16, bfloat16, float32, float64: what Adasum combines

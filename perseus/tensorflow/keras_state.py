@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from perseus.common.state import runtime as _state
+from perseus.common.state import runtime
 from perseus.elastic.state import ObjectState
 from perseus._keras.values import broadcast_values
 from perseus.tensorflow.functions import broadcast_object
@@ -49,7 +49,7 @@ class KerasState(ObjectState):
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
         self.backend = backend
         self._save_model()
-        super().__init__(bcast_object=broadcast_object, get_rank=_state().rank, **kwargs)
+        super().__init__(bcast_object=broadcast_object, get_rank=runtime().rank, **kwargs)
 
     def _variables(self):
         return list(self.model.variables) + _optimizer_variables(self.optimizer)

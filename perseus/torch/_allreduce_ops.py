@@ -18,7 +18,7 @@ from perseus.common.reduce_ops import resolve_op
 from perseus.compression import Pending, Reducer
 from perseus.torch import device as _device
 from perseus.torch import staging as _staging
-from perseus.torch._tensors import _contig, _dtype, _np, _state, synchronize
+from perseus.torch._tensors import _contig, _dtype, _np, _runtime, synchronize
 from perseus.torch.compression import Compression
 
 __all__ = [
@@ -64,7 +64,7 @@ def _forget_plain_cpu() -> None:
     _plain_cpu = None
 
 
-_state.register_job_state(_forget_plain_cpu)
+_runtime.register_job_state(_forget_plain_cpu)
 
 
 def _detour(tensors, in_place, dts, name, op, prescale_factor, postscale_factor, process_set, single):

@@ -31,10 +31,10 @@ def synchronize(handle):
     Raises:
         HorovodInternalError: the collective failed (mismatch across ranks, stall, failed peer).
     """
-    return _state.engine.wait(handle)
+    return _runtime.engine.wait(handle)
 
 
-_state = _c.runtime()
+_runtime = _c.runtime()
 
 
 _DTYPES = {

@@ -41,7 +41,7 @@ from perseus.common.process_sets import global_process_set
 
 __all__ = ["backend", "routes_cpu", "takes", "allreduce_async", "Streams", "CudaStreams", "HostStreams"]
 
-_state = runtime()
+_runtime = runtime()
 
 # What NCCL (and gloo) reduce: the engine's dtype codes.
 _FLOATS = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
@@ -121,7 +121,7 @@ class CudaStreams(Streams):
 # -- which requests take this path -------------------------------------------------------------------------
 def backend() -> str:
     """The settings' ``device_backend`` (auto, nccl, stage or gloo)."""
-    return _state.settings.device_backend
+    return _runtime.settings.device_backend
 
 
 _gloo: Optional[bool] = None  # PERSEUS_DEVICE_BACKEND=gloo, read at first use after each init()
@@ -336,17 +336,17 @@ class _Launcher:
         at the set's first unit of that kind, on every member."""
         from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-        settings = _state.settings
+        settings = _runtime.settings
         process_set = self._sets.get(ps_id)
         if process_set is None:
             raise RuntimeError(f"process set {ps_id}: this rank joined before submitting any GPU tensor to it, so "
                                "it cannot build its NCCL groups; submit a GPU all-reduce on every rank first")
-        members = _state.process_set_ranks(ps_id)
-        rank, size = members.index(_state.rank()), len(members)
+        members = _runtime.process_set_ranks(ps_id)
+        rank, size = members.index(_runtime.rank()), len(members)
         timeout = datetime.timedelta(seconds=max(settings.stall_shutdown_time_s, settings.stall_check_time_s) + 60)
         info = np.zeros(256, np.uint8)
         if rank == 0:
-            host = "127.0.0.1" if _state.cross_size() == 1 else socket.gethostbyname(socket.gethostname())
+            host = "127.0.0.1" if _runtime.cross_size() == 1 else socket.gethostbyname(socket.gethostname())
             store = TCPStore(host, 0, size, True, timeout, wait_for_workers=False)
             text = f"{host}:{store.port}".encode()
             info[:len(text)] = np.frombuffer(text, np.uint8)
@@ -441,7 +441,7 @@ _launcher: Optional[_Launcher] = None
 
 def _launcher_for(device) -> _Launcher:
     global _launcher
-    engine = _state.engine
+    engine = _runtime.engine
     launcher = _launcher
     if launcher is None or launcher.engine is not engine._native:
         with _launcher_lock:
@@ -461,4 +461,4 @@ def _forget() -> None:
         launcher.close()
 
 
-_state.register_job_state(_forget)
+_runtime.register_job_state(_forget)

@@ -27,7 +27,7 @@ from perseus.torch._gather_ops import (
     broadcast_async_, grouped_allgather, grouped_allgather_async, grouped_reducescatter,
     grouped_reducescatter_async, join, reducescatter, reducescatter_async,
 )
-from perseus.torch._tensors import _state, poll, synchronize  # noqa: F401 - _state: the engine, for tests
+from perseus.torch._tensors import _runtime, poll, synchronize  # noqa: F401 - _runtime: for tests
 
 __all__ = [
     "init", "shutdown", "is_initialized", "start_timeline", "stop_timeline", "size", "local_size",

@@ -27,7 +27,7 @@ def launcher_on_cpu(monkeypatch):
 
 def _launcher(hvd):
     launcher = device._launcher
-    assert launcher is not None and launcher.engine is hvd.mpi_ops._state.engine._native
+    assert launcher is not None and launcher.engine is hvd.mpi_ops._runtime.engine._native
     return launcher
 
 

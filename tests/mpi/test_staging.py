@@ -213,7 +213,7 @@ def test_only_cpu_and_cuda_are_accepted(hvd):
 
 def test_stage_cpu_flag_is_read_from_settings(hvd, monkeypatch):
     monkeypatch.setattr(staging, "_stage_cpu", None)
-    expected = hvd.mpi_ops._state.settings.stage_cpu_tensors
+    expected = hvd.mpi_ops._runtime.settings.stage_cpu_tensors
     assert staging.stage_cpu() is bool(expected)
     assert staging.wanted(torch.ones(1)) is bool(expected)
 

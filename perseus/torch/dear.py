@@ -21,7 +21,6 @@ backward, so every rank forms the same groups and names.
 
 from __future__ import annotations
 
-import itertools
 import math
 import weakref
 
@@ -43,7 +42,11 @@ from perseus.torch.functions import broadcast_object
 
 __all__ = ["DearSchedule"]
 
-_instances = itertools.count()
+# DeAR schedules built so far, per process set id: names each schedule's collectives. A schedule takes its
+# number when it forms its first groups (after the check that every rank runs DeAR), which happens in program
+# order on every member of the set, so every member gives it the same number; a construction on some ranks
+# only (a program error, raised on every rank) takes none.
+_builds: dict[int, int] = {}
 
 
 class _Group:
@@ -110,7 +113,7 @@ class DearSchedule(Schedule):
         self.active = False               # this rank communicates (hooks registered)
         self.threshold = int(read_knob("dear_threshold_bytes")[0])
         self.new_threshold = None         # set_threshold() before the groups are cut anew
-        self.tag = f"dear.{next(_instances)}"
+        self.tag = None                   # "dear.<set>.<n>", given when the first groups are formed (_build)
         self.groups = None                # the _Groups, once the first backward has formed them
         self.layout = None                # rank 0's modules, as lists of parameter names, in forward order
         self.module_hooks = []
@@ -181,6 +184,10 @@ class DearSchedule(Schedule):
         names = self.opt._parameter_names
         if self.layout is None:
             self._check_schedule()
+            ps_id = self.opt.process_set.process_set_id
+            number = _builds.get(ps_id, 0)
+            _builds[ps_id] = number + 1
+            self.tag = f"dear.{ps_id}.{number}"
             # Parameters no forward module owned (used outside their module's forward) come first.
             seen = {id(p) for p in self.order}
             units = [[names[p] for p in self.params if id(p) not in seen]]

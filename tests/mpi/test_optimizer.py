@@ -399,7 +399,7 @@ def _counting_subclass(base):
 
 @pytest.mark.parametrize("kind", ["default", "dear", "adasum"])
 def test_returned_class_can_be_subclassed(hvd, kind):
-    """Subclassing type(opt), built directly or put on an existing optimizer, trains exactly like the
+    """Subclassing type(opt), built directly or put on an existing optimizer, trains like the
     optimizer DistributedOptimizer returned (its methods reach the wrapped class through super())."""
     size, rank = hvd.size(), hvd.rank()
     schedule = {"schedule": "dear"} if kind == "dear" else {}
@@ -436,4 +436,6 @@ def test_returned_class_can_be_subclassed(hvd, kind):
         assert opt.steps == 3
         if kind != "dear" and size > 1:  # step() synchronizes through the (overridden) method
             assert opt.syncs == 4
-        torch.testing.assert_close(flat(model), flat(models[0]), rtol=0, atol=0)
+        # (not bit-exact: the three optimizers' tensors are fused differently, so at 3 ranks and more the
+        # reductions may add in another order)
+        torch.testing.assert_close(flat(model), flat(models[0]), rtol=1e-5, atol=1e-6)

@@ -116,7 +116,7 @@ def _target(process_set: ProcessSet):
     Raises:
         ValueError: not initialised, or the set is not registered / this rank is not a member.
     """
-    engine = _runtime.running_engine()
+    engine = _runtime.active_engine
     if engine is not None and process_set is global_process_set:
         return engine, 0
     ps_id, _, _ = _runtime.process_set_info(process_set)

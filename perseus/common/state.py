@@ -64,7 +64,9 @@ class Runtime:
 
     def __init__(self):
         self._lock = threading.RLock()
-        self._engine = None
+        #: the engine while perseus runs, else None (read it, never set it: start() and shutdown() do; a plain
+        #: attribute, since the collectives read it on every request)
+        self.active_engine = None
         self._settings: Optional[Settings] = None
         self._base = None
         self._sets: dict[int, ProcessSet] = {}
@@ -115,7 +117,7 @@ class Runtime:
                 an OSError for an unwritable timeline file) are raised on every rank.
         """
         with self._lock:
-            if self._engine is not None:
+            if self.active_engine is not None:
                 entries = psets.entries(process_sets)
                 if entries:
                     self._assign(self._process_set_lists(entries), entries)
@@ -138,7 +140,7 @@ class Runtime:
         global_process_set.mpi_comm = comm if isinstance(comm, MPI.Comm) else None
         global_process_set._member_rank = topology.rank
         self._sets, self._comms, self._next_id = {0: global_process_set}, {0: base}, 1
-        self._engine, self._timeline = engine, timeline
+        self.active_engine, self._timeline = engine, timeline
         prepared, gathered = self._local_phase_2(MPI, settings, engine, topology, entries, services)
         self._collective_phase_2(MPI, entries, gathered, prepared)
         if settings.gc_freeze:
@@ -307,7 +309,7 @@ class Runtime:
     def shutdown(self) -> None:
         """Stop the engine; pending requests fail. Safe to call more than once; init() may follow."""
         with self._lock:
-            engine, self._engine = self._engine, None
+            engine, self.active_engine = self.active_engine, None
             if engine is None:
                 return
             running, self._running = self._running, {}
@@ -328,7 +330,7 @@ class Runtime:
     def _exit_shutdown(self) -> None:
         """At interpreter exit: shut down; if a failure left a channel thread inside a collective, abort
         the MPI job rather than let MPI_Finalize wait for it forever."""
-        engine, size = self._engine, self._topology.size
+        engine, size = self.active_engine, self._topology.size
         self.shutdown()
         if engine is not None and not engine.clean and size > 1:
             sys.stderr.write("perseus: a collective was left unfinished by a failure; aborting the MPI job so "
@@ -343,11 +345,7 @@ class Runtime:
 
     def is_initialized(self) -> bool:
         """True between init() and shutdown()."""
-        return self._engine is not None
-
-    def running_engine(self):
-        """The engine while perseus runs, else None (never raises: for code that must not start anything)."""
-        return self._engine
+        return self.active_engine is not None
 
     def service(self, name: str):
         """The started service ``name`` (see :class:`Service`; ``"tuner"``), or None when it is not running."""
@@ -360,7 +358,7 @@ class Runtime:
 
     @property
     def engine(self):
-        engine = self._engine
+        engine = self.active_engine
         if engine is None:
             raise ValueError(_NOT_INIT)
         return engine
@@ -379,7 +377,7 @@ class Runtime:
         Raises:
             ValueError: perseus is not initialized.
         """
-        if self._engine is None:
+        if self.active_engine is None:
             raise ValueError(_NOT_INIT)
         return self._topology
 
@@ -570,7 +568,7 @@ class Runtime:
         member = me in ps.ranks
         comm = self._base.Split(0 if member else MPI.UNDEFINED, me)
         if member:
-            self._engine.add_process_set(ps_id, comm, list(ps.ranks))
+            self.active_engine.add_process_set(ps_id, comm, list(ps.ranks))
             self._comms[ps_id] = comm
         ps.process_set_id = ps_id
         ps._member_rank = me

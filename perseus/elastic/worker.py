@@ -92,7 +92,7 @@ def host_of_rank(hosts: list[tuple[str, int]], rank: int) -> str:
 
 def _network_quiet() -> bool:
     """True when this rank has no collective on the network (the Gemini copies then go)."""
-    engine = runtime().running_engine()
+    engine = runtime().active_engine
     return engine is None or engine.open_requests() == 0
 
 

@@ -81,7 +81,7 @@ class SparseHandle:
         engine = self._engine
         if engine is None:
             return None
-        if runtime().running_engine() is not engine:
+        if runtime().active_engine is not engine:
             return PerseusInternalError(f"perseus.sparse_allreduce({self.name!r}): perseus was shut down")
         message = engine.failed
         return None if message is None else PerseusInternalError(f"perseus.sparse_allreduce({self.name!r}): "

@@ -18,7 +18,7 @@ class ProcessSet:
 
     def __init__(self, ranks_or_comm):
         self.process_set_id: Optional[int] = None
-        self._member_rank = -1  # this process's job rank, set by the runtime when it registers the set
+        self._member_rank: Optional[int] = None  # this process's job rank, set by the runtime while registered
         self.mpi_comm = None
         if hasattr(ranks_or_comm, "Get_rank") and hasattr(ranks_or_comm, "Get_group"):
             self.mpi_comm = ranks_or_comm
@@ -32,6 +32,7 @@ class ProcessSet:
 
     def _invalidate(self) -> None:
         self.process_set_id = None
+        self._member_rank = None
 
     def size(self) -> Optional[int]:
         """Number of ranks in the set, or None while it is not registered."""
@@ -40,17 +41,30 @@ class ProcessSet:
         return len(self.ranks)
 
     def rank(self) -> Optional[int]:
-        """This process's rank within the set (-1 if not a member), or None while not registered."""
+        """This process's rank within the set (-1 if not a member), or None while not registered.
+
+        Raises:
+            ValueError: the global set, while perseus is not running.
+        """
         if self.process_set_id is None:
             return None
-        me = self._member_rank
+        me = self._me()
         return self.ranks.index(me) if me in self.ranks else -1
 
     def included(self) -> Optional[bool]:
-        """Whether this process belongs to the set, or None while not registered."""
+        """Whether this process belongs to the set, or None while not registered.
+
+        Raises:
+            ValueError: the global set, while perseus is not running.
+        """
         if self.process_set_id is None:
             return None
-        return self._member_rank in self.ranks
+        return self._me() in self.ranks
+
+    def _me(self) -> int:
+        if self._member_rank is None:  # the global set while perseus is not running
+            raise ValueError("perseus has not been initialized; use hvd.init().")
+        return self._member_rank
 
     def __str__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, mpi_comm={self.mpi_comm})"

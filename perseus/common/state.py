@@ -322,6 +322,7 @@ class Runtime:
             for ps in [*self._sets.values(), *self._given]:
                 if ps is not global_process_set:
                     ps._invalidate()
+            global_process_set._member_rank = None
             self._sets, self._comms, self._given = {}, {}, []
             self._base = None
             for reset in self._job_state_resets:

@@ -63,12 +63,15 @@ def test_dynamic_sets(hvd):
 def test_static_sets_at_init(hvd):
     size, rank = hvd.size(), hvd.rank()
     hvd.shutdown()
+    with pytest.raises(ValueError, match="not been initialized"):  # the global set needs a running perseus
+        hvd.global_process_set.rank()
     first = hvd.ProcessSet([0])
     rest = hvd.ProcessSet(list(range(1, size))) if size > 1 else None
     sets = [first] + ([rest] if rest else [])
     hvd.init(process_sets=sets)
     try:
         assert first.process_set_id == 1
+        assert first.included() == (rank == 0) and hvd.global_process_set.rank() == rank
         mine = first if rank == 0 else rest
         out = hvd.allreduce(torch.ones(3), op=hvd.Sum, name="static", process_set=mine)
         assert out.tolist() == [float(mine.size())] * 3

@@ -41,6 +41,7 @@ LAYERS = [
     ("perseus.compression", 4), ("perseus.sparse", 4),
     ("perseus.autotune", 5), ("perseus.elastic", 5),
     ("perseus.lifecycle", 6), ("perseus.common.api", 6), ("perseus.common.lifecycle", 6),
+    ("perseus.common.elastic", 7),  # Horovod's horovod.common.elastic path: a re-export of perseus.elastic.state
     ("perseus.torch", 7), ("perseus.tensorflow", 7), ("perseus._keras", 7), ("perseus.keras", 7),
     ("perseus.mxnet", 7), ("perseus.compat", 7),
     ("perseus.runner", 0), ("perseus.convert", 0),

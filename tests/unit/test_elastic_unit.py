@@ -677,3 +677,11 @@ def test_host_messages_queue_is_a_queue():
     # Horovod's own elastic test scripts poke at these two attributes.
     state = elastic.TorchState(epoch=0)
     assert isinstance(state._host_messages, queue.Queue) and state._last_updated_timestamp == 0
+
+
+def test_horovod_common_elastic_path_names_the_same_objects():
+    """Code that imports Horovod's horovod.common.elastic (through the alias) gets perseus.elastic.state's."""
+    from perseus.common import elastic as at_horovod_path
+
+    for name in common_elastic.__all__:
+        assert getattr(at_horovod_path, name) is getattr(common_elastic, name), name

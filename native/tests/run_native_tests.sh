@@ -17,15 +17,26 @@ trap 'rm -rf "$WORK"' EXIT
 FLAGS=(-std=c++17 -O1 -g -Wall -Wextra -Werror)
 KERNELS=(native/tests/test_kernels.cc native/kernels.cc native/common.cc)
 
+# Two compilers at a time. `wait PID` returns that build's status; a bare `wait -n && wait -n` would not stop
+# the script under `set -e` when the first of the pair fails (a failure inside && lists is ignored).
+both() {  # both PID PID: wait for the two builds; exit at once if either failed
+  local failed=0
+  wait "$1" || failed=1
+  wait "$2" || failed=1
+  if [ "$failed" -ne 0 ]; then echo "native tests: a build failed (its compiler output is above)" >&2; exit 1; fi
+}
+
 echo "-- building"
 "$MPICXX" "${FLAGS[@]}" -o "$WORK/test_kernels" "${KERNELS[@]}" &
+first=$!
 "$MPICXX" "${FLAGS[@]}" -o "$WORK/test_transport_mpi" native/tests/test_transport_mpi.cc \
   native/transport_mpi.cc native/kernels.cc native/common.cc -lpthread &
-wait -n && wait -n  # two compilers at most; either failing stops the script
+both "$first" $!
 VARIANTS=(shipped baseline)
 "$MPICXX" "${FLAGS[@]}" -O3 -o "$WORK/test_kernels_shipped" "${KERNELS[@]}" &
+first=$!
 "$MPICXX" "${FLAGS[@]}" -O3 -DPERSEUS_NO_TARGET_CLONES -o "$WORK/test_kernels_baseline" "${KERNELS[@]}" &
-wait -n && wait -n
+both "$first" $!
 if grep -qw avx2 /proc/cpuinfo 2>/dev/null; then
   VARIANTS+=(avx2)
   "$MPICXX" "${FLAGS[@]}" -O3 -mavx2 -DPERSEUS_NO_TARGET_CLONES -o "$WORK/test_kernels_avx2" "${KERNELS[@]}"

@@ -108,7 +108,7 @@ void Channel::run_unit(Unit* u) {
     hooks_.unit_failed(u, e.what(), ErrorKind::INTERNAL);
     hooks_.recycle(u);
     return;
-  } catch (const std::exception& e) {
+  } catch (const std::exception& e) {  // reported: the unit fails on every rank with the cause
     hooks_.unit_failed(u, std::string("internal error: ") + e.what(), ErrorKind::INTERNAL);
     hooks_.recycle(u);
     return;

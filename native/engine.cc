@@ -296,7 +296,7 @@ void Engine::run() {
   try {
     while (turn(&loop)) {
     }
-  } catch (const std::exception& e) {
+  } catch (const std::exception& e) {  // reported: every rank's pending work fails with the cause
     fail_thread(e, loop.sets);
   }
   drain(loop.sets);
@@ -414,6 +414,7 @@ void Engine::fail_thread(const std::exception& e, const Sets& sets) {
   try {
     send_outbox(sets, &out);
   } catch (const std::exception&) {
+    // The transport that failed refuses this too: the cause is reported already (abort above).
   }
 }
 
@@ -472,7 +473,10 @@ void Engine::close_all() {
   // (A broken transport refuses: nothing more can be told then, and an exception must not escape here.)
   try {
     send_outbox(sets, &outbox);
-  } catch (const std::exception&) {
+  } catch (const std::exception& e) {
+    // Shutting down on a broken transport: the peers learn of it from their own transport errors.
+    if (hooks_.log)
+      hooks_.log(30, std::string("perseus: the last control messages could not be sent at shutdown: ") + e.what());
   }
   for (auto& s : sets) {
     s->fail_all({ErrorKind::INTERNAL, "perseus has been shut down"}, true);

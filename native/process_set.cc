@@ -197,6 +197,7 @@ bool ProcessSet::close(bool notify_peers) {
     if (notify_peers) send_to_all(encode(ShutdownMessage{}));
     control_->flush_messages(2.0);
   } catch (const std::exception&) {
+    // A broken transport: the peers see their own transport error; closing must still finish.
   }
   // Whatever this thread still holds will never run.
   release_held({ErrorKind::INTERNAL, "perseus has been shut down"});

@@ -203,6 +203,7 @@ class PyEngine {
       try {
         shutdown(5.0);
       } catch (...) {
+        // A destructor must not throw; the engine has reported its own failure to every rank already.
       }
     }
   }

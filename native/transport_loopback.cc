@@ -138,7 +138,7 @@ void complete(Slot& s, int size) {
       default:
         break;
     }
-  } catch (const std::exception& e) {
+  } catch (const std::exception& e) {  // handed to every rank of the exchange, which raises it
     s.error = e.what();
   }
 }

@@ -143,6 +143,7 @@ class Tuner:
         self.result: Optional[Config] = None
         self.samples = 0
         self.searches = 0  # searches finished or under way (re-tuning starts more)
+        self.failure: Optional[str] = None  # rank 0: why the last search stopped early ("Type: message")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="perseus-autotune", daemon=True)
         self._seq = 0
@@ -216,9 +217,10 @@ class Tuner:
             self._tune()
         except _Stopped:
             pass
-        except Exception as exc:  # noqa: BLE001 - the job goes on with the setting in force
+        except Exception as exc:  # noqa: BLE001 - the job goes on with the setting in force, and says so
             if not self._stop.is_set():
-                log.warning("perseus autotune stopped: %s; the job goes on with the setting in force", exc)
+                log.warning("perseus autotune stopped: %s: %s; the job goes on with the setting in force",
+                            type(exc).__name__, exc, exc_info=exc)
         finally:
             for link in self.links.values():
                 link.end()  # what still follows stops (at the same step on every rank)
@@ -284,6 +286,7 @@ class Tuner:
         """One search from start within the step budget; applies, remembers and returns the best setting."""
         self.samples = 0
         self.searches += 1
+        self.failure = None
         if self.rank == 0:
             self.search = Search(self.space, seed=0, start=start)
             names = ["start"] + list(self.search.techniques)
@@ -308,7 +311,7 @@ class Tuner:
                 try:
                     improved = self.search.observe(technique, config, cost)
                 except Exception as exc:  # noqa: BLE001 - the other ranks must still hear a decision
-                    log.warning("perseus autotune: the search failed (%s); keeping the best so far", exc)
+                    self._search_failed("recording a sample", exc)
                     improved = False
                 self._report(technique, config, cost, improved)
         # Measure the two best once more (noise on a shared machine), then keep the better.
@@ -326,7 +329,8 @@ class Tuner:
         kind, _, config = self._exchange(_FINAL, 0, best)
         if self.rank == 0:
             cachelib.store(self.cache_path, digest, self.topology, step_bytes, config, self.search.cost(config))
-        self._finish(config, reason=f"best of {self.samples} samples")
+        failed = f"; the search failed: {self.failure}" if self.rank == 0 and self.failure else ""
+        self._finish(config, reason=f"best of {self.samples} samples{failed}")
         return config
 
     def _watch(self) -> None:
@@ -352,9 +356,20 @@ class Tuner:
         for rank 0's word, so a failure here must end the search, never the thread."""
         try:
             return self.search.next()
-        except Exception as exc:  # noqa: BLE001
-            log.warning("perseus autotune: the search failed (%s); keeping the best so far", exc)
+        except Exception as exc:  # noqa: BLE001 - reported, and the search ends on every rank (below)
+            self._search_failed("proposing the next sample", exc)
             return "", None
+
+    def _search_failed(self, where: str, exc: BaseException) -> None:
+        """Rank 0: the search (Optuna or the bandit) raised. Said once on the perseus log (stderr unless the
+        application set up its own handlers) with the cause; the traceback at debug level. The search then
+        ends and the best setting measured so far is kept (``_finish`` names the failure again)."""
+        text = f"{type(exc).__name__}: {exc}"
+        if self.failure is None:
+            log.warning("perseus autotune: the search failed while %s (%s); it stops here and the job keeps the "
+                        "best setting measured so far", where, text)
+        log.debug("perseus autotune: search failure", exc_info=exc)
+        self.failure = text
 
     def _policy_dimension(self) -> bool:
         """Rank 0, at the start of the first search: whether the compressor policy is searched (and if so, add

@@ -126,7 +126,7 @@ def abort_job(comm, what: str, exc: BaseException) -> None:
     """
     try:
         rank = load_mpi().COMM_WORLD.Get_rank()
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - MPI itself may be what failed; the message then says rank '?'
         rank = "?"
     sys.stderr.write(f"perseus: init() failed on rank {rank} while {what}: {type(exc).__name__}: {exc}\n")
     traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)

@@ -208,7 +208,7 @@ class Runtime:
                 engine.timeline = timeline
             stage = "starting the engine"
             engine.start()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - reported, then the MPI job ends (the others wait in MPI)
             startup.abort_job(world, stage, exc)
         return engine, base, topology
 
@@ -224,7 +224,7 @@ class Runtime:
                 if started is not None:
                     prepared.append((service.name, started))
             mine = [psets.comm_ranks(MPI, ps.mpi_comm, self._base) for ps in entries if ps.ranks is None]
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - carried to the vote below, raised there on every rank
             error = exc
         listed = [ps.ranks for ps in entries if ps.ranks is not None]
         try:
@@ -246,7 +246,7 @@ class Runtime:
                 stage = f"starting the {name}"
                 started.start()
                 self._running[name] = started
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - reported, then the MPI job ends (the others wait in MPI)
             startup.abort_job(self._base, stage, exc)
 
     def _process_set_lists(self, entries: list) -> list:

@@ -37,7 +37,7 @@ def _ask_child(ext_base_name: str, attribute: str, verbose: bool):
     child.join()
     try:
         result = queue.get(timeout=5)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - the child died before answering: the extension is not available
         result = None
     if verbose:
         print(f"Extension {ext_base_name} {'was' if result else 'was NOT'} {attribute or 'built'}.")

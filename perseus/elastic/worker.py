@@ -417,7 +417,7 @@ class ElasticSession:
             try:
                 runtime().shutdown()
                 code = 0
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - said, and the process leaves with EXIT_RESET anyway
                 log.warning("perseus elastic: shutdown before the re-form failed: %s", exc)
         elif graceful:
             try:
@@ -437,7 +437,7 @@ class ElasticSession:
         self._closed.set()
         try:
             self._store.close()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - leaving: the keepers hold the commit; a local copy that cannot close is lost
             pass
         try:
             self._sock.close()
@@ -449,5 +449,5 @@ class ElasticSession:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - a closed or broken stream: there is nowhere left to say it
                 pass

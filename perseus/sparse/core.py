@@ -39,7 +39,7 @@ def _decide(ts: _runtime.TensorState, ss: _runtime.SetState, process_set, table_
         # the previous call's facts feed this choice: every rank must have folded them in
         try:
             prev.wait()
-        except BaseException:  # noqa: BLE001 - its owner sees the error; the history just stays as it was
+        except Exception:  # noqa: BLE001 - its owner sees the error when it waits; the history stays as it was
             pass
     if ts.history is None:
         return "zen", "first call", None, True

@@ -110,3 +110,42 @@ def test_tuner_searches_again_when_steps_slow_down(hvd, tmp_path):
         assert searches >= 2, "a slowdown of the steps did not start a new search"
     finally:
         restart(hvd, old)
+
+
+def test_a_failing_search_is_reported_once_and_the_job_goes_on(hvd, tmp_path, monkeypatch):
+    """Rank 0's search raising (Optuna or the bandit) ends the search on every rank, keeps the best setting
+    measured so far, and says so once on the perseus log with the cause."""
+    import logging
+
+    from perseus.autotune import tuner as tuner_module
+
+    calls = [0]
+    real_next = tuner_module.Search.next
+
+    def failing_next(self):
+        calls[0] += 1
+        if calls[0] >= 2:
+            raise RuntimeError("planted search failure")
+        return real_next(self)
+
+    monkeypatch.setattr(tuner_module.Search, "next", failing_next)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("perseus").addHandler(handler)
+    env = {"PERSEUS_AUTOTUNE": "1", "PERSEUS_AUTOTUNE_BUDGET_STEPS": "30", "PERSEUS_AUTOTUNE_STEPS_PER_SAMPLE": "2",
+           "PERSEUS_AUTOTUNE_WARMUP_SAMPLES": "0", "PERSEUS_CACHE_DIR": "/proc/perseus-test-no-cache"}
+    old = {k: os.environ.get(k) for k in env}
+    try:
+        restart(hvd, env)
+        tuner, _ = _train_until_tuned(hvd)
+        assert tuner.result is not None
+        if hvd.rank() == 0:
+            assert tuner.failure == "RuntimeError: planted search failure"
+            said = [r.getMessage() for r in records if "search failed" in r.getMessage()]
+            assert len(said) == 1 and "planted search failure" in said[0], said
+        everyone = hvd.allgather_object(tuner.result)
+        assert all(e == everyone[0] for e in everyone), everyone
+    finally:
+        logging.getLogger("perseus").removeHandler(handler)
+        restart(hvd, old)

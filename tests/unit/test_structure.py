@@ -3,7 +3,8 @@
 tools/import_graph.py: no cycle between files of perseus/ or native/ (except those it allows, with the
 reason docs/architecture.md gives), no import from a lower layer to a higher one, no import of a perseus
 module hidden inside a function. tools/function_lengths.py: no function over 80 lines except the table-like
-ones it lists.
+ones it lists. tools/broad_catches.py: no broad exception handler (``except Exception``, ``catch (...)``) that
+neither re-raises nor says why swallowing is safe.
 """
 
 import os
@@ -15,7 +16,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.parametrize("tool", ["import_graph.py", "function_lengths.py"])
+@pytest.mark.parametrize("tool", ["import_graph.py", "function_lengths.py", "broad_catches.py"])
 def test_structure_rules_hold(tool):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", tool), "--check"], capture_output=True,
                           text=True, timeout=120)
@@ -49,3 +50,23 @@ def test_function_lengths_counts_cpp_and_python(tmp_path):
     py = tmp_path / "x.py"
     py.write_text("def f():\n    def g():\n        pass\n    return g\n")
     assert {n: l for n, _, l in function_lengths.python_functions(str(py))} == {"f": 4, "g": 2}
+
+
+def test_broad_catches_finds_silent_handlers(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import broad_catches
+    finally:
+        sys.path.pop(0)
+    py = tmp_path / "m.py"
+    py.write_text("try:\n    f()\nexcept Exception:  # noqa: BLE001\n    pass\n"       # lint marker only: found
+                  "try:\n    f()\nexcept BaseException:\n    cleanup()\n    raise\n"   # re-raises: fine
+                  "try:\n    f()\nexcept (OSError, Exception):  # noqa: BLE001 - why\n    pass\n"  # a reason
+                  "try:\n    f()\nexcept:\n    pass\n"                                  # bare: found
+                  "try:\n    f()\nexcept ValueError:\n    pass\n")                     # narrow: fine
+    assert [line for line, _ in broad_catches.python_findings(str(py))] == [3, 16]
+    cc = tmp_path / "m.cc"
+    cc.write_text("void f() {\n  try { g(); } catch (...) {\n  }\n"
+                  "  try { g(); } catch (...) {\n    undo();\n    throw;\n  }\n"
+                  "  try { g(); } catch (const std::exception&) {  // why\n  }\n}\n")
+    assert [line for line, _ in broad_catches.cpp_findings(str(cc))] == [2]

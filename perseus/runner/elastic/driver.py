@@ -265,7 +265,7 @@ class ElasticDriver:
             for keeper in self.keepers.values():
                 try:
                     keeper.stop()
-                except Exception:  # noqa: BLE001
+                except Exception:  # noqa: BLE001 - leaving: one keeper that fails to stop must not keep the others
                     pass
             self.server.close()
 

@@ -5,6 +5,9 @@
   than this run has. A missing package, a machine that cannot host the emulated cluster, a missing compiler:
   each of those would let a claim of the docs go untested while the run still reads green, so CI fails
   instead and the reason is in the report. Outside CI such tests skip and say why (``-rs`` lists them).
+- Before each test, Open MPI session directories of killed mpirun processes are removed
+  (perseus.runner.session_dirs): a test that starts mpirun directly would otherwise fail at random when its
+  process id is one a killed mpirun had.
 """
 
 import os
@@ -12,11 +15,19 @@ import re
 
 import pytest
 
+from perseus.runner.session_dirs import remove_stale_session_dirs
+
 # Skip reasons that depend only on how many ranks the suite runs with (it runs at 2 and 3 ranks; some tests
 # need exactly one of those, some need several).
 STRUCTURAL_SKIP = re.compile(
     r"needs (\d\+? |several |exactly \d )?ranks?|needs \d\+? ranks|at one rank|^one rank:|fewer columns than ranks",
     re.IGNORECASE)
+
+
+@pytest.fixture(autouse=True)
+def _no_stale_mpi_session_dirs():
+    remove_stale_session_dirs()
+    yield
 
 
 def _in_ci() -> bool:

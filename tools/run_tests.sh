@@ -27,6 +27,9 @@ SKIPS=()
 stage() {  # stage NAME CMD...: run CMD, its output also kept in a log; a failure is remembered by NAME
   local name="$1"; shift
   local log="$LOG_DIR/$(echo "$name" | tr -c 'A-Za-z0-9\n' '_').log"
+  # Open MPI session directories of killed mpirun processes (an earlier stage's fault tests kill some) would
+  # make an mpirun that gets the same process id fail at start-up (perseus/runner/session_dirs.py).
+  "$BIN/python" -m perseus.runner.session_dirs
   if ! "$@" 2>&1 | tee "$log"; then
     status=1
     FAILED_STAGES+=("$name")

@@ -20,6 +20,7 @@ from perseus.runner.elastic.driver import ElasticDriver
 from perseus.runner.elastic.keeper_process import start_keeper
 from perseus.runner.elastic_flags import check_elastic_args
 from perseus.runner.errors import PROG, LaunchError
+from perseus.runner.session_dirs import remove_stale_session_dirs
 
 __all__ = ["launch_elastic"]
 
@@ -101,7 +102,9 @@ def _generation_starter(args: argparse.Namespace, mpirun: str, flavour: mpi_run.
             output_filename=args.output_filename, mpi_args=mpi_args, as_root=as_root, prefix=prefix, **mpi_options)
         if args.verbose:
             print(f"{PROG}: {shlex.join(plan.argv)}", file=sys.stderr, flush=True)
-        return subprocess.Popen(plan.argv, env={**env, **plan.env}, start_new_session=True)
+        full_env = {**env, **plan.env}
+        remove_stale_session_dirs(full_env.get("TMPDIR"))  # a reused process id would fail mpirun (status 213)
+        return subprocess.Popen(plan.argv, env=full_env, start_new_session=True)
 
     return start
 

@@ -25,6 +25,7 @@ from perseus.runner import mpi_run
 from perseus.runner.config_file import config_argv
 from perseus.runner.elastic_flags import ELASTIC_FLAGS, check_elastic_args
 from perseus.runner.errors import PROG, LaunchError
+from perseus.runner.session_dirs import remove_stale_session_dirs
 
 __all__ = ["LaunchError", "main", "parse_args", "flags_to_env", "check_build"]
 
@@ -317,6 +318,7 @@ def _flavour(mpirun: str, choice: str) -> mpi_run.MpiFlavour:
 
 
 def _run(argv: list[str], env: dict[str, str]) -> int:
+    remove_stale_session_dirs(env.get("TMPDIR"))  # or a reused process id can make mpirun fail (status 213)
     try:
         child = subprocess.Popen(argv, env=env)
     except OSError as exc:

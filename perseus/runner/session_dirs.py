@@ -1,0 +1,78 @@
+"""Open MPI session directories left behind by dead ``mpirun`` processes.
+
+Open MPI 5 (PRRTE and PMIx) keeps each ``mpirun``'s rendezvous files in ``$TMPDIR/ompi.<pid>`` (``/tmp`` when
+TMPDIR is unset) and removes the directory when that ``mpirun`` ends normally. An ``mpirun`` that is killed
+(SIGKILL, an out-of-memory kill, a job scheduler's time limit) leaves it behind. When a later ``mpirun``
+happens to get the same process id (Linux reuses ids; many machines wrap at 32768), its PMIx server finds
+the old files and ``mpirun`` fails at once with status 213: "The PMIx server's listener thread failed to
+start". The launcher removes such leftovers before it starts ``mpirun``.
+
+A directory is removed only when all of these hold: its name is exactly ``ompi.<digits>``, it belongs to this
+user, and no process with that id exists (so it cannot be the directory of a running ``mpirun`` in this
+process-id namespace).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from typing import Optional
+
+__all__ = ["stale_session_dirs", "remove_stale_session_dirs"]
+
+_NAME = re.compile(r"ompi\.(\d+)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        return True
+    return True
+
+
+def _base(tmpdir: Optional[str]) -> str:
+    return tmpdir or os.environ.get("TMPDIR") or "/tmp"
+
+
+def stale_session_dirs(tmpdir: Optional[str] = None) -> list:
+    """Paths of this user's Open MPI session directories in ``tmpdir`` (default: $TMPDIR or /tmp) whose
+    ``mpirun`` no longer exists. Never raises: an unreadable directory has no leftovers to report."""
+    base = _base(tmpdir)
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return []
+    uid = os.getuid()
+    out = []
+    for name in names:
+        match = _NAME.fullmatch(name)
+        if match is None:
+            continue
+        path = os.path.join(base, name)
+        try:
+            st = os.lstat(path)
+        except OSError:  # removed meanwhile
+            continue
+        if st.st_uid == uid and os.path.isdir(path) and not os.path.islink(path) and not _alive(int(match.group(1))):
+            out.append(path)
+    return sorted(out)
+
+
+def remove_stale_session_dirs(tmpdir: Optional[str] = None) -> list:
+    """Remove :func:`stale_session_dirs` and return the paths removed. Local; never raises (a directory that
+    cannot be removed is left as it is and not returned)."""
+    removed = []
+    for path in stale_session_dirs(tmpdir):
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.exists(path):
+            removed.append(path)
+    return removed
+
+
+if __name__ == "__main__":  # python -m perseus.runner.session_dirs: clean up, say what was removed
+    for gone in remove_stale_session_dirs():
+        print(f"removed {gone} (its mpirun no longer runs)")

@@ -11,6 +11,7 @@ with the same name, dtype, shape (first dimension excepted for allgather/alltoal
 
 from __future__ import annotations
 
+import operator
 import threading
 from typing import Any, Callable, Optional, Sequence
 
@@ -221,6 +222,19 @@ def grouped_allgather_async(arrays, allocs, name=None, process_set=global_proces
     return runtime().engine.submit(ps_id, _ALLGATHER, items, _gathered(allocs, finish), arrays)
 
 
+def root_index(root_rank, what: str = "broadcast") -> int:
+    """``root_rank`` as an int (a Python or NumPy integer, or a 0-d integer tensor).
+
+    Raises:
+        TypeError: anything else (a float, None, a string), which int() would silently turn into a rank.
+    """
+    try:
+        return operator.index(root_rank)
+    except TypeError:
+        raise TypeError(f"perseus.{what}: root_rank must be an int (a rank of the job), not "
+                        f"{type(root_rank).__name__} {root_rank!r}") from None
+
+
 def broadcast_async(array: np.ndarray, output: np.ndarray, root_rank: int, name=None,
                     process_set=global_process_set, priority: int = 0, dtype: Optional[DType] = None,
                     finish=lambda r: r[0]) -> int:
@@ -229,7 +243,7 @@ def broadcast_async(array: np.ndarray, output: np.ndarray, root_rank: int, name=
     ``root_rank`` is a rank of the job (as in Horovod), and must belong to ``process_set``.
     """
     ps_id, size, _ = _info(process_set)
-    root_rank = int(root_rank)
+    root_rank = root_index(root_rank)
     members = runtime().process_set_ranks(ps_id)
     if root_rank not in members:
         raise ValueError(f"perseus.broadcast: root_rank {root_rank} is not a rank of the process set "
@@ -289,6 +303,9 @@ def grouped_reducescatter_async(arrays, allocs, name=None, op=ReduceOp.AVERAGE, 
         dt = _dt(dtypes, i, arr, "reducescatter")
         if arr.ndim == 0:
             raise ValueError("perseus.reducescatter: the tensor needs at least one dimension to scatter")
+        if dt is DType.BOOL and op == ReduceOp.AVERAGE:
+            raise ValueError("perseus.reducescatter: op=Average is not defined for bool tensors; use Sum, Min or "
+                             "Max")
         # The output size is known up front: rank r keeps its share of the first dimension.
         out = alloc((even_counts(arr.shape[0], size)[rank],) + tuple(arr.shape[1:]))
         outputs.append(out)

@@ -55,6 +55,7 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
 class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, process_set):
+        _dtype(tensor)  # a clear TypeError for a non-tensor, before its shape is read
         ctx.dim = tensor.shape[0] if tensor.dim() else 1
         ctx.process_set = process_set
         return synchronize(allgather_async(tensor, name, process_set))
@@ -90,6 +91,8 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
 class _GroupedAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, process_set, *tensors):
+        for t in tensors:
+            _dtype(t)  # a clear TypeError for a non-tensor, before its shape is read
         ctx.dims = [t.shape[0] if t.dim() else 1 for t in tensors]
         ctx.process_set = process_set
         return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))

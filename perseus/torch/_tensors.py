@@ -50,7 +50,9 @@ def _dtype(t: torch.Tensor) -> DType:
     try:
         dt = _DTYPES[t.dtype]
     except KeyError:
-        raise ValueError(f"Tensor type {t.type()} is not supported.") from None
+        raise ValueError(f"Tensor type {t.type()} is not supported. perseus takes "
+                         f"{', '.join(str(d).replace('torch.', '') for d in _DTYPES)} tensors; convert it "
+                         "(for example with .float() or .view_as_real())") from None
     if t.layout is not torch.strided:
         raise ValueError("perseus: sparse tensors are not supported here; use sparse_allreduce_async or "
                          "sparse_as_dense=True")

@@ -9,9 +9,9 @@ before anything is sent (an argument checked locally). In a real job such a rank
 (tests/integration/test_failures.py, "uncaught"); here the rank catches it and makes the call again with the
 ordinary value, so that the other ranks' request completes and the table goes on.
 
-Disagreements that can only end in a stall (a name that differs between ranks, a call that some rank never
-makes, grouped calls with a different number of tensors) end the job by design and are covered by the
-subprocess tests of tests/integration/test_failures.py.
+Disagreements that can only end in a stall (a name or a collective that differs between ranks, grouped calls
+with a different number of tensors, a call that some rank never makes) end the job by design and are covered
+by the subprocess tests of tests/integration/test_bad_input_stalls.py and test_failures.py.
 """
 
 from __future__ import annotations

@@ -59,6 +59,18 @@ def _dtype(t: torch.Tensor) -> DType:
     return dt
 
 
+def _tensor_list(tensors, what: str) -> list:
+    """``tensors`` (a list or tuple of tensors) as a list.
+
+    Raises:
+        TypeError: a single tensor (which would be split into its rows) or something not iterable.
+    """
+    if isinstance(tensors, torch.Tensor) or not hasattr(tensors, "__iter__"):
+        raise TypeError(f"perseus.{what}: expected a list of tensors, got {type(tensors).__name__}; wrap a single "
+                        f"tensor in a list")
+    return list(tensors)
+
+
 def _np(t: torch.Tensor) -> np.ndarray:
     """Zero-copy NumPy view of a contiguous CPU tensor (bfloat16 as uint16 words).
 

@@ -53,6 +53,15 @@ class Reader {
     return s;
   }
   std::string str() { return str(get<uint32_t>()); }  // as Writer::put_str wrote it
+  // A uint32 count of the items that follow, each at least `min_bytes` long. Throws when the rest of the
+  // message cannot hold that many, so that a count read off the wire never sizes an allocation by itself.
+  uint32_t count(size_t min_bytes) {
+    const uint32_t n = get<uint32_t>();
+    if (min_bytes > 0 && n > static_cast<size_t>(end_ - p_) / min_bytes)
+      throw TransportError(std::string("perseus: truncated ") + what_ + " (a count of " + std::to_string(n) +
+                           " items that the message cannot hold)");
+    return n;
+  }
 
  private:
   void need(size_t n) const {

@@ -72,7 +72,7 @@ void decode(const std::string& bytes, ProbeAnswer* m) {
   m->id = in.get<int64_t>();
   m->joined = in.get<uint8_t>() != 0;
   m->round = in.get<int64_t>();
-  const uint32_t n = in.get<uint32_t>();
+  const uint32_t n = in.count(sizeof(uint32_t));  // each name: at least its length
   m->pending.clear();
   for (uint32_t i = 0; i < n; ++i) m->pending.push_back(in.str());
   m->where = in.str();

@@ -108,11 +108,19 @@ void put_signature(Writer* w, const Signature& s) {
   w->put<int32_t>(s.device);
 }
 
+// Bytes of a pending entry without its name's bytes and its shape: the name's length and the fixed fields.
+constexpr size_t kMinEntryBytes = 4 + 4 + 4 + 4 + 4 + 4 + 8 + 8 + 4 + 4;
+
+// Throws TransportError for an op type or dtype this build does not know: they index tables later.
 Signature get_signature(Reader* in) {
   Signature s;
-  s.op_type = static_cast<OpType>(in->get<int32_t>());
-  s.dtype = static_cast<DType>(in->get<int32_t>());
-  const uint32_t nd = in->get<uint32_t>();
+  const int32_t op = in->get<int32_t>(), dt = in->get<int32_t>();
+  if (op < 0 || op > static_cast<int32_t>(OpType::TUNE) || dt < 0 || dt >= kNumDTypes)
+    throw TransportError("perseus: a " + std::string(kWhat) + " with an unknown collective (" + std::to_string(op) +
+                         ") or dtype (" + std::to_string(dt) + ") (the ranks run different perseus versions)");
+  s.op_type = static_cast<OpType>(op);
+  s.dtype = static_cast<DType>(dt);
+  const uint32_t nd = in->count(sizeof(int64_t));
   s.shape.resize(nd);
   for (uint32_t d = 0; d < nd; ++d) s.shape[d] = in->get<int64_t>();
   s.reduce_op = in->get<int32_t>();
@@ -173,7 +181,7 @@ void Negotiator::read_payloads(const std::vector<std::string>& payloads, Exchang
   for (size_t r = 0; r < payloads.size(); ++r) {
     Reader in(payloads[r], kWhat);
     exchange->active[r] = in.get<uint8_t>() == 0;  // a joined rank submits nothing of its own
-    const uint32_t n = in.get<uint32_t>();
+    const uint32_t n = in.count(kMinEntryBytes);
     for (uint32_t i = 0; i < n; ++i) {
       std::string name = in.str();
       Signature s = get_signature(&in);

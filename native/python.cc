@@ -13,6 +13,7 @@
 #include <mutex>
 #include <thread>
 
+#include "decode_for_test.h"
 #include "engine.h"
 #include "settings.h"
 #include "transport.h"
@@ -611,6 +612,7 @@ PYBIND11_MODULE(_core, m) {
            "In-process ranks (threads) for tests: pass it to Engine.add_loopback_process_set.")
       .def("fail", [](PyWorld& w, const std::string& message) { loopback_world_fail(w.world, message); });
   bind_settings(m);
+  perseus::register_decode_for_test(m);  // a test hook: the message decoders on arbitrary bytes
   py::class_<PyEngine>(m, "Engine")
       .def(py::init<const Settings&, int, py::object, py::object, py::tuple>(), py::arg("settings"),
            py::arg("world_rank"), py::arg("where"), py::arg("log"), py::arg("errors"))

@@ -11,6 +11,8 @@ with the same name, dtype, shape (first dimension excepted for allgather/alltoal
 
 from __future__ import annotations
 
+import math
+import operator
 import threading
 from typing import Any, Callable, Optional, Sequence
 
@@ -123,6 +125,24 @@ def _target(process_set: ProcessSet):
     return _runtime.engine, ps_id
 
 
+def _factors(prescale_factor, postscale_factor, what: str) -> tuple[float, float]:
+    """The two scale factors as floats.
+
+    Raises:
+        TypeError: one is not a number. ValueError: one is NaN or infinite (a NaN never equals itself, so the
+            ranks could not even agree on it).
+    """
+    try:
+        pre, post = float(prescale_factor), float(postscale_factor)
+    except (TypeError, ValueError):
+        raise TypeError(f"perseus.{what}: prescale_factor and postscale_factor must be numbers, got "
+                        f"{prescale_factor!r} and {postscale_factor!r}") from None
+    if not (math.isfinite(pre) and math.isfinite(post)):
+        raise ValueError(f"perseus.{what}: prescale_factor and postscale_factor must be finite, got {pre!r} and "
+                         f"{post!r}")
+    return pre, post
+
+
 #: float16, bfloat16, float32, float64: what Adasum combines
 _FLOATS = (5, 6, 7, 8)
 
@@ -152,6 +172,8 @@ def allreduce_async(array, output, name: Optional[str] = None, op=ReduceOp.AVERA
         raise ValueError("perseus.allreduce: op=Average is not defined for bool tensors; use Sum, Min or Max")
     if op == 2 and int(dtype) not in _FLOATS:
         _adasum_dtype(dtype)
+    if prescale_factor != 1.0 or postscale_factor != 1.0:
+        prescale_factor, postscale_factor = _factors(prescale_factor, postscale_factor, "allreduce")
     return engine.submit_one(ps_id, _ALLREDUCE, _name("allreduce", name, ps_id), dtype,
                              array.shape if shape is None else shape, array, output, op, -1,
                              float(prescale_factor), float(postscale_factor), int(priority), None, finish,
@@ -165,7 +187,8 @@ def grouped_allreduce_async(arrays: Sequence[np.ndarray], outputs: Sequence[np.n
     """Start allreduces of several arrays, negotiated together. Returns one handle for the group."""
     op = ReduceOp(int(op))
     ps_id, _, _ = _info(process_set)
-    op, pre, post, priority = int(op), float(prescale_factor), float(postscale_factor), int(priority)
+    pre, post = _factors(prescale_factor, postscale_factor, "allreduce")
+    op, priority = int(op), int(priority)
     base = _name("allreduce", name, ps_id)
     items = []
     for i, (arr, out) in enumerate(zip(arrays, outputs)):
@@ -191,7 +214,7 @@ def device_allreduce_async(shapes, dtypes, pointers, name, op, prescale_factor, 
     """
     op = int(op)
     ps_id, _, _ = _info(process_set)
-    pre, post = float(prescale_factor), float(postscale_factor)
+    pre, post = _factors(prescale_factor, postscale_factor, "allreduce")
     base = _name("allreduce", name, ps_id)
     names = [base] if single else [f"{base}.{i}" for i in range(len(shapes))]
     items = [Request(name=n, dtype=int(dt), shape=shape, input=ptr, output=ptr, reduce_op=op, prescale=pre,
@@ -221,6 +244,19 @@ def grouped_allgather_async(arrays, allocs, name=None, process_set=global_proces
     return runtime().engine.submit(ps_id, _ALLGATHER, items, _gathered(allocs, finish), arrays)
 
 
+def root_index(root_rank, what: str = "broadcast") -> int:
+    """``root_rank`` as an int (a Python or NumPy integer, or a 0-d integer tensor).
+
+    Raises:
+        TypeError: anything else (a float, None, a string), which int() would silently turn into a rank.
+    """
+    try:
+        return operator.index(root_rank)
+    except TypeError:
+        raise TypeError(f"perseus.{what}: root_rank must be an int (a rank of the job), not "
+                        f"{type(root_rank).__name__} {root_rank!r}") from None
+
+
 def broadcast_async(array: np.ndarray, output: np.ndarray, root_rank: int, name=None,
                     process_set=global_process_set, priority: int = 0, dtype: Optional[DType] = None,
                     finish=lambda r: r[0]) -> int:
@@ -229,7 +265,7 @@ def broadcast_async(array: np.ndarray, output: np.ndarray, root_rank: int, name=
     ``root_rank`` is a rank of the job (as in Horovod), and must belong to ``process_set``.
     """
     ps_id, size, _ = _info(process_set)
-    root_rank = int(root_rank)
+    root_rank = root_index(root_rank)
     members = runtime().process_set_ranks(ps_id)
     if root_rank not in members:
         raise ValueError(f"perseus.broadcast: root_rank {root_rank} is not a rank of the process set "
@@ -256,7 +292,11 @@ def alltoall_async(array: np.ndarray, splits: Optional[np.ndarray], alloc: Alloc
     shape = tuple(array.shape) if array.ndim else (1,)
     if splits is None:
         splits = even_splits(shape[0], size)
-    splits = np.asarray(splits, np.int64).reshape(-1)
+    raw = np.asarray(splits)
+    if raw.dtype.kind not in "iu" and raw.size:
+        raise TypeError(f"perseus.alltoall: splits must be integers (the rows for each rank), got "
+                        f"{raw.dtype} {raw.tolist()!r}")
+    splits = raw.astype(np.int64).reshape(-1)
     if splits.size != size:
         raise ValueError(f"perseus.alltoall: splits has {splits.size} entries but the process set has {size} "
                          "ranks; give one count per rank")
@@ -283,18 +323,22 @@ def grouped_reducescatter_async(arrays, allocs, name=None, op=ReduceOp.AVERAGE, 
     if op not in (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT):
         raise ValueError(f"perseus.reducescatter: unsupported op {op!r}")
     ps_id, size, rank = _info(process_set)
+    pre, post = _factors(prescale_factor, postscale_factor, "reducescatter")
     base = _name("reducescatter", name, ps_id)
     items, outputs = [], []
     for i, (arr, alloc) in enumerate(zip(arrays, allocs)):
         dt = _dt(dtypes, i, arr, "reducescatter")
         if arr.ndim == 0:
             raise ValueError("perseus.reducescatter: the tensor needs at least one dimension to scatter")
+        if dt is DType.BOOL and op == ReduceOp.AVERAGE:
+            raise ValueError("perseus.reducescatter: op=Average is not defined for bool tensors; use Sum, Min or "
+                             "Max")
         # The output size is known up front: rank r keeps its share of the first dimension.
         out = alloc((even_counts(arr.shape[0], size)[rank],) + tuple(arr.shape[1:]))
         outputs.append(out)
         items.append(Request(name=base if _single else f"{base}.{i}", dtype=int(dt), shape=arr.shape, input=arr,
-                             output=out, reduce_op=int(op), prescale=float(prescale_factor),
-                             postscale=float(postscale_factor), priority=int(priority)))
+                             output=out, reduce_op=int(op), prescale=pre, postscale=post,
+                             priority=int(priority)))
     results = [Result(out, None) for out in outputs]
     return runtime().engine.submit(ps_id, _REDUCESCATTER, items, lambda _r: finish(results), (arrays, outputs))
 

@@ -37,7 +37,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
     Raises ValueError if this rank is not in ``process_set``.
     """
     name = name or type(obj).__name__
-    root_rank = int(root_rank)
+    root_rank = _c.root_index(root_rank, "broadcast_object")
     if runtime().rank() == root_rank:
         payload = np.frombuffer(cloudpickle.dumps(obj), np.uint8).copy()
         length = np.array([payload.size], np.int64)

@@ -591,10 +591,13 @@ class Runtime:
         """``(id, size, rank_in_set)`` of a registered set this rank belongs to.
 
         Raises:
-            ValueError: the set is not registered; :class:`NotAMemberError` (a ValueError): this rank is not
-                a member.
+            TypeError: ``process_set`` is not a ProcessSet (None, a set id). ValueError: the set is not
+                registered; :class:`NotAMemberError` (a ValueError): this rank is not a member.
         """
         self.engine
+        if not isinstance(process_set, ProcessSet):
+            raise TypeError(f"perseus: process_set must be a ProcessSet (global_process_set, or one from "
+                            f"add_process_set), not {type(process_set).__name__} {process_set!r}")
         ps_id = process_set.process_set_id
         if ps_id is None or ps_id not in self._sets:
             raise ValueError(f"perseus: {process_set} is not registered; register it with init(process_sets=...) "

@@ -43,7 +43,8 @@ def run(func: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, 
         NotImplementedError: elastic arguments (``min_np``/``max_np``/``host_discovery_script``,
             ``reset_limit``, ``cooldown_range``, ``slots``; ``perseusrun --host-discovery-script`` runs elastic jobs)
             and ``use_gloo=True``: not supported.
-        ValueError: ``np`` and ``num_proc`` disagree, or fewer than 1 process.
+        ValueError: ``np`` and ``num_proc`` disagree, fewer than 1 process, or ``hosts``/``hostfile`` is
+            malformed, unreadable or both are given.
     """
     # Imported on call, not with the package: run_func imports launch, and `python -m perseus.runner.launch`
     # imports this package before it runs launch as __main__; launch loaded here would then load twice.

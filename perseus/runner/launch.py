@@ -12,6 +12,7 @@ import argparse
 import importlib.util
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,19 +38,21 @@ class _Parser(argparse.ArgumentParser):
         raise LaunchError(" ".join(message.split()) + f"; see {PROG} --help")
 
 
-def _number(kind: Callable[[str], Any], low: float, what: str) -> Callable[[str], Any]:
+def _number(kind: Callable[[str], Any], low: float, what: str, high: float = float("inf")) -> Callable[[str], Any]:
     def convert(text: str) -> Any:
         try:
             value = kind(text)
         except ValueError:
             value = None
-        if value is None or value < low or value != value:
+        if value is None or value < low or value > high or value != value:
             raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
         return value
     return convert
 
 
 _pos_int = _number(int, 1, "a positive integer")
+_count = _number(int, 1, "a positive integer below 2**31", 2 ** 31 - 1)  # mpirun reads larger ones as negative
+_port = _number(int, 1, "a port number from 1 to 65535", 65535)
 
 
 def _text(value: Any) -> str:
@@ -96,7 +99,7 @@ def _build_parser() -> argparse.ArgumentParser:
                 description="Launch a perseus (Horovod-compatible) job through mpirun.",
                 epilog=f"example: {PROG} -np 4 -H node1:2,node2:2 python train.py")
     p.add_argument("-v", "--version", action="version", version=__version__)
-    p.add_argument("-np", "--num-proc", dest="num_proc", type=_pos_int, help="number of processes (required)")
+    p.add_argument("-np", "--num-proc", dest="num_proc", type=_count, help="number of processes (required)")
     p.add_argument("-cb", "--check-build", action="store_true",
                    help="show the frameworks, controllers and tensor operations available, then exit")
     p.add_argument("--start-timeout", type=_pos_int, help="seconds allowed for pre-launch checks such as host "
@@ -126,7 +129,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jsrun", action="store_true", help=argparse.SUPPRESS)
 
     g = p.add_argument_group("ssh")
-    g.add_argument("-p", "--ssh-port", type=_pos_int, help="ssh port of the remote hosts")
+    g.add_argument("-p", "--ssh-port", type=_port, help="ssh port of the remote hosts")
     g.add_argument("-i", "--ssh-identity-file", help="ssh private key for the remote hosts")
     g.add_argument("--skip-ssh-check", action="store_true",
                    help="do not log in to each remote host with ssh before launching (for an MPI configured "
@@ -167,6 +170,16 @@ def _check_local_nics(nics: Sequence[str]) -> None:
                           f"(it has {', '.join(have)}); name one of them")
 
 
+def _check_local_command(program: str, paths: Sequence[str | None]) -> None:
+    """Raise :class:`LaunchError` when every rank runs on this host and ``program`` is not an executable here
+    (on the launcher's PATH or the ranks'): one line instead of mpirun's report. Remote hosts are not checked
+    (their files may differ)."""
+    if any(shutil.which(program, path=p) for p in paths if p) or shutil.which(program):
+        return
+    where = "is not an executable file" if os.sep in program else "is not on PATH"
+    raise LaunchError(f"cannot run {program!r}: it {where} on this host; check the command after the options")
+
+
 def mpi_options(args: argparse.Namespace) -> dict[str, Any]:
     """The keyword arguments of :func:`perseus.runner.mpi_run.build_command` that come from horovodrun's
     library flags (--binding-args, --tcp, --prefix-output-with-timestamp)."""
@@ -197,6 +210,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.mpi = "auto"
     if args.command[:1] == ["--"]:
         args.command = args.command[1:]
+    empty = [item for item in args.nics if not item.strip(", ")]
+    if empty:
+        raise LaunchError(f"--network-interface {empty[0]!r} names no interface; give one or more names, e.g. "
+                          "--network-interface eth0")
     args.nics = list(dict.fromkeys(n.strip() for item in args.nics for n in item.split(",") if n.strip()))
     return args
 
@@ -400,6 +417,8 @@ def _launch(args: argparse.Namespace, env_extra: Mapping[str, str] | None = None
         return 0
     if args.nics and len(remote) < len({h.host for h in hosts}):
         _check_local_nics(args.nics)
+    if not remote:
+        _check_local_command(args.command[0], (env.get("PATH"), plan.env.get("PATH")))
     if args.verbose:
         print(f"{PROG}: {plan.shell_line()}", file=sys.stderr, flush=True)
     if args.output_filename and flavour.name == mpi_run.MPICH:

@@ -131,7 +131,8 @@ def run(func: Callable[..., Any], args: tuple = (), kwargs: Optional[dict] = Non
 
     Returns the return values in rank order. Raises :class:`RunError` naming the ranks that failed (with the
     first failure's traceback; the original exception is chained when it could be transported), or that
-    ended without a result (crashed, killed, or the job could not start: perseusrun's error is printed).
+    ended without a result (crashed, killed, or the job could not start: perseusrun's error is printed);
+    ValueError for a malformed ``hosts``/``hostfile``, before anything starts.
     """
     import cloudpickle  # only perseus.run's caller needs it (14 ms to import)
 
@@ -174,13 +175,22 @@ def run(func: Callable[..., Any], args: tuple = (), kwargs: Optional[dict] = Non
 
 
 def _host_names(hosts: Optional[str], hostfile: Optional[str]) -> list[str]:
+    """The host names of ``hosts`` (``"node1:4,node2:4"``) or ``hostfile``; ``["localhost"]`` when neither is
+    given.
+
+    Raises:
+        ValueError: both are given, or the list or file is malformed, empty or unreadable (the message names
+            the entry or line and the expected form).
+    """
+    if hosts and hostfile:
+        raise ValueError("perseus.run: hosts and hostfile were both given; use one of them")
     try:
         if hosts:
             return [h.host for h in hostlib.parse_hosts(hosts)]
         if hostfile:
             return [h.host for h in hostlib.parse_hostfile(hostfile)]
-    except Exception:  # noqa: BLE001 - perseusrun reports the bad host list itself
-        pass
+    except ValueError as exc:
+        raise ValueError(f"perseus.run: {exc}") from None
     return ["localhost"]
 
 

@@ -18,7 +18,7 @@ from perseus.common.reduce_ops import resolve_op
 from perseus.compression import Pending, Reducer
 from perseus.torch import device as _device
 from perseus.torch import staging as _staging
-from perseus.torch._tensors import _contig, _dtype, _np, _runtime, synchronize
+from perseus.torch._tensors import _contig, _dtype, _np, _runtime, _tensor_list, synchronize
 from perseus.torch.compression import Compression
 
 __all__ = [
@@ -175,6 +175,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=global_process_set):
     """Start allreduces of a list of tensors, negotiated together; return one handle."""
+    tensors = _tensor_list(tensors, "grouped_allreduce")
     dts = [_dtype(t) for t in tensors]
     op = _op(op, average)
     if tensors and not (_plain_cpu and all(t.is_cpu for t in tensors)):
@@ -191,6 +192,7 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set):
     """Start in-place allreduces of a list of tensors, negotiated together; return one handle."""
+    tensors = _tensor_list(tensors, "grouped_allreduce_")
     dts = [_dtype(t) for t in tensors]
     if not all(t.is_contiguous() for t in tensors):
         raise ValueError("Tensor is required to be contiguous.")
@@ -229,7 +231,7 @@ class _GroupedAllreduce(torch.autograd.Function):
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
                       prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
     """Return the allreduce of each tensor in ``tensors``, negotiated and fused together. Differentiable."""
-    pairs = [compression.compress(t) for t in tensors]
+    pairs = [compression.compress(t) for t in _tensor_list(tensors, "grouped_allreduce")]
     outs = _GroupedAllreduce.apply(average, name, op, prescale_factor, postscale_factor, process_set,
                                    *[p[0] for p in pairs])
     return [compression.decompress(o, p[1]) for o, p in zip(outs, pairs)]

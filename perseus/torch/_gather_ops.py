@@ -10,7 +10,7 @@ from perseus.common.process_sets import global_process_set
 from perseus.common.reduce_ops import Average, ReduceOp, Sum
 from perseus.torch import staging as _staging
 from perseus.torch._allreduce_ops import allreduce, grouped_allreduce
-from perseus.torch._tensors import _alloc_like, _contig, _dtype, _np, synchronize
+from perseus.torch._tensors import _alloc_like, _contig, _dtype, _np, _tensor_list, synchronize
 from perseus.torch.compression import Compression
 
 __all__ = [
@@ -55,6 +55,7 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
 class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, process_set):
+        _dtype(tensor)  # a clear TypeError for a non-tensor, before its shape is read
         ctx.dim = tensor.shape[0] if tensor.dim() else 1
         ctx.process_set = process_set
         return synchronize(allgather_async(tensor, name, process_set))
@@ -75,6 +76,7 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
     """Start allgathers of a list of tensors, negotiated together; return one handle."""
+    tensors = _tensor_list(tensors, "grouped_allgather")
     dts = [_dtype(t) for t in tensors]
     srcs, backs = zip(*[_source(t) for t in tensors]) if tensors else ((), ())
     holders = [[] for _ in srcs]
@@ -90,6 +92,8 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
 class _GroupedAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, process_set, *tensors):
+        for t in tensors:
+            _dtype(t)  # a clear TypeError for a non-tensor, before its shape is read
         ctx.dims = [t.shape[0] if t.dim() else 1 for t in tensors]
         ctx.process_set = process_set
         return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
@@ -106,7 +110,7 @@ class _GroupedAllgather(torch.autograd.Function):
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
     """Allgather each tensor of ``tensors``, negotiated together. Differentiable."""
-    return list(_GroupedAllgather.apply(name, process_set, *tensors))
+    return list(_GroupedAllgather.apply(name, process_set, *_tensor_list(tensors, "grouped_allgather")))
 
 
 # -- broadcast ----------------------------------------------------------------------------------------------
@@ -237,6 +241,7 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0):
     """Start reducescatters of a list of tensors, negotiated together; return one handle."""
+    tensors = _tensor_list(tensors, "grouped_reducescatter")
     dts = [_dtype(t) for t in tensors]
     srcs, backs = zip(*[_source(t) for t in tensors]) if tensors else ((), ())
     holders = [[] for _ in srcs]
@@ -264,7 +269,7 @@ class _GroupedReducescatter(torch.autograd.Function):
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
     """Reducescatter each tensor of ``tensors``, negotiated together. Differentiable."""
-    pairs = [compression.compress(t) for t in tensors]
+    pairs = [compression.compress(t) for t in _tensor_list(tensors, "grouped_reducescatter")]
     outs = _GroupedReducescatter.apply(name, op, process_set, prescale_factor, postscale_factor,
                                        *[p[0] for p in pairs])
     return [compression.decompress(o, p[1]) for o, p in zip(outs, pairs)]

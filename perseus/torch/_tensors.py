@@ -50,11 +50,25 @@ def _dtype(t: torch.Tensor) -> DType:
     try:
         dt = _DTYPES[t.dtype]
     except KeyError:
-        raise ValueError(f"Tensor type {t.type()} is not supported.") from None
+        raise ValueError(f"Tensor type {t.type()} is not supported. perseus takes "
+                         f"{', '.join(str(d).replace('torch.', '') for d in _DTYPES)} tensors; convert it "
+                         "(for example with .float() or .view_as_real())") from None
     if t.layout is not torch.strided:
         raise ValueError("perseus: sparse tensors are not supported here; use sparse_allreduce_async or "
                          "sparse_as_dense=True")
     return dt
+
+
+def _tensor_list(tensors, what: str) -> list:
+    """``tensors`` (a list or tuple of tensors) as a list.
+
+    Raises:
+        TypeError: a single tensor (which would be split into its rows) or something not iterable.
+    """
+    if isinstance(tensors, torch.Tensor) or not hasattr(tensors, "__iter__"):
+        raise TypeError(f"perseus.{what}: expected a list of tensors, got {type(tensors).__name__}; wrap a single "
+                        f"tensor in a list")
+    return list(tensors)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

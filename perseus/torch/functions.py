@@ -84,8 +84,12 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None):
     Collective: every rank calls it with an optimizer of the same structure.
 
     Raises:
-        ValueError: the optimizer is L-BFGS (its state cannot be broadcast this way).
+        TypeError: ``optimizer`` is not an optimizer. ValueError: the optimizer is L-BFGS (its state cannot be
+            broadcast this way), or ``root_rank`` is not a rank of the job.
     """
+    if not (hasattr(optimizer, "state_dict") and hasattr(optimizer, "param_groups")):
+        raise TypeError(f"broadcast_optimizer_state: expected a torch.optim optimizer, got "
+                        f"{type(optimizer).__name__}")
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
     if not optimizer.state_dict()["state"]:

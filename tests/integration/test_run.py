@@ -89,8 +89,8 @@ def test_unpicklable_result_and_bad_arguments():
                 print("ARG", kind.__name__, str(exc).split(":")[0])
         try:
             perseus.run(lambda: 1, np=1, hosts="bad host:x")
-        except RunError as exc:
-            print("HOSTS", "no result" in str(exc))
+        except ValueError as exc:  # refused before anything starts
+            print("HOSTS", str(exc).startswith("perseus.run: ") and "host:slots" in str(exc))
     """)
     assert code == 0, out + err
     assert "LOCK True" in out, out + err

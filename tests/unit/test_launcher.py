@@ -449,6 +449,7 @@ def test_unreachable_host_is_one_line(fake_mpi, capsys, monkeypatch):
     # Skipped on request, and for a dry run; never for local-only jobs.
     launched = []
     monkeypatch.setattr(launch, "_run", lambda argv, env: launched.append(argv) or 0)
+    monkeypatch.setattr(launch, "_check_local_command", lambda program, paths: None)  # no python on the fake PATH
     assert launch.main(["-np", "2", "-H", "localhost:1,192.0.2.1:1", "--skip-ssh-check", *TAIL.split()]) == 0
     assert launch.main(["-np", "2", "-H", "localhost:2", *TAIL.split()]) == 0
     dry_run(capsys, "-np", "2", "-H", "localhost:1,192.0.2.1:1", *TAIL.split())

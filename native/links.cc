@@ -136,7 +136,10 @@ Links::Links(Comm& comm, LinkOptions options)
   listener_ = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   sockaddr_in sa{};
   sa.sin_family = AF_INET;
+  // Peers connect only to the addresses advertised below: with one, the socket listens on it alone (a
+  // socket has one address, so several advertised addresses need every interface).
   sa.sin_addr.s_addr = htonl(INADDR_ANY);
+  if (mine.size() == 1) inet_pton(AF_INET, mine[0].c_str(), &sa.sin_addr);
   sa.sin_port = 0;
   socklen_t len = sizeof(sa);
   if (problem.empty() &&

@@ -12,7 +12,8 @@
 // name the connecting rank, the accepting rank and the session. Each transfer carries an 8-byte length, so
 // two ranks that disagree on a size fail instead of mixing messages.
 //
-// The listening socket is reachable by anything on the network, so the handshakes run on a thread of their
+// The listening socket takes the one address a rank advertises (every interface when it advertises several),
+// and is reachable by anything on that network, so the handshakes run on a thread of their
 // own (the acceptor), never on the channel thread: it polls every connection still in its handshake at once,
 // closes one that has not sent its whole hello within kHelloS, keeps at most kMaxPending of them (one more
 // closes the oldest), and acknowledges only a hello with the right magic, session and ranks. A connection that

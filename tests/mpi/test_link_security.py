@@ -33,8 +33,8 @@ CHANNELS = 2
 N = 70000                        # float32 elements per tensor: 280 kB, a unit of its own (ring over the links)
 
 
-def listening_ports(pid: int) -> set:
-    """Ports of the listening TCP sockets that process ``pid`` holds."""
+def listening(pid: int) -> set:
+    """``(address, port)`` of the listening TCP sockets that process ``pid`` holds."""
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
@@ -43,13 +43,14 @@ def listening_ports(pid: int) -> set:
             continue
         if link.startswith("socket:["):
             inodes.add(link[8:-1])
-    ports = set()
+    found = set()
     with open(f"/proc/{pid}/net/tcp") as f:
         for row in f.read().splitlines()[1:]:
             fields = row.split()
             if fields[3] == "0A" and fields[9] in inodes:
-                ports.add(int(fields[1].split(":")[1], 16))
-    return ports
+                address, port = fields[1].split(":")
+                found.add((socket.inet_ntoa(struct.pack("<I", int(address, 16))), int(port, 16)))
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -61,15 +62,17 @@ def linked(hvd):
     from perseus.engine.native import ENGINE_SETTINGS, Engine
 
     comm = MPI.COMM_WORLD
-    before = listening_ports(os.getpid())
+    before = listening(os.getpid())
     values = {name: getattr(runtime().settings, name) for name in ENGINE_SETTINGS}
     values.update(allreduce_algorithm="ring", num_channels=CHANNELS, network_interface="lo",
                   link_timeout_s=LINK_TIMEOUT_S, fusion_threshold_bytes=64 << 10, cycle_time_ms=0.0)
     engine = Engine(types.SimpleNamespace(**values), comm.Get_rank(), host_key=comm.Get_rank())
     engine.add_process_set(0, comm.Dup(), list(range(comm.Get_size())))
     engine.start()
-    ports = sorted(listening_ports(os.getpid()) - before)
-    yield engine, comm.allgather(ports), before
+    mine = sorted(listening(os.getpid()) - before)
+    # with network_interface=lo a rank advertises one address, 127.0.0.1, and listens on it alone
+    assert {address for address, _ in mine} <= {"127.0.0.1"}, mine
+    yield engine, comm.allgather([port for _, port in mine]), before
     engine.shutdown()
 
 
@@ -169,9 +172,9 @@ def test_strangers_do_not_delay_links_being_set_up(hvd, linked):
                   f"({SILENT} silent per rank and listener)")
         # every pair is connected now (a ring of 2 or 3 ranks): every listener has closed
         deadline = time.monotonic() + 5
-        while listening_ports(os.getpid()) - before and time.monotonic() < deadline:
+        while listening(os.getpid()) - before and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not listening_ports(os.getpid()) - before, "a link's listener is still open after every peer connected"
+        assert not listening(os.getpid()) - before, "a link's listener is still open after every peer connected"
     finally:
         strangers.close()
         MPI.COMM_WORLD.Barrier()

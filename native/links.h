@@ -67,6 +67,8 @@ class Links : public PointToPoint {
                 int source) override;
   // Connections open now (for tests and diagnostics).
   int open_connections() const;
+  // The port this rank listens on (for tests: the listener closes once every lower rank has connected).
+  uint16_t port() const { return ports_[rank_]; }
 
  private:
   // One sendrecv in progress: each direction is an 8-byte length, then the body.

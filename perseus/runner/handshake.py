@@ -176,6 +176,7 @@ class HelloServer:
                     break
                 except OSError as exc:  # e.g. out of file descriptors: the backlog waits for the next round
                     self._warn(f"accept failed ({exc})")
+                    time.sleep(0.05)  # the listener stays readable: do not spin on it
                     break
                 sock.setblocking(False)
                 if len(self._pending) >= self.max_pending:
@@ -261,8 +262,8 @@ class HelloServer:
         now = time.monotonic()
         if now - self._said >= _WARN_EVERY_S:
             self._said = now
-            log.warning("%s: %s (%s so far)", self._name, text,
-                        ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in self.counts.items() if v))
+            so_far = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in self.counts.items() if v)
+            log.warning("%s: %s%s", self._name, text, f" ({so_far} so far)" if so_far else "")
 
 
 def json_hello(body: bytes, token: str, refusal: Optional[dict] = None) -> dict:

@@ -494,3 +494,52 @@ def test_perseus_run_listens_where_the_ranks_connect(monkeypatch, where):
     assert seen["served_s"] < REAL_CLIENT_BOUND_S
     print(f"\nperseus.run ({where}, {address}): the rank got its function {seen['served_s'] * 1e3:.1f} ms after "
           f"connecting, {SILENT} silent connections open")
+
+
+OUT_OF_FDS = textwrap.dedent("""
+    import os, resource, sys, time
+    sys.path.insert(0, {repo!r})
+    from perseus.runner.handshake import HelloServer
+    served = []
+    server = HelloServer(["127.0.0.1"], lambda body: body, lambda sock, hello: (served.append(hello), sock.close()),
+                         deadline_s=1.0)
+    open_now = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + 10, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    print(server.port, flush=True)
+    while not served:
+        time.sleep(0.01)
+    print("served", served[0].decode(), server.counts["timed_out"], flush=True)
+""")
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_server_out_of_file_descriptors_does_not_spin_and_recovers(tmp_path):
+    code = tmp_path / "server.py"
+    code.write_text(OUT_OF_FDS.format(repo=REPO))
+    proc = subprocess.Popen([sys.executable, str(code)], stdout=subprocess.PIPE, text=True)
+    silent = []
+    try:
+        port = int(proc.stdout.readline())
+        silent = [connect(port) for _ in range(40)]  # more than its descriptors: accept fails (EMFILE)
+        before = cpu_seconds(proc.pid)
+        time.sleep(0.8)
+        spent = cpu_seconds(proc.pid) - before
+        assert spent < 0.2, f"{spent:.2f} s of CPU in 0.8 s while accept failed"
+        for s in silent:  # their handshakes expire, the descriptors come back, the backlog is accepted
+            s.close()
+        real = connect(port)
+        real.sendall(LEN.pack(4) + b"mine")
+        line = proc.stdout.readline().split()
+        real.close()
+        assert line[:2] == ["served", "mine"], line
+        print(f"\nout of descriptors: {spent:.2f} s of CPU in 0.8 s; a real client served afterwards")
+    finally:
+        proc.kill()
+        proc.wait()
+        for s in silent:
+            s.close()

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <system_error>
@@ -28,6 +29,8 @@ constexpr int kWords = 3 + kMaxAddrs;  // port, address count, session, addresse
 constexpr uint32_t kMagic = 0x7065726c;
 constexpr int kSliceMs = 100;           // how often a waiting transfer looks at `cancel`
 constexpr double kAttemptS = 5.0;       // one connection attempt to one address
+constexpr double kHelloS = 5.0;         // how long an accepted connection may take to send its whole hello
+constexpr size_t kMaxPending = 64;      // connections in their handshake at once (one more closes the oldest)
 
 struct Hello {
   uint32_t magic;
@@ -133,12 +136,16 @@ Links::Links(Comm& comm, LinkOptions options)
   listener_ = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   sockaddr_in sa{};
   sa.sin_family = AF_INET;
+  // Peers connect only to the addresses advertised below: with one, the socket listens on it alone (a
+  // socket has one address, so several advertised addresses need every interface).
   sa.sin_addr.s_addr = htonl(INADDR_ANY);
+  if (mine.size() == 1) inet_pton(AF_INET, mine[0].c_str(), &sa.sin_addr);
   sa.sin_port = 0;
   socklen_t len = sizeof(sa);
   if (problem.empty() &&
       (listener_ < 0 || ::bind(listener_, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0 ||
-       ::listen(listener_, 256) != 0 || ::getsockname(listener_, reinterpret_cast<sockaddr*>(&sa), &len) != 0))
+       ::listen(listener_, 256) != 0 || ::getsockname(listener_, reinterpret_cast<sockaddr*>(&sa), &len) != 0 ||
+       ::pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0))
     problem = "perseus: cannot open a listening TCP socket for a channel: " + errno_text(errno);
 
   // Every rank takes part in the exchange even when it failed, so that no peer waits for it; a failed rank
@@ -165,13 +172,27 @@ Links::Links(Comm& comm, LinkOptions options)
   }
   if (!problem.empty()) {
     close_fd(&listener_);
+    close_fd(&wake_[0]);
+    close_fd(&wake_[1]);
     throw TransportError(problem);
   }
+  accepted_.assign(size_, -1);
+  handed_.assign(size_, 0);
+  if (rank_ == 0) close_fd(&listener_);  // the lower rank of a pair connects: rank 0 accepts from nobody
+  else acceptor_ = std::thread([this] { accept_loop(); });
 }
 
 Links::~Links() {
+  if (acceptor_.joinable()) {
+    const char wake = 1;
+    if (::write(wake_[1], &wake, 1) < 0) std::perror("perseus: waking a channel's acceptor");
+    acceptor_.join();
+  }
+  for (int& fd : accepted_) close_fd(&fd);
   for (int& fd : fds_) close_fd(&fd);
   close_fd(&listener_);
+  close_fd(&wake_[0]);
+  close_fd(&wake_[1]);
 }
 
 int Links::open_connections() const {
@@ -249,30 +270,132 @@ int Links::connect_to(int peer) {
   fail(peer, "cannot connect within " + std::to_string(static_cast<int>(options_.timeout_s)) + " s (" + last + ")");
 }
 
-// The higher rank accepts until `peer` has connected; connections from other lower ranks that arrive
-// first are kept for later.
+// The higher rank waits until the acceptor has handed over `peer`'s connection; connections from other lower
+// ranks that arrive first are kept for later.
 void Links::accept_from(int peer) {
   const double deadline = now_s() + options_.timeout_s;
-  while (fds_[peer] < 0) {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (accepted_[peer] < 0) {
+    if (!acceptor_error_.empty()) fail(peer, "accepting its connection failed: " + acceptor_error_);
     check_cancel(peer);
     if (now_s() > deadline)
       fail(peer, "it did not connect within " + std::to_string(static_cast<int>(options_.timeout_s)) + " s");
-    pollfd p{listener_, POLLIN, 0};
-    if (::poll(&p, 1, kSliceMs) <= 0) continue;
-    int fd = ::accept4(listener_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0) continue;
-    Hello h{};
-    const bool ok = recv_all(fd, &h, sizeof(h), now_s() + kAttemptS) && h.magic == kMagic &&
-                    h.session == session_ && h.to == rank_ && h.from >= 0 && h.from < rank_ && fds_[h.from] < 0;
-    const uint8_t ack = ok ? 1 : 0;
-    if (ok && send_all(fd, &ack, 1, now_s() + kAttemptS)) {
-      tune(fd);
-      wire_->control(sizeof(ack), sizeof(h));
-      fds_[h.from] = fd;
-    } else {
-      close_fd(&fd);  // a stray connection (another job, or an address that reached the wrong process)
+    accepted_cv_.wait_for(lock, std::chrono::milliseconds(kSliceMs));
+  }
+  fds_[peer] = accepted_[peer];
+  accepted_[peer] = -1;
+}
+
+struct Links::Pending {
+  int fd;
+  double deadline;
+  Hello hello;
+  size_t got;
+};
+
+// The acceptor thread: accepts connections and reads their hellos, all at once and without blocking (see
+// links.h), until every lower rank has connected or the destructor wakes it.
+void Links::accept_loop() {
+  std::vector<Pending> pending;
+  std::vector<pollfd> polls;
+  std::string error;
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (std::count(handed_.begin(), handed_.begin() + rank_, 1) == rank_) break;
+    }
+    // Sleep until something arrives (the destructor writes to the pipe), or the next handshake deadline.
+    int wait_ms = -1;
+    if (!pending.empty()) {
+      double first = pending.front().deadline;
+      for (const Pending& p : pending) first = std::min(first, p.deadline);
+      wait_ms = std::max(0, static_cast<int>((first - now_s()) * 1000.0) + 1);
+    }
+    polls.assign({pollfd{wake_[0], POLLIN, 0}, pollfd{listener_, POLLIN, 0}});
+    for (const Pending& p : pending) polls.push_back(pollfd{p.fd, POLLIN, 0});
+    const int n = ::poll(polls.data(), polls.size(), wait_ms);
+    if (n < 0 && errno != EINTR) {
+      error = "poll failed: " + errno_text(errno);
+      break;
+    }
+    if (n > 0 && polls[0].revents != 0) break;  // the destructor
+    // The hellos first, so that a flood of new connections cannot close a real peer's before it is read.
+    size_t kept = 0;
+    for (size_t i = 0; i < pending.size(); ++i) {
+      Pending& p = pending[i];
+      bool done = n > 0 && polls[i + 2].revents != 0 && read_hello(&p);
+      if (!done && now_s() >= p.deadline) {
+        close_fd(&p.fd);  // no whole hello in time: a stray client, or one that hangs
+        done = true;
+      }
+      if (!done) pending[kept++] = p;
+    }
+    pending.resize(kept);
+    if (n <= 0 || (polls[1].revents & POLLIN) == 0) continue;
+    for (size_t k = 0; k < kMaxPending; ++k) {
+      const int fd = ::accept4(listener_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd < 0) {
+        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) ::usleep(10000);
+        break;  // none left, or no descriptor now: the backlog keeps them for the next round
+      }
+      if (pending.size() >= kMaxPending) {
+        close_fd(&pending.front().fd);
+        pending.erase(pending.begin());
+      }
+      pending.push_back(Pending{fd, now_s() + kHelloS, Hello{}, 0});
     }
   }
+  for (Pending& p : pending) close_fd(&p.fd);
+  close_fd(&listener_);  // every lower rank has connected: nothing more to accept
+  std::lock_guard<std::mutex> lock(mu_);
+  acceptor_error_ = error;
+  accepted_cv_.notify_all();
+}
+
+// Read what has arrived of a pending connection's hello; true when the connection is finished with: handed
+// over (a right hello, acknowledged) or closed (a wrong hello, or the client went away).
+bool Links::read_hello(Pending* p) {
+  const ssize_t k = ::recv(p->fd, reinterpret_cast<char*>(&p->hello) + p->got, sizeof(Hello) - p->got, 0);
+  if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return false;
+  if (k <= 0) {
+    close_fd(&p->fd);
+    return true;
+  }
+  p->got += static_cast<size_t>(k);
+  if (p->got < sizeof(Hello)) return false;
+  const Hello& h = p->hello;
+  // All fields compared at once: how long the check takes says nothing about which one was wrong.
+  const uint64_t wrong = (static_cast<uint64_t>(h.magic ^ kMagic)) | (h.session ^ session_) |
+                         static_cast<uint64_t>(h.to != rank_) | static_cast<uint64_t>(h.from < 0 || h.from >= rank_);
+  bool ok = wrong == 0;
+  if (ok) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ok = !(handed_[h.from] && accepted_[h.from] < 0);  // not a second connection of a peer already in use
+  }
+  const uint8_t ack = 1;
+  if (ok && ::send(p->fd, &ack, 1, MSG_NOSIGNAL | MSG_DONTWAIT) == 1) {
+    tune(p->fd);
+    wire_->control(sizeof(ack), sizeof(h));
+    hand_over(p->fd, h.from);
+    p->fd = -1;
+  } else {
+    close_fd(&p->fd);  // a stray connection (another job, or an address that reached the wrong process)
+  }
+  return true;
+}
+
+// Give the channel thread `from`'s connection (replacing one it has not taken: the peer gave up on that one
+// and connected again).
+void Links::hand_over(int fd, int from) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (handed_[from] && accepted_[from] < 0) {
+    ::close(fd);  // taken meanwhile: the channel thread uses the earlier connection
+    return;
+  }
+  if (accepted_[from] >= 0) ::close(accepted_[from]);
+  accepted_[from] = fd;
+  handed_[from] = 1;
+  accepted_cv_.notify_all();
 }
 
 void Links::sendrecv(const void* send, size_t send_bytes, int dest, void* recv, size_t recv_bytes, int source) {

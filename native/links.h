@@ -7,9 +7,19 @@
 // at once.
 //
 // Construction is collective over the channel's Comm: every rank opens a listening socket and the ranks
-// exchange addresses. A connection is made on first use: the lower rank of a pair connects, the higher one
-// accepts, and the first bytes name the connecting rank. Each transfer carries an 8-byte length, so two
-// ranks that disagree on a size fail instead of mixing messages.
+// exchange addresses and a 64-bit session number (rank 0's, drawn from std::random_device). A connection is
+// made on first use: the lower rank of a pair connects, the higher one accepts, and the first bytes (a hello)
+// name the connecting rank, the accepting rank and the session. Each transfer carries an 8-byte length, so
+// two ranks that disagree on a size fail instead of mixing messages.
+//
+// The listening socket takes the one address a rank advertises (every interface when it advertises several),
+// and is reachable by anything on that network, so the handshakes run on a thread of their
+// own (the acceptor), never on the channel thread: it polls every connection still in its handshake at once,
+// closes one that has not sent its whole hello within kHelloS, keeps at most kMaxPending of them (one more
+// closes the oldest), and acknowledges only a hello with the right magic, session and ranks. A connection that
+// sends nothing, a byte at a time or garbage thus delays no peer, and costs a few bytes until its deadline.
+// Once every lower rank has connected, the acceptor closes the listening socket and ends (rank 0, which
+// accepts from nobody, closes it right after the exchange).
 //
 // A transfer fails with TransportError (naming both ranks and the peer's address) when the peer closes the
 // connection or dies, on a socket error, when no byte moves for `timeout_s`, or when `cancel` becomes true
@@ -20,10 +30,13 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "transport.h"
@@ -54,6 +67,8 @@ class Links : public PointToPoint {
                 int source) override;
   // Connections open now (for tests and diagnostics).
   int open_connections() const;
+  // The port this rank listens on (for tests: the listener closes once every lower rank has connected).
+  uint16_t port() const { return ports_[rank_]; }
 
  private:
   // One sendrecv in progress: each direction is an 8-byte length, then the body.
@@ -75,6 +90,10 @@ class Links : public PointToPoint {
   int connection(int peer);
   int connect_to(int peer);
   void accept_from(int peer);
+  void accept_loop();  // the acceptor thread
+  struct Pending;
+  bool read_hello(Pending* p);
+  void hand_over(int fd, int from);
   std::string who(int peer) const;
   [[noreturn]] void fail(int peer, const std::string& what) const;
   void check_cancel(int peer) const;
@@ -83,7 +102,16 @@ class Links : public PointToPoint {
   LinkOptions options_;
   int listener_ = -1;
   uint64_t session_ = 0;
-  std::vector<int> fds_;  // per peer; -1 until connected
+  std::vector<int> fds_;  // per peer; -1 until connected (the channel thread's own)
+  // Shared with the acceptor thread, under mu_: per lower peer, the connection it accepted and the channel
+  // thread has not taken yet (-1: none), whether one was ever handed over; why the acceptor stopped early.
+  std::mutex mu_;
+  std::condition_variable accepted_cv_;
+  std::vector<int> accepted_;
+  std::vector<char> handed_;
+  std::string acceptor_error_;
+  int wake_[2] = {-1, -1};  // a pipe: the destructor wakes the acceptor
+  std::thread acceptor_;
   std::vector<std::vector<uint32_t>> addrs_;  // per peer, network byte order
   std::vector<uint16_t> ports_;
   std::shared_ptr<WireCounters> wire_;

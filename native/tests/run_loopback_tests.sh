@@ -9,6 +9,7 @@ out="${LOOPBACK_BUILD_DIR:-${TMPDIR:-/tmp}/perseus_loopback_tests}"
 mkdir -p "$out"
 srcs=("$here/test_transport_loopback.cc" "$native/transport_loopback.cc" "$native/algorithms.cc" "$native/ring.cc"
       "$native/links.cc" "$native/kernels.cc" "$native/common.cc")
+links_srcs=("$here/test_links_security.cc" "${srcs[@]:1}")  # the links against strangers (test_links_security.cc)
 common_flags=(-std=c++17 -g -Wall -Wextra -Werror -pthread)
 
 build_and_run() {  # name, extra flags...
@@ -21,6 +22,8 @@ build_and_run() {  # name, extra flags...
   # (it crashes at start-up on some kernels): run it with randomisation off.
   if [ "$name" = tsan ] && command -v setarch >/dev/null; then launch=(setarch "$(uname -m)" -R); fi
   timeout 120 "${launch[@]}" "$out/test_transport_loopback_$name"
+  g++ "${common_flags[@]}" "$@" "${links_srcs[@]}" -o "$out/test_links_security_$name"
+  timeout 120 "${launch[@]}" "$out/test_links_security_$name"
 }
 
 variants=("$@")

@@ -70,8 +70,8 @@ def launch_elastic(args: argparse.Namespace, settings: dict[str, str], mpi_args:
     start = _generation_starter(args, mpirun, flavour, mpi_run.launcher_variables(settings, env_extra), extra_mpi,
                                 mpi_options)
 
-    def keeper(host: str, token: str):
-        return start_keeper(host, token, ssh_args=ssh, local=hostlib.is_local(host))
+    def keeper(host: str, token: str, driver_address: str):
+        return start_keeper(host, token, ssh_args=ssh, local=hostlib.is_local(host), toward=driver_address)
 
     driver = ElasticDriver(
         start=start, discovery=HostDiscovery(args.host_discovery_script, opts["slots_per_host"]),

@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 from perseus.common.knobs import read_knob
 from perseus.runner import hosts as hostlib
 from perseus.runner import launch
+from perseus.runner.handshake import HelloServer, Refused
 from perseus.runner.run_frames import TOKEN_ENV, recv_frame, send_frame
 
 __all__ = ["run", "RunError"]
@@ -70,40 +71,36 @@ def _interface_address(name: str) -> Optional[str]:
 
 
 class _Server:
-    """Serves the payload to ranks that present the token; keeps each rank's reply."""
+    """Serves the payload to ranks that present the token; keeps each rank's reply. Listens on ``bind`` only
+    (the address the ranks are told). The token frame is read with a deadline on a thread of its own
+    (:class:`perseus.runner.handshake.HelloServer`), so a client that sends nothing, a trickle, garbage or a
+    huge length delays no rank and allocates nothing beyond the token's few bytes.
 
-    def __init__(self, bind: str, payload: bytes, token: str, num_proc: int):
-        self.payload, self.token, self.num_proc = payload, token.encode(), num_proc
+    Raises:
+        OSError: ``bind`` cannot be bound.
+    """
+
+    def __init__(self, bind: str, payload: bytes, token: str, num_proc: int, hello_deadline_s: float = 30.0):
+        self.payload, self.token, self.num_proc = payload, token, num_proc
         self.results: dict[int, tuple] = {}
         self.arrival: list[int] = []  # ranks in the order their replies came
         self.problems: list[str] = []
         self._lock = threading.Lock()
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((bind, 0))
-        self.sock.listen(max(16, num_proc))
-        self.port = self.sock.getsockname()[1]
-        self._closed = False
-        self._thread = threading.Thread(target=self._accept, name="perseus-run-server", daemon=True)
-        self._thread.start()
+        self._server = HelloServer([bind], self._check, self._serve, name="perseus.run",
+                                   hello_limit=max(256, 2 * len(token)), deadline_s=hello_deadline_s,
+                                   backlog=max(128, num_proc))
+        self.port = self._server.port
+        self.counts = self._server.counts
 
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+    def _check(self, body: bytes) -> None:
+        if not secrets.compare_digest(body, self.token.encode()):
+            raise Refused("a connection without the job's token")
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, _hello) -> None:
         try:
             with conn:
-                conn.settimeout(60.0)
-                if not secrets.compare_digest(recv_frame(conn, 1024), self.token):
-                    return  # not one of ours
                 send_frame(conn, self.payload)
-                conn.settimeout(None)  # the function may run for a long time
-                reply = pickle.loads(recv_frame(conn))
+                reply = pickle.loads(recv_frame(conn))  # the function may run for a long time: no timeout
                 with self._lock:
                     self.results[int(reply[0])] = tuple(reply[1:])
                     self.arrival.append(int(reply[0]))
@@ -115,11 +112,7 @@ class _Server:
                 self.problems.append(f"a result could not be read: {type(exc).__name__}: {exc}")
 
     def close(self) -> None:
-        self._closed = True
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        self._server.close()
 
 
 def run(func: Callable[..., Any], args: tuple = (), kwargs: Optional[dict] = None, num_proc: Optional[int] = None,
@@ -146,7 +139,11 @@ def run(func: Callable[..., Any], args: tuple = (), kwargs: Optional[dict] = Non
     host_names = _host_names(hosts, hostfile)
     address = _address_towards(host_names, nics or str(read_knob("network_interface")[0]))
     token = secrets.token_hex(16)
-    server = _Server("127.0.0.1" if address == "127.0.0.1" else "0.0.0.0", payload, token, num_proc)
+    try:
+        server = _Server(address, payload, token, num_proc)  # where the ranks connect, not every interface
+    except OSError as exc:
+        raise RunError(f"perseus.run: cannot listen for the ranks on {address} ({exc}); pass "
+                       "network_interface= naming the interface that connects the hosts") from None
     argv = ["-np", str(num_proc)]
     if hosts:
         argv += ["-H", hosts]

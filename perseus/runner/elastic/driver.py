@@ -103,10 +103,11 @@ class ElasticDriver:
         elastic_timeout: seconds to wait for enough hosts.
         heartbeat_timeout: seconds of silence after which a rank is taken as failed.
         in_process: whether ranks may re-form the job in process after a rank died (ULFM on).
-        start_keeper: ``start_keeper(host, token) -> keeper`` (an object with ``host``, ``port``,
+        start_keeper: ``start_keeper(host, token, driver_address) -> keeper`` (an object with ``host``, ``port``,
             ``alive()`` and ``stop()``), or None to run without keepers.
         kill_remote: ``kill_remote(host, pid)`` kills a stray rank on a host (best effort).
-        driver_address: the address ranks reach the driver at (default: see :func:`route_address`).
+        driver_address: the address ranks reach the driver at (default: see :func:`route_address`); the
+            driver's server listens on it alone (127.0.0.1 when every host is this machine).
     """
 
     def __init__(self, *, start: Callable[[list[HostSlots], int, dict], subprocess.Popen],
@@ -211,7 +212,7 @@ class ElasticDriver:
 
         def start(host):
             try:
-                results[host] = self._start_keeper(host, self.token)
+                results[host] = self._start_keeper(host, self.token, self.driver_address)
             except Exception as exc:  # noqa: BLE001 - a host without a keeper only loses its copies
                 results[host] = exc
 
@@ -236,7 +237,6 @@ class ElasticDriver:
 
     def run(self) -> int:
         """Run the job to its end; 0 when every rank finished, 1 when it failed (the reason is printed)."""
-        self.server = RankServer(self.token)
         threading.Thread(target=self._poll_discovery, name="perseusrun-elastic-discovery", daemon=True).start()
         gen: Optional[_Generation] = None
         try:
@@ -267,7 +267,8 @@ class ElasticDriver:
                     keeper.stop()
                 except Exception:  # noqa: BLE001 - leaving: one keeper that fails to stop must not keep the others
                     pass
-            self.server.close()
+            if self.server is not None:
+                self.server.close()
 
     def _count_reset(self, why: str) -> None:
         self.resets += 1
@@ -276,10 +277,15 @@ class ElasticDriver:
                             f"another ({why}); --reset-limit {self.reset_limit}")
 
     def _launch(self, number: int, hosts: list[HostSlots]) -> _Generation:
-        self._ensure_keepers(hosts)
-        np_ = sum(h.slots for h in hosts)
         if self.driver_address is None:
             self.driver_address = route_address([h.host for h in hosts])
+        if self.server is None:  # on the address the ranks are told, not on every interface
+            try:
+                self.server = RankServer(self.token, bind=self.driver_address)
+            except OSError as exc:
+                raise JobFailed(f"cannot listen for the ranks on {self.driver_address} ({exc})") from None
+        self._ensure_keepers(hosts)
+        np_ = sum(h.slots for h in hosts)
         env = {"PERSEUS_ELASTIC_DRIVER": f"{self.driver_address}:{self.server.port}",
                "PERSEUS_ELASTIC_TOKEN": self.token, "PERSEUS_ELASTIC_GENERATION": str(number),
                "PERSEUS_ELASTIC_HOSTS": format_hosts(hosts), "PERSEUS_ELASTIC_KEEPERS": self._keeper_env(),

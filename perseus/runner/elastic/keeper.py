@@ -9,11 +9,15 @@ outlives the ranks of a generation (a rank that dies or a job that is re-formed 
 job: it exits when its stdin reaches end of file, which happens when the launcher that started it (through a
 pipe or ``ssh``) is gone.
 
-Run as ``python -m perseus.runner.elastic.keeper [--bind ADDR] [--port PORT] [--host HOST]``. The first line
-of stdin is the job's token (so that it never shows in ``ps``); once listening the keeper prints one line
-``PERSEUS_KEEPER_PORT <port>`` to stdout. It serves any number of TCP connections, one thread each, with the
-messages of :mod:`perseus.elastic.protocol`. A connection starts with ``{"op": "hello", "token": T}`` (answered
-``ok``, or ``error`` and closed on a wrong token); then:
+Run as ``python -m perseus.runner.elastic.keeper [--bind ADDRS] [--toward ADDR] [--port PORT] [--host HOST]``.
+The first line of stdin is the job's token (so that it never shows in ``ps``); once listening the keeper prints
+one line ``PERSEUS_KEEPER_PORT <port>`` to stdout. It listens on the addresses of ``--bind``, else on those its
+``--host`` name resolves to on this machine (the ranks connect to that name) and on its address on the route
+to ``--toward`` (the launcher): never on every interface, so a local job's keeper stays on 127.0.0.1. It
+serves any number of TCP connections, one thread each, with the messages of :mod:`perseus.elastic.protocol`.
+A connection starts with ``{"op": "hello", "token": T}`` (answered ``ok``, or ``error`` and closed on a wrong
+token), read with a deadline on a thread of its own (:class:`perseus.runner.handshake.HelloServer`: a client
+that sends nothing, a few bytes a second or garbage costs a bounded handshake and is closed); then:
 
 * ``put_begin`` {version, owner, nbytes_total, parts: [sizes]}, ``put_chunk`` {version, owner, part, offset}
   with one buffer, ..., ``put_end`` {version, owner}: a new version of the owner rank's state. Only
@@ -33,7 +37,6 @@ frees the previous complete one). A ``get`` being served keeps its version alive
 from __future__ import annotations
 
 import argparse
-import hmac
 import json
 import logging
 import mmap
@@ -43,14 +46,14 @@ import signal
 import socket
 import sys
 import threading
-import time
 from typing import Optional, Sequence
 
 from perseus.elastic.shm import job_dir, owner_pid, pid_alive
 from perseus.elastic.protocol import MAX_HEADER_BYTES, WireError, send_msg
 from perseus.runner.elastic.keeper_process import PORT_LINE
+from perseus.runner.handshake import HelloServer, address_towards, json_hello, own_addresses
 
-__all__ = ["serve", "main"]
+__all__ = ["serve", "listen_addresses", "main"]
 
 log = logging.getLogger("perseus.elastic")
 
@@ -142,21 +145,16 @@ def _drain(sock: socket.socket, n: int) -> None:
 
 
 class _Connection:
-    """One client: a hello with the token, then any number of requests, answered in order."""
+    """One client whose hello carried the job's token (:func:`serve` checked it): any number of requests,
+    answered in order."""
 
-    def __init__(self, sock: socket.socket, store: _Store, token: str):
-        self.sock, self.store, self.token = sock, store, token
+    def __init__(self, sock: socket.socket, store: _Store):
+        self.sock, self.store = sock, store
 
     def run(self) -> None:
         try:
-            hello = _recv_header(self.sock)
-            if hello is None:
-                return
-            _drain(self.sock, sum(int(k) for k in hello.get("nbytes", ())))
-            if hello.get("op") != "hello" or not hmac.compare_digest(str(hello.get("token", "")), self.token):
-                send_msg(self.sock, {"op": "error", "detail": "perseus keeper: wrong or missing job token in "
-                                                              "hello; connect with the job's own token"})
-                return
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             send_msg(self.sock, {"op": "ok"})
             while True:
                 header = _recv_header(self.sock)
@@ -284,26 +282,37 @@ class _Connection:
         return {"op": "stored", "version": version, "owner": owner}
 
 
-def serve(listener: socket.socket, token: str, stop: threading.Event, shm_dir: Optional[str] = None) -> None:
-    """Accept connections on ``listener`` until ``stop`` is set, each served by its own thread; ``shm_dir``:
-    the host's shared-memory directory whose files ``put_files`` may name."""
+_REFUSAL = {"op": "error", "detail": "perseus keeper: wrong or missing job token in hello; connect with the "
+                                   "job's own token"}
+
+
+def serve(addresses: Sequence[str], port: int, token: str, shm_dir: Optional[str] = None,
+          hello_deadline_s: float = 10.0) -> HelloServer:
+    """Listen on ``addresses`` (all on ``port``; 0: any free one) and serve every client whose hello carries
+    ``token``, each on its own thread (see :class:`perseus.runner.handshake.HelloServer` for what a client
+    without it, a silent one or a garbled one costs: nothing but a bounded handshake). ``shm_dir``: the host's
+    shared-memory directory whose files ``put_files`` may name; ``hello_deadline_s``: how long a connection
+    may take to send its hello. Returns the server (``close()`` stops it).
+
+    Raises:
+        OSError: an address cannot be bound.
+    """
     store = _Store(shm_dir)
-    listener.settimeout(0.5)
-    while not stop.is_set():
-        try:
-            sock, _ = listener.accept()
-        except socket.timeout:
-            continue
-        except OSError as exc:
-            if stop.is_set():
-                return
-            log.warning("perseus keeper: accept failed (%s); retrying", exc)  # e.g. out of file descriptors
-            time.sleep(0.1)
-            continue
-        sock.settimeout(None)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        threading.Thread(target=_Connection(sock, store, token).run, name="perseus-keeper-conn", daemon=True).start()
+    return HelloServer(addresses, lambda body: json_hello(body, token, _REFUSAL),
+                       lambda sock, _hello: _Connection(sock, store).run(), port=port, name="perseus keeper",
+                       deadline_s=hello_deadline_s)
+
+
+def listen_addresses(host: str, toward: str) -> list[str]:
+    """Where a keeper listens when no ``--bind`` is given: the addresses of this machine that its ``host``
+    name resolves to (the ranks connect to that name), and its address on the route to ``toward`` (the
+    launcher's driver, so the cluster network the job uses); empty when neither gives one."""
+    out = own_addresses(host) if host else []
+    if toward:
+        mine = address_towards(toward)
+        if mine:
+            out.append(mine)
+    return list(dict.fromkeys(out))
 
 
 def _on_sigterm(signum, frame) -> None:
@@ -312,13 +321,17 @@ def _on_sigterm(signum, frame) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The keeper process (see the module doc). Returns the exit status: 0 on stdin EOF or SIGTERM, 2 when no
-    token arrives on stdin or the address cannot be bound."""
+    token arrives on stdin, no address to listen on is known or an address cannot be bound."""
     parser = argparse.ArgumentParser(prog="python -m perseus.runner.elastic.keeper",
                                      description=__doc__.split("\n")[0])
-    parser.add_argument("--bind", default="0.0.0.0", help="address to listen on (default: all)")
+    parser.add_argument("--bind", default="", help="comma-separated addresses to listen on (default: those "
+                        "--host resolves to on this machine, and the address on the route to --toward)")
+    parser.add_argument("--toward", default="", help="the launcher's address (the driver's, which the ranks "
+                        "reach): the keeper also listens on this machine's address on the route to it")
     parser.add_argument("--port", type=int, default=0, help="port to listen on (default 0: any free port)")
-    parser.add_argument("--host", default="", help="the host's name in the job (names its shared-memory "
-                        "directory, where ranks keep their snapshots); empty: no shared memory")
+    parser.add_argument("--host", default="", help="the host's name in the job (the ranks connect to it; it "
+                        "names the shared-memory directory, where ranks keep their snapshots); empty: no shared "
+                        "memory")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s perseus keeper: %(message)s")
     token = sys.stdin.buffer.readline().decode(errors="replace").strip()
@@ -326,14 +339,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("perseus keeper: no job token on the first line of stdin; start keepers with "
               "perseus.runner.elastic.keeper_process.start_keeper", file=sys.stderr)
         return 2
-    try:
-        listener = socket.create_server((args.bind, args.port), backlog=128)
-    except OSError as exc:
-        print(f"perseus keeper: cannot listen on {args.bind}:{args.port}: {exc}; pick another --port",
+    addresses = [a for a in args.bind.split(",") if a] or listen_addresses(args.host, args.toward)
+    if not addresses:
+        print(f"perseus keeper: no address of this machine to listen on: {args.host!r} does not resolve to one "
+              f"and no route to the launcher ({args.toward or 'not given'}) was found; pass --bind",
               file=sys.stderr)
         return 2
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, _on_sigterm)
     shm_dir = job_dir(token, args.host) if args.host else None
     if shm_dir is not None:
         try:
@@ -341,16 +352,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except OSError as exc:
             log.warning("perseus keeper: no shared-memory directory %s (%s); commits travel over TCP", shm_dir, exc)
             shm_dir = None
-    threading.Thread(target=serve, args=(listener, token, stop, shm_dir), name="perseus-keeper",
-                     daemon=True).start()
-    print(f"{PORT_LINE} {listener.getsockname()[1]}", flush=True)
+    try:
+        server = serve(addresses, args.port, token, shm_dir)
+    except OSError as exc:
+        print(f"perseus keeper: {exc}; pick another --port or --bind", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    print(f"{PORT_LINE} {server.port}", flush=True)
     try:
         while sys.stdin.buffer.read1(65536):
             pass
     except (SystemExit, KeyboardInterrupt):
         pass
-    stop.set()
-    listener.close()
+    server.close()
     if shm_dir is not None:  # the job is over on this host: its snapshots go
         shutil.rmtree(shm_dir, ignore_errors=True)
         try:

@@ -68,16 +68,20 @@ def _drain_stderr(stream, tail: collections.deque) -> None:
 
 
 def start_keeper(host: str, token: str, *, python: str = sys.executable, ssh_args: Sequence[str] = (),
-                 local: bool, timeout: float = 20.0, bind: str = "0.0.0.0", port: int = 0) -> KeeperProcess:
+                 local: bool, timeout: float = 20.0, bind: str = "", toward: str = "", port: int = 0) -> KeeperProcess:
     """Start the keeper of ``host``: a child process (``local``) or one reached with ``ssh -o BatchMode=yes
     [ssh_args] host``. The token goes to its stdin, which stays open: closing it (:meth:`KeeperProcess.stop`,
-    or this process ending) makes the keeper exit.
+    or this process ending) makes the keeper exit. It listens on ``bind`` (comma-separated addresses), else on
+    the addresses of that machine that ``host`` resolves to there and on its address on the route to
+    ``toward`` (the driver's address, which the ranks reach): the cluster network, never every interface.
 
     Raises:
         RuntimeError: the keeper did not report its port within ``timeout`` seconds (it is killed); the
             message names the host and ends with what the keeper wrote to stderr.
     """
-    module = [python, "-m", KEEPER_MODULE, "--bind", bind, "--port", str(int(port)), "--host", host]
+    module = [python, "-m", KEEPER_MODULE, "--port", str(int(port)), "--host", host]
+    module += ["--bind", bind] if bind else []
+    module += ["--toward", toward] if toward else []
     if local:
         env = dict(os.environ)
         paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]

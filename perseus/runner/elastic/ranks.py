@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from perseus.elastic import protocol
+from perseus.runner.handshake import HelloServer, json_hello
 
 __all__ = ["RankLink", "Event", "RankServer"]
 
@@ -54,44 +55,41 @@ class Event:
 
 
 class RankServer:
-    """Accepts the ranks' connections on ``bind`` (any free port); events go to :attr:`events`."""
+    """Accepts the ranks' connections on ``bind`` (comma-separated addresses; any free port, the same on each);
+    events go to :attr:`events`. A connection must send a hello with the job's token within
+    ``hello_deadline_s`` (:class:`perseus.runner.handshake.HelloServer`: the handshakes run on a thread of
+    their own, so a client that sends nothing, a trickle or garbage delays no rank); one without it is closed.
 
-    def __init__(self, token: str, bind: str = "0.0.0.0"):
+    Raises:
+        OSError: an address of ``bind`` cannot be bound.
+    """
+
+    def __init__(self, token: str, bind: str = "127.0.0.1", hello_deadline_s: float = 15.0):
         self.token = token
         self.events: "queue.Queue[Event]" = queue.Queue()
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((bind, 0))
-        self._sock.listen(128)
-        self.port = self._sock.getsockname()[1]
-        self._closed = threading.Event()
-        threading.Thread(target=self._accept, name="perseusrun-elastic-accept", daemon=True).start()
+        self._server = HelloServer([a for a in bind.split(",") if a], self._check, self._serve,
+                                   name="perseusrun elastic", deadline_s=hello_deadline_s)
+        self.port = self._server.port
 
-    def _accept(self) -> None:
-        while not self._closed.is_set():
-            try:
-                sock, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(sock,), name="perseusrun-elastic-rank", daemon=True).start()
+    @property
+    def counts(self) -> dict:
+        """Connections served, refused, timed out in their handshake... (see HelloServer.counts)."""
+        return self._server.counts
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _check(self, body: bytes) -> dict:
+        return json_hello(body, self.token)
+
+    def _serve(self, sock: socket.socket, header: dict) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(15.0)
         link = RankLink(sock)
         try:
-            header, _ = protocol.recv_msg(sock)
-        except (OSError, protocol.WireError):
+            link.rank, link.size = int(header.get("rank", -1)), int(header.get("size", 0))
+            link.generation, link.host = int(header.get("generation", -1)), str(header.get("host", "?"))
+            link.pid = int(header.get("pid", 0))
+        except (TypeError, ValueError):
+            log.warning("perseusrun: elastic: a hello with the job's token but unreadable fields was refused")
             sock.close()
             return
-        if header.get("op") != "hello" or header.get("token") != self.token:
-            log.warning("perseusrun: elastic: a connection without the job's token was refused")
-            sock.close()
-            return
-        link.rank, link.size = int(header.get("rank", -1)), int(header.get("size", 0))
-        link.generation, link.host = int(header.get("generation", -1)), str(header.get("host", "?"))
-        link.pid = int(header.get("pid", 0))
-        sock.settimeout(None)
         self.events.put(Event("hello", link, header))
         while True:
             try:
@@ -118,8 +116,5 @@ class RankServer:
                 return False
 
     def close(self) -> None:
-        self._closed.set()
-        try:
-            self._sock.close()
-        except OSError:
-            pass
+        """Stop accepting connections (those of the ranks stay open until they close)."""
+        self._server.close()

@@ -49,6 +49,8 @@ class Backoff {
 
 }  // namespace
 
+size_t abandoned_process_sets() { return abandoned().size(); }
+
 Engine::Engine(Settings settings, int world_rank, Completion* completion, EngineHooks hooks)
     : settings_(settings), world_rank_(world_rank), handles_(completion), hooks_(std::move(hooks)) {}
 

@@ -118,4 +118,9 @@ class Engine {
   std::condition_variable closed_cv_;
 };
 
+// How many process sets of this process (of every engine so far) were left with a channel thread that could
+// not be stopped: stuck inside a collective that a failed peer will never finish. Such a thread may still be
+// inside MPI when the process exits.
+size_t abandoned_process_sets();
+
 }  // namespace perseus

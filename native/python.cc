@@ -607,6 +607,7 @@ void bind_settings(py::module_& m) {
 PYBIND11_MODULE(_core, m) {
   m.doc() = "perseus native core: queue, negotiation, fusion, channels, transports, completion";
   m.def("mpi_library_version", &mpi_library_version);
+  m.def("abandoned_process_sets", &abandoned_process_sets);
   py::class_<PyWorld>(m, "LoopbackWorld")
       .def(py::init([](int size) { return PyWorld{make_loopback_world(size)}; }), py::arg("size"),
            "In-process ranks (threads) for tests: pass it to Engine.add_loopback_process_set.")

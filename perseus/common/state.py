@@ -329,11 +329,13 @@ class Runtime:
                 reset()
 
     def _exit_shutdown(self) -> None:
-        """At interpreter exit: shut down; if a failure left a channel thread inside a collective, abort
-        the MPI job rather than let MPI_Finalize wait for it forever."""
+        """At interpreter exit: shut down; if a failure left a channel thread inside a collective (in this
+        engine, or in an earlier one of the process that init() replaced), abort the MPI job rather than let
+        MPI_Finalize wait for it forever or free what that thread still uses."""
         engine, size = self.active_engine, self._topology.size
         self.shutdown()
-        if engine is not None and not engine.clean and size > 1:
+        stuck = (engine is not None and not engine.clean) or native.load_core().abandoned_process_sets() > 0
+        if stuck and size > 1:
             sys.stderr.write("perseus: a collective was left unfinished by a failure; aborting the MPI job so "
                              "that no rank waits forever in MPI_Finalize.\n")
             sys.stderr.flush()

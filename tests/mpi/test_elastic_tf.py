@@ -156,20 +156,47 @@ def test_keras_state_keeps_model_and_optimizer(keras_state):
     assert state.epoch == 1 and int(opt.iterations.numpy()) == 3
 
 
-def test_keras_state_errors_name_the_fix():
+def test_tensorflow_states_reject_what_they_cannot_keep():
     model = keras.Sequential([keras.layers.Dense(2)])  # no input shape: not built
     with pytest.raises(ValueError, match="must be built"):
         elastic.TensorFlowKerasState(model)
-    built = make_model(seed=1)
-    opt = keras.optimizers.Adam(0.01)  # slots made lazily, after the commit below
-    state = elastic.TensorFlowKerasState(built, opt)
-    opt.build(built.trainable_variables)
-    with pytest.raises(RuntimeError, match="commit after the optimizer is built"):
-        state.restore()
     with pytest.raises(ValueError, match="needs the list of variables"):
         elastic.TensorFlowState()
     with pytest.raises(NotImplementedError, match="TF1 sessions"):
         elastic.TensorFlowState([tf.Variable(1.0)], session=object())
+
+
+@pytest.mark.parametrize("make_optimizer", [lambda: keras.optimizers.Adam(0.01),
+                                            lambda: keras.optimizers.Adagrad(0.1, initial_accumulator_value=0.5)],
+                         ids=["adam", "adagrad"])
+def test_keras_state_with_a_lazily_built_optimizer_recovers_before_its_first_commit(make_optimizer):
+    """As Horovod's Keras elastic examples do: the state is made from a compiled model whose optimizer has no
+    slots yet; a collective fails in the first batches, before any commit. The job goes back to the state it
+    started from, slots included (their initial values), instead of failing on the slots made meanwhile."""
+    model = make_model(seed=60 + hvd.rank())
+    model.compile(optimizer=hvd_keras.DistributedOptimizer(make_optimizer()), loss="mse")
+    state = hvd_keras.elastic.KerasState(model, batch=0)
+    x, y = batch_for(3, hvd.rank())
+    attempts = []
+
+    class FailOnce(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1 and len(attempts) == 1:
+                hvd.allreduce(tf.ones([2 + hvd.rank()]), name="elastic_tf.first_batches_mismatch")
+
+    @hvd_keras.elastic.run
+    def train(state):
+        attempts.append((values(model.variables), values(model.optimizer.variables)))
+        model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0, callbacks=[FailOnce()])
+
+    train(state)
+    assert len(attempts) == 2
+    np.testing.assert_array_equal(attempts[1][0], values(make_model(seed=60).variables))  # rank 0's start
+    fresh = make_optimizer()
+    fresh.build(model.trainable_variables)
+    np.testing.assert_allclose(attempts[1][1], values(fresh.variables))  # iterations 0, initial slots
+    assert int(model.optimizer.iterations.numpy()) == 4
+    assert_everyone_has(values(model.variables))
 
 
 # ----------------------------------------------------------------------------- host updates, reset callbacks

@@ -14,8 +14,9 @@ step's update does not depend on how many ranks share it. JOB_MODE picks how a r
     keras   model.fit with DistributedOptimizer, one step per epoch; TensorFlowKerasState keeps model and
             optimizer; the elastic callbacks count the epochs and commit at the end of each
 
-Every rank appends one JSON line per event to OUT_DIR/events.jsonl (start, restored, step, done); rank 0
-writes the final parameters to OUT_DIR/final.npy. Faults come from the environment as in elastic_job.py:
+Every rank appends one JSON line per event to OUT_DIR/events.jsonl (start, restored, step, done) and writes its
+final parameters to OUT_DIR/final-rankR.npy; rank 0 also to OUT_DIR/final.npy. Faults come from the
+environment as in elastic_job.py:
 
     FAULT_KIND   kill (SIGKILL self) | none;   FAULT_AT  step (top of the step) | random (a timer at a random
                  moment of the step, most likely inside the step's graph)
@@ -163,8 +164,7 @@ def train_keras(job, model):
     import perseus.tensorflow.keras as hvd
 
     model.compile(optimizer=hvd.DistributedOptimizer(make_optimizer()), loss="mse")
-    model.optimizer.build(model.trainable_variables)
-    state = hvd.elastic.KerasState(model, epoch=0)
+    state = hvd.elastic.KerasState(model, epoch=0)  # the optimizer has no slots yet, as in Horovod's examples
 
     class Steps(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
@@ -203,6 +203,7 @@ def train(out):
     job.event("start")
     final = (train_keras if MODE == "keras" else train_tf)(job, model)
     job.event("done", step=final)
+    np.save(os.path.join(out, f"final-rank{hvd.rank()}.npy"), flat(model))
     if hvd.rank() == 0:
         np.save(os.path.join(out, "final.npy"), flat(model))
     hvd.shutdown()

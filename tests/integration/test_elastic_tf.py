@@ -11,6 +11,7 @@ Every case is bounded in time; a launcher still running at its deadline is a han
 import os
 import time
 
+import numpy as np
 import pytest
 
 from elastic_cluster import (HERE, Discovery, check_recovered, cluster_fixture, events, finish, kill_strays, link,
@@ -50,7 +51,11 @@ def _finished(proc, out, steps, tmp_path, timeout=150):
     assert code != "HANG", f"the launcher hung:\n{log[-4000:]}"
     assert code == 0, log[-4000:]
     ev = check_recovered(out, steps, tmp_path, JOB)
-    return log, phases(ev)
+    gens = phases(ev)
+    final = np.load(os.path.join(out, "final.npy"))
+    for rank in range(gens[-1][0]):  # the ranks of the last phase end with rank 0's parameters, bit for bit
+        np.testing.assert_array_equal(np.load(os.path.join(out, f"final-rank{rank}.npy")), final)
+    return log, gens
 
 
 @pytest.mark.parametrize("mode,at", [("tf", "step"), ("keras", "random")],
@@ -62,6 +67,15 @@ def test_rank_killed_at_3_hosts_recovers_on_the_survivors(disc, tmp_path, mode, 
     log, gens = _finished(start(disc, out, np_=3, env=env, job=JOB), out, STEPS, tmp_path)
     assert gens[0] == (3, [H0, H1, H2]) and gens[-1] == (2, [H0, H2]), gens
     assert "blacklist" in log, log[-3000:]
+
+
+def test_keras_rank_killed_before_the_first_commit_starts_over(disc, tmp_path):
+    """The optimizer has made no slots when the state is made; a rank dies in the first step: the survivors go
+    back to the initial state, slots included, and train every step."""
+    env = dict(JOB_MODE="keras", FAULT_KIND="kill", FAULT_AT="step", FAULT_RANK="1", FAULT_STEP="0")
+    out = str(tmp_path / "out")
+    log, gens = _finished(start(disc, out, env=env, job=JOB), out, STEPS, tmp_path)
+    assert gens == [(2, [H0, H1]), (1, [H0])], gens
 
 
 @pytest.mark.parametrize("mode", ["tf", "keras"])

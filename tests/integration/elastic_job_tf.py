@@ -14,7 +14,7 @@ step's update does not depend on how many ranks share it. JOB_MODE picks how a r
     keras   model.fit with DistributedOptimizer, one step per epoch; TensorFlowKerasState keeps model and
             optimizer; the elastic callbacks count the epochs and commit at the end of each
 
-Every rank appends one JSON line per event to OUT_DIR/events.jsonl (start, restored, step, done) and writes its
+Every rank appends one JSON line per event to OUT_DIR/events.jsonl (start, reset, restored, step, done) and writes its
 final parameters to OUT_DIR/final-rankR.npy; rank 0 also to OUT_DIR/final.npy. Faults come from the
 environment as in elastic_job.py:
 
@@ -101,6 +101,10 @@ class Job:
                                           t=time.time(), **kw)) + "\n")
         self.events.flush()
 
+    def watch_resets(self, state):
+        """Record each reset callback's call, with the job's size then (it runs before the state's sync)."""
+        state.register_reset_callbacks([lambda: self.event("reset")])
+
     def share(self, step):
         """This rank's part of step ``step``'s global batch."""
         x, y = batch(step)
@@ -135,6 +139,7 @@ def train_tf(job, model):
     opt = make_optimizer()
     opt.build(model.trainable_variables)
     state = elastic.TensorFlowState(list(model.variables) + list(opt.variables), step=0)
+    job.watch_resets(state)
 
     @tf.function
     def train_step(x, y):
@@ -165,6 +170,7 @@ def train_keras(job, model):
 
     model.compile(optimizer=hvd.DistributedOptimizer(make_optimizer()), loss="mse")
     state = hvd.elastic.KerasState(model, epoch=0)  # the optimizer has no slots yet, as in Horovod's examples
+    job.watch_resets(state)
 
     class Steps(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):

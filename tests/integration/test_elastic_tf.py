@@ -52,21 +52,28 @@ def _finished(proc, out, steps, tmp_path, timeout=150):
     assert code == 0, log[-4000:]
     ev = check_recovered(out, steps, tmp_path, JOB)
     gens = phases(ev)
+    resets = [e for e in ev if e["kind"] == "reset"]  # the reset callbacks ran in every phase after the first
+    assert sorted({(e["size"], e["host"]) for e in resets}) == sorted((s, h) for s, hosts in gens[1:] for h in hosts)
     final = np.load(os.path.join(out, "final.npy"))
     for rank in range(gens[-1][0]):  # the ranks of the last phase end with rank 0's parameters, bit for bit
         np.testing.assert_array_equal(np.load(os.path.join(out, f"final-rank{rank}.npy")), final)
     return log, gens
 
 
-@pytest.mark.parametrize("mode,at", [("tf", "step"), ("keras", "random")],
-                         ids=["tf-custom-loop-kill-between-steps", "keras-fit-kill-at-a-random-moment"])
-def test_rank_killed_at_3_hosts_recovers_on_the_survivors(disc, tmp_path, mode, at):
+@pytest.mark.parametrize("mode,at,in_process", [("tf", "step", "1"), ("keras", "random", "1"), ("keras", "step", "0")],
+                         ids=["tf-custom-loop-kill-between-steps", "keras-fit-kill-at-a-random-moment",
+                              "keras-fit-kill-then-relaunch"])
+def test_rank_killed_at_3_hosts_recovers_on_the_survivors(disc, tmp_path, mode, at, in_process):
+    """In process (the survivors re-form the job among themselves) or, with PERSEUS_ELASTIC_IN_PROCESS=0, by
+    a new generation on the two hosts left, which restores the last commit from the keepers."""
     disc.set(H0, H1, H2)
     out = str(tmp_path / "out")
-    env = dict(JOB_MODE=mode, FAULT_KIND="kill", FAULT_AT=at, FAULT_RANK="1", FAULT_STEP="5")
+    env = dict(JOB_MODE=mode, FAULT_KIND="kill", FAULT_AT=at, FAULT_RANK="1", FAULT_STEP="5",
+               PERSEUS_ELASTIC_IN_PROCESS=in_process)
     log, gens = _finished(start(disc, out, np_=3, env=env, job=JOB), out, STEPS, tmp_path)
     assert gens[0] == (3, [H0, H1, H2]) and gens[-1] == (2, [H0, H2]), gens
     assert "blacklist" in log, log[-3000:]
+    assert ("re-formed in process" in log) == (in_process == "1"), log[-3000:]
 
 
 def test_keras_rank_killed_before_the_first_commit_starts_over(disc, tmp_path):

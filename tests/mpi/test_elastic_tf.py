@@ -404,3 +404,20 @@ def test_run_resumes_model_fit_at_the_last_committed_epoch():
     np.testing.assert_array_equal(attempts[1][1], commits[2])
     assert_everyone_has(attempts[1][1])
     np.testing.assert_allclose(final, reference, rtol=1e-6, atol=1e-6)
+
+
+def test_elastic_callbacks_commit_every_n_batches_and_at_epoch_ends():
+    model = make_model(seed=5)
+    model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss="mse")
+    state = hvd_keras.elastic.KerasState(model, epoch=0, batch=0)
+    commits = []
+    commit = state.commit
+    state.commit = lambda: (commits.append((state.epoch, state.batch)), commit())
+    x, y = batch_for(9, hvd.rank())  # 8 samples: 4 batches of 2 per epoch
+    model.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0,
+              callbacks=[hvd_keras.elastic.UpdateBatchStateCallback(state),
+                         hvd_keras.elastic.UpdateEpochStateCallback(state),
+                         hvd_keras.elastic.CommitStateCallback(state, batches_per_commit=3)])
+    # Every 3rd batch across the epochs (batch 2 of epoch 0, batch 1 of epoch 1), and at each epoch's end.
+    assert commits == [(0, 2), (1, 0), (1, 1), (2, 0)]
+    assert (state.epoch, state.batch) == (2, 0)

@@ -5,6 +5,7 @@ tf.function) and in model.fit with the elastic callbacks. References are the sam
 
 from __future__ import annotations
 
+import importlib
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -406,18 +407,19 @@ def test_run_resumes_model_fit_at_the_last_committed_epoch():
     np.testing.assert_allclose(final, reference, rtol=1e-6, atol=1e-6)
 
 
-def test_elastic_callbacks_commit_every_n_batches_and_at_epoch_ends():
+@pytest.mark.parametrize("module", ["perseus.tensorflow.keras.elastic", "perseus.keras.elastic"])
+def test_elastic_callbacks_commit_every_n_batches_and_at_epoch_ends(module):
+    el = importlib.import_module(module)
     model = make_model(seed=5)
     model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss="mse")
-    state = hvd_keras.elastic.KerasState(model, epoch=0, batch=0)
+    state = el.KerasState(model, epoch=0, batch=0)
     commits = []
     commit = state.commit
     state.commit = lambda: (commits.append((state.epoch, state.batch)), commit())
     x, y = batch_for(9, hvd.rank())  # 8 samples: 4 batches of 2 per epoch
     model.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0,
-              callbacks=[hvd_keras.elastic.UpdateBatchStateCallback(state),
-                         hvd_keras.elastic.UpdateEpochStateCallback(state),
-                         hvd_keras.elastic.CommitStateCallback(state, batches_per_commit=3)])
+              callbacks=[el.UpdateBatchStateCallback(state), el.UpdateEpochStateCallback(state),
+                         el.CommitStateCallback(state, batches_per_commit=3)])
     # Every 3rd batch across the epochs (batch 2 of epoch 0, batch 1 of epoch 1), and at each epoch's end.
     assert commits == [(0, 2), (1, 0), (1, 1), (2, 0)]
     assert (state.epoch, state.batch) == (2, 0)

@@ -1,8 +1,8 @@
 """Elastic training for TensorFlow 2 (Horovod's ``horovod.tensorflow.elastic``).
 
 ``TensorFlowKerasState`` keeps a Keras model and optimizer, ``TensorFlowState`` a list of ``tf.Variable``;
-``run`` is the retry loop of :mod:`perseus.elastic.state` (a rank that dies cannot be replaced: perseus has no
-elastic launcher yet). TF1 sessions are not supported.
+``run`` is the retry loop of :mod:`perseus.elastic.state` (under ``perseusrun --host-discovery-script`` the job
+also survives ranks that die and hosts that come and go). TF1 sessions are not supported.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import numpy as np
+import tensorflow as tf
 
 from perseus.common.state import runtime
 from perseus.elastic.state import ObjectState
@@ -22,6 +23,24 @@ def _optimizer_variables(optimizer):
     return list(variables)
 
 
+def _build_optimizer(optimizer, model) -> None:
+    """Give an optimizer that makes its slot variables lazily its slots now, for the model's trainable
+    variables, as its first step would: otherwise a restore to a commit taken before that step finds more
+    variables than the commit holds."""
+    if optimizer is None:
+        return
+    variables = model.trainable_variables
+    if hasattr(optimizer, "built") and callable(getattr(optimizer, "build", None)):  # Keras 3
+        if not optimizer.built:
+            optimizer.build(variables)
+    elif hasattr(optimizer, "_build_index_dict"):  # tf-keras 2
+        if not getattr(optimizer, "_built", False):
+            optimizer.build(variables)
+    elif callable(getattr(optimizer, "_create_all_weights", None)):  # tf-keras 2's legacy optimizers
+        with tf.init_scope():
+            optimizer._create_all_weights(variables)  # adds only what is missing
+
+
 def _model_built(model) -> bool:
     return bool(getattr(model, "built", False)) and bool(model.variables)
 
@@ -34,7 +53,9 @@ class KerasState(ObjectState):
     """Elastic state of a Keras model and optimizer, plus any keyword values (``epoch=0, batch=0``).
 
     ``commit()`` copies the model's and the optimizer's variables to host memory; ``restore()`` writes the
-    copy back; ``sync()`` broadcasts rank 0's variables and values to every rank. The model must be built.
+    copy back; ``sync()`` broadcasts rank 0's variables and values to every rank. The model must be built; an
+    optimizer that has not made its slot variables yet makes them here (``optimizer.build`` on the model's
+    trainable variables), so that the state holds them from the first commit on.
 
     Args:
         model: a built Keras model.
@@ -47,6 +68,7 @@ class KerasState(ObjectState):
             raise ValueError("Model must be built first. Run `model.build(input_shape)`.")
         self.model = model
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        _build_optimizer(self.optimizer, model)
         self.backend = backend
         self._save_model()
         super().__init__(bcast_object=broadcast_object, get_rank=runtime().rank, **kwargs)

@@ -118,15 +118,16 @@ class Discovery:
             os.remove(flag)
 
 
-def start(discovery, out, *, np_=2, min_np=1, max_np=3, extra=(), env=None, mode="train"):
-    """Start perseusrun's elastic launcher on elastic_job.py; returns the Popen (stdout+stderr to out/log)."""
+def start(discovery, out, *, np_=2, min_np=1, max_np=3, extra=(), env=None, mode="train", job=JOB):
+    """Start perseusrun's elastic launcher on ``job`` (default elastic_job.py); returns the Popen (stdout+stderr to
+    out/log)."""
     os.makedirs(out, exist_ok=True)
     forward = " ".join(f"-x {name}" for name in (env or {}) if not name.startswith(("PERSEUS_", "HOROVOD_")))
     if forward:  # the job's own variables (FAULT_*, STEPS, ...) reach the ranks through mpirun
         extra = (*extra, "--mpi-args", forward)
     args = [sys.executable, "-m", "perseus.runner.launch", "-np", str(np_), "--min-np", str(min_np),
             "--max-np", str(max_np), "--host-discovery-script", discovery.path, "--network-interface", "perseus0",
-            *extra, "python", JOB, mode, out]
+            *extra, "python", job, mode, out]
     full_env = dict(os.environ, PERSEUS_ELASTIC_HEARTBEAT_TIMEOUT="4", **(env or {}))
     log = open(os.path.join(out, "log"), "w")
     return subprocess.Popen(args, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT)
@@ -166,14 +167,14 @@ def wait_for(cond, timeout, what):
 _REFERENCE = {}
 
 
-def reference(steps, tmp_root):
-    """Final parameters of the same steps run on one process without perseus."""
-    if steps not in _REFERENCE:
-        out = os.path.join(str(tmp_root), f"reference-{steps}")
-        subprocess.run([sys.executable, JOB, "reference", out], check=True, timeout=120,
+def reference(steps, tmp_root, job=JOB):
+    """Final parameters of the same steps run by ``job`` on one process without perseus."""
+    if (job, steps) not in _REFERENCE:
+        out = os.path.join(str(tmp_root), f"reference-{os.path.basename(job)}-{steps}")
+        subprocess.run([sys.executable, job, "reference", out], check=True, timeout=120,
                        env=dict(os.environ, STEPS=str(steps)))
-        _REFERENCE[steps] = np.load(os.path.join(out, "reference.npy"))
-    return _REFERENCE[steps]
+        _REFERENCE[(job, steps)] = np.load(os.path.join(out, "reference.npy"))
+    return _REFERENCE[(job, steps)]
 
 
 def phases(ev):
@@ -189,14 +190,14 @@ def phases(ev):
     return [(size, sorted(hosts)) for _, size, hosts in sorted(groups.values(), key=lambda g: g[0])]
 
 
-def check_recovered(out, steps, tmp_root):
+def check_recovered(out, steps, tmp_root, job=JOB):
     """The job finished every step and its parameters equal the reference's; no committed step was lost: each
     re-formed phase restored at least the last step committed before it, less the one commit whose copies may
     still have been travelling when a whole generation stopped."""
     ev = events(out)
     assert os.path.exists(os.path.join(out, "final.npy")), "rank 0 wrote no final parameters"
     final = np.load(os.path.join(out, "final.npy"))
-    np.testing.assert_allclose(final, reference(steps, tmp_root), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(final, reference(steps, tmp_root, job), rtol=1e-4, atol=1e-5)
     restored = sorted((e for e in ev if e["kind"] == "restored"), key=lambda e: e["t"])
     for r in restored:
         before = [e["step"] for e in ev if e["kind"] == "step" and e["t"] < r["t"]]

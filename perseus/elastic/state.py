@@ -11,8 +11,8 @@ What this gives a *static* job (started by ``mpirun``/``perseusrun``, no host di
 * A collective that failed on **every** rank -- a shape/dtype/op mismatch across ranks, a stall that hit the
   stall shutdown time, a transport error every rank reported -- raises ``HorovodInternalError`` everywhere;
   each rank restores its last commit, perseus restarts, state is synced from rank 0 and training goes on.
-* A rank that **died** cannot be replaced. There is no elastic launcher to start a new process or to re-form
-  the job with fewer ranks, so ``init()`` after the reset would need the dead rank. (Under Open MPI the job is
+* A rank that **died** cannot be replaced. Without the elastic launcher nothing starts a new process or
+  re-forms the job with fewer ranks, so ``init()`` after the reset would need the dead rank. (Under Open MPI the job is
   normally aborted as a whole when a rank dies.) An error seen by only some ranks is not recoverable either:
   the others are still waiting in a collective.
 * The number of resets is capped (:data:`DEFAULT_RESET_LIMIT`, or ``PERSEUS_ELASTIC_RESET_LIMIT``), so an error

@@ -8,10 +8,11 @@
 
     train(state)
 
-In a job started by ``mpirun``/``perseusrun`` (perseus has no elastic launcher yet), ``run`` recovers from a
+In a static job (``mpirun``, or ``perseusrun`` without ``--host-discovery-script``), ``run`` recovers from a
 collective that failed on every rank: each rank restores its last commit, perseus restarts, state is synced from
-rank 0 and ``train`` is called again, at most ``PERSEUS_ELASTIC_RESET_LIMIT`` times (default 3). A rank that died
-cannot be replaced. See :mod:`perseus.elastic.state`.
+rank 0 and ``train`` is called again, at most ``PERSEUS_ELASTIC_RESET_LIMIT`` times (default 3); a rank that died
+cannot be replaced there. Under the elastic launcher (``perseusrun --host-discovery-script``) the job also
+survives dead ranks and host changes (docs/elastic.md). See :mod:`perseus.elastic.state`.
 """
 
 from perseus.elastic.state import ObjectState, run_fn  # noqa: F401 - ObjectState: convenience attribute

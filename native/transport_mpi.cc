@@ -7,6 +7,12 @@
 // Bytes on the wire (wire.h): sendrecv and control messages count what they move. The collectives are MPI's
 // own (MPI_Allreduce, MPI_Allgatherv, ...), which do not say what this rank sent to whom, so each counts the
 // volume of the textbook algorithm for it (wire.h's *_volume functions), not a measurement.
+//
+// Sizes: MPI's counts and displacements are C ints. No single call here moves more than 1 GiB or 2^31 - 1
+// elements: allreduce, broadcast and sendrecv go in pieces, and an allgatherv, alltoallv or reduce-scatter
+// whose counts add up past 2^31 - 1 elements runs as a broadcast per rank, pairwise exchanges, or a reduce
+// per rank, in pieces (MPI_Allgatherv and friends take int displacements, and Open MPI's reduce-scatter adds
+// its counts up in an int).
 #include <mpi.h>
 
 #include <algorithm>
@@ -21,7 +27,6 @@
 #include <thread>
 #include <type_traits>
 
-#include "algorithms.h"
 #include "buffers.h"
 #include "kernels.h"
 #include "transport.h"
@@ -43,6 +48,14 @@ bool fits_int(const std::vector<size_t>& counts) {
   size_t total = 0;
   for (size_t c : counts) total += c;
   return total <= kMaxCount;
+}
+
+// Where each rank's part starts, in elements (size_t: beyond MPI's int displacements).
+std::vector<size_t> offsets_of(const std::vector<size_t>& counts) {
+  std::vector<size_t> out(counts.size());
+  size_t at = 0;
+  for (size_t r = 0; r < counts.size(); ++r) out[r] = at, at += counts[r];
+  return out;
 }
 
 // -- errors --------------------------------------------------------------------------------------------
@@ -366,7 +379,7 @@ class MpiComm final : public Comm {
       check(MPI_Allgatherv(s, c[rank_], type, recv, c.data(), d.data(), type, data_), "MPI_Allgatherv");
     } else {
       // Beyond MPI's int counts: each rank's part goes out from it as a broadcast, in pieces.
-      const std::vector<size_t> displs = displacements(counts);
+      const std::vector<size_t> displs = offsets_of(counts);
       if (send != nullptr) copy_bytes(element_at(recv, displs[rank_], dtype), send, counts[rank_] * itemsize(dtype));
       for (int r = 0; r < size_; ++r) broadcast_pieces(element_at(recv, displs[r], dtype), counts[r], dtype, r);
     }
@@ -576,10 +589,10 @@ class MpiComm final : public Comm {
   }
 
   // An alltoallv beyond MPI's int counts: in step k this rank sends its block for rank + k while it receives
-  // the block of rank - k (exchange() cuts what is above 2 GiB), every rank in the same order.
+  // the block of rank - k (exchange() cuts what is above 1 GiB), every rank in the same order.
   void alltoallv_pairwise(const void* send, const std::vector<size_t>& send_counts, void* recv,
                           const std::vector<size_t>& recv_counts, DType dtype) {
-    const std::vector<size_t> sd = displacements(send_counts), rd = displacements(recv_counts);
+    const std::vector<size_t> sd = offsets_of(send_counts), rd = offsets_of(recv_counts);
     const size_t item = itemsize(dtype);
     copy_bytes(element_at(recv, rd[rank_], dtype), element_at(send, sd[rank_], dtype), send_counts[rank_] * item);
     for (int k = 1; k < size_; ++k) {
@@ -597,7 +610,7 @@ class MpiComm final : public Comm {
                              ReduceOp op) {
     const MPI_Datatype type = mpi_type(dtype);
     const MPI_Op mop = mpi_op(dtype, op);
-    const std::vector<size_t> displs = displacements(counts);
+    const std::vector<size_t> displs = offsets_of(counts);
     const void* input = send != nullptr ? send : recv;
     const size_t piece = piece_elements(dtype);
     for (int r = 0; r < size_; ++r) {

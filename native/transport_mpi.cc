@@ -7,6 +7,12 @@
 // Bytes on the wire (wire.h): sendrecv and control messages count what they move. The collectives are MPI's
 // own (MPI_Allreduce, MPI_Allgatherv, ...), which do not say what this rank sent to whom, so each counts the
 // volume of the textbook algorithm for it (wire.h's *_volume functions), not a measurement.
+//
+// Sizes: MPI's counts and displacements are C ints. No single call here moves more than 1 GiB or 2^31 - 1
+// elements: allreduce, broadcast and sendrecv go in pieces, and an allgatherv, alltoallv or reduce-scatter
+// whose counts add up past 2^31 - 1 elements runs as a broadcast per rank, pairwise exchanges, or a reduce
+// per rank, in pieces (MPI_Allgatherv and friends take int displacements, and Open MPI's reduce-scatter adds
+// its counts up in an int).
 #include <mpi.h>
 
 #include <algorithm>
@@ -21,6 +27,7 @@
 #include <thread>
 #include <type_traits>
 
+#include "buffers.h"
 #include "kernels.h"
 #include "transport.h"
 
@@ -30,6 +37,26 @@ namespace {
 constexpr int kDataTag = 17;     // sendrecv on the data communicator (ring steps)
 constexpr int kControlTag = 7;   // control messages on the control communicator
 constexpr size_t kMaxCount = INT_MAX;
+// The most one MPI call moves: an int count of elements, and at most 1 GiB, so that no byte count inside the
+// library (an int in places) can overflow either.
+constexpr size_t kMaxPieceBytes = size_t(1) << 30;
+
+size_t piece_elements(DType dtype) { return std::min(kMaxCount, kMaxPieceBytes / itemsize(dtype)); }
+
+// Whether a v-collective's counts, their offsets and their total all fit MPI's int counts.
+bool fits_int(const std::vector<size_t>& counts) {
+  size_t total = 0;
+  for (size_t c : counts) total += c;
+  return total <= kMaxCount;
+}
+
+// Where each rank's part starts, in elements (size_t: beyond MPI's int displacements).
+std::vector<size_t> offsets_of(const std::vector<size_t>& counts) {
+  std::vector<size_t> out(counts.size());
+  size_t at = 0;
+  for (size_t r = 0; r < counts.size(); ++r) out[r] = at, at += counts[r];
+  return out;
+}
 
 // -- errors --------------------------------------------------------------------------------------------
 
@@ -328,9 +355,10 @@ class MpiComm final : public Comm {
     const MPI_Op mop = mpi_op(dtype, op);
     const size_t item = itemsize(dtype);
     const bool in_place = send == nullptr || send == recv;
-    // Larger than MPI's int count: reduce in pieces (every rank cuts the same pieces).
+    // Larger than one piece: reduce in pieces (every rank cuts the same pieces).
+    const size_t piece = piece_elements(dtype);
     for (size_t done = 0; done < count;) {
-      const size_t n = std::min(count - done, kMaxCount);
+      const size_t n = std::min(count - done, piece);
       const void* s = in_place ? MPI_IN_PLACE : static_cast<const char*>(send) + done * item;
       check(MPI_Allreduce(s, static_cast<char*>(recv) + done * item, static_cast<int>(n), type, mop, data_),
             "MPI_Allreduce");
@@ -343,25 +371,26 @@ class MpiComm final : public Comm {
 
   void allgatherv(const void* send, void* recv, const std::vector<size_t>& counts, DType dtype) override {
     check_ranks(counts, "MPI_Allgatherv");
-    const MPI_Datatype type = mpi_type(dtype);
-    std::vector<int> c, d;
-    to_counts(counts, "MPI_Allgatherv", "the count", &c, &d);
-    const void* s = send == nullptr ? MPI_IN_PLACE : send;  // in place: this rank's part is already in recv
-    check(MPI_Allgatherv(s, c[rank_], type, recv, c.data(), d.data(), type, data_), "MPI_Allgatherv");
+    if (fits_int(counts)) {
+      const MPI_Datatype type = mpi_type(dtype);
+      std::vector<int> c, d;
+      to_counts(counts, "MPI_Allgatherv", "the count", &c, &d);
+      const void* s = send == nullptr ? MPI_IN_PLACE : send;  // in place: this rank's part is already in recv
+      check(MPI_Allgatherv(s, c[rank_], type, recv, c.data(), d.data(), type, data_), "MPI_Allgatherv");
+    } else {
+      // Beyond MPI's int counts: each rank's part goes out from it as a broadcast, in pieces.
+      const std::vector<size_t> displs = offsets_of(counts);
+      if (send != nullptr) copy_bytes(element_at(recv, displs[rank_], dtype), send, counts[rank_] * itemsize(dtype));
+      for (int r = 0; r < size_; ++r) broadcast_pieces(element_at(recv, displs[r], dtype), counts[r], dtype, r);
+    }
     // The algorithm's volume: this rank's block to each other rank, the others' blocks in.
     const WireVolume v = allgatherv_volume(counts, rank_, itemsize(dtype));
     wire().data(v.sent, v.received);
   }
 
   void broadcast(void* buf, size_t count, DType dtype, int root) override {
-    const MPI_Datatype type = mpi_type(dtype);
+    broadcast_pieces(buf, count, dtype, root);
     const size_t item = itemsize(dtype);
-    for (size_t done = 0; done < count;) {
-      const size_t n = std::min(count - done, kMaxCount);
-      check(MPI_Bcast(static_cast<char*>(buf) + done * item, static_cast<int>(n), type, root, data_),
-            "MPI_Bcast");
-      done += n;
-    }
     // The algorithm's volume: the root sends the buffer to each other rank, which receives it once.
     const WireVolume v = broadcast_volume(static_cast<uint64_t>(count) * item, size_, rank_, root);
     wire().data(v.sent, v.received);
@@ -371,12 +400,21 @@ class MpiComm final : public Comm {
                  const std::vector<size_t>& recv_counts, DType dtype) override {
     check_ranks(send_counts, "MPI_Alltoallv");
     check_ranks(recv_counts, "MPI_Alltoallv");
-    const MPI_Datatype type = mpi_type(dtype);
-    std::vector<int> sc, sd, rc, rd;
-    to_counts(send_counts, "MPI_Alltoallv", "the send count", &sc, &sd);
-    to_counts(recv_counts, "MPI_Alltoallv", "the receive count", &rc, &rd);
-    check(MPI_Alltoallv(send, sc.data(), sd.data(), type, recv, rc.data(), rd.data(), type, data_),
-          "MPI_Alltoallv");
+    // Each rank knows only its own counts, and every rank must take the same path: they agree first.
+    int too_big = fits_int(send_counts) && fits_int(recv_counts) ? 0 : 1;
+    check(MPI_Allreduce(MPI_IN_PLACE, &too_big, 1, MPI_INT, MPI_LOR, data_), "MPI_Allreduce");
+    const WireVolume agree = allreduce_volume(sizeof(int), size_);  // the algorithm's volume
+    wire().control(agree.sent, agree.received);
+    if (!too_big) {
+      const MPI_Datatype type = mpi_type(dtype);
+      std::vector<int> sc, sd, rc, rd;
+      to_counts(send_counts, "MPI_Alltoallv", "the send count", &sc, &sd);
+      to_counts(recv_counts, "MPI_Alltoallv", "the receive count", &rc, &rd);
+      check(MPI_Alltoallv(send, sc.data(), sd.data(), type, recv, rc.data(), rd.data(), type, data_),
+            "MPI_Alltoallv");
+    } else {
+      alltoallv_pairwise(send, send_counts, recv, recv_counts, dtype);
+    }
     // What must travel: the parts for (from) the other ranks.
     const WireVolume v = alltoallv_volume(send_counts, recv_counts, rank_, itemsize(dtype));
     wire().data(v.sent, v.received);
@@ -385,12 +423,16 @@ class MpiComm final : public Comm {
   void reduce_scatter(const void* send, void* recv, const std::vector<size_t>& counts, DType dtype,
                       ReduceOp op) override {
     check_ranks(counts, "MPI_Reduce_scatter");
-    const MPI_Datatype type = mpi_type(dtype);
-    const MPI_Op mop = mpi_op(dtype, op);
-    std::vector<int> c, d;
-    to_counts(counts, "MPI_Reduce_scatter", "the count", &c, &d);
-    const void* s = send == nullptr ? MPI_IN_PLACE : send;  // in place: the whole input is in recv
-    check(MPI_Reduce_scatter(s, recv, c.data(), type, mop, data_), "MPI_Reduce_scatter");
+    if (fits_int(counts)) {
+      const MPI_Datatype type = mpi_type(dtype);
+      const MPI_Op mop = mpi_op(dtype, op);
+      std::vector<int> c, d;
+      to_counts(counts, "MPI_Reduce_scatter", "the count", &c, &d);
+      const void* s = send == nullptr ? MPI_IN_PLACE : send;  // in place: the whole input is in recv
+      check(MPI_Reduce_scatter(s, recv, c.data(), type, mop, data_), "MPI_Reduce_scatter");
+    } else {
+      reduce_scatter_pieces(send, recv, counts, dtype, op);
+    }
     // The algorithm's volume: each other rank's part out, this rank's part in from each other rank.
     const WireVolume v = reduce_scatter_volume(counts, rank_, itemsize(dtype));
     wire().data(v.sent, v.received);
@@ -398,39 +440,7 @@ class MpiComm final : public Comm {
 
   void sendrecv(const void* send, size_t send_bytes, int dest, void* recv, size_t recv_bytes,
                 int source) override {
-    if (send_bytes <= kMaxCount && recv_bytes <= kMaxCount) {
-      check(MPI_Sendrecv(send, static_cast<int>(send_bytes), MPI_BYTE, dest, kDataTag, recv,
-                         static_cast<int>(recv_bytes), MPI_BYTE, source, kDataTag, data_, MPI_STATUS_IGNORE),
-            "MPI_Sendrecv");
-      count_sendrecv(send_bytes, dest, recv_bytes, source);
-      return;
-    }
-    // Above 2 GiB: the same bytes in pieces of at most INT_MAX. Messages between two ranks on one tag
-    // arrive in order, so the peer's pieces (cut by the same rule) match ours one by one.
-    std::vector<MPI_Request> requests;
-    try {
-      for (size_t done = 0; done < recv_bytes;) {
-        const size_t n = std::min(recv_bytes - done, kMaxCount);
-        requests.push_back(MPI_REQUEST_NULL);
-        check(MPI_Irecv(static_cast<char*>(recv) + done, static_cast<int>(n), MPI_BYTE, source, kDataTag, data_,
-                        &requests.back()),
-              "MPI_Irecv");
-        done += n;
-      }
-      for (size_t done = 0; done < send_bytes;) {
-        const size_t n = std::min(send_bytes - done, kMaxCount);
-        requests.push_back(MPI_REQUEST_NULL);
-        check(MPI_Isend(static_cast<const char*>(send) + done, static_cast<int>(n), MPI_BYTE, dest, kDataTag,
-                        data_, &requests.back()),
-              "MPI_Isend");
-        done += n;
-      }
-    } catch (...) {
-      // The buffers belong to the caller and die with this call: finish what was posted before throwing.
-      MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE);
-      throw;
-    }
-    check(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE), "MPI_Waitall");
+    exchange(send, send_bytes, dest, recv, recv_bytes, source);
     count_sendrecv(send_bytes, dest, recv_bytes, source);
   }
 
@@ -530,6 +540,96 @@ class MpiComm final : public Comm {
     std::string bytes;
     MPI_Request request = MPI_REQUEST_NULL;
   };
+
+  // sendrecv without the wire counters.
+  void exchange(const void* send, size_t send_bytes, int dest, void* recv, size_t recv_bytes, int source) {
+    if (send_bytes <= kMaxPieceBytes && recv_bytes <= kMaxPieceBytes) {
+      check(MPI_Sendrecv(send, static_cast<int>(send_bytes), MPI_BYTE, dest, kDataTag, recv,
+                         static_cast<int>(recv_bytes), MPI_BYTE, source, kDataTag, data_, MPI_STATUS_IGNORE),
+            "MPI_Sendrecv");
+      return;
+    }
+    // Above 1 GiB: the same bytes in pieces of at most 1 GiB. Messages between two ranks on one tag
+    // arrive in order, so the peer's pieces (cut by the same rule) match ours one by one.
+    std::vector<MPI_Request> requests;
+    try {
+      for (size_t done = 0; done < recv_bytes;) {
+        const size_t n = std::min(recv_bytes - done, kMaxPieceBytes);
+        requests.push_back(MPI_REQUEST_NULL);
+        check(MPI_Irecv(static_cast<char*>(recv) + done, static_cast<int>(n), MPI_BYTE, source, kDataTag, data_,
+                        &requests.back()),
+              "MPI_Irecv");
+        done += n;
+      }
+      for (size_t done = 0; done < send_bytes;) {
+        const size_t n = std::min(send_bytes - done, kMaxPieceBytes);
+        requests.push_back(MPI_REQUEST_NULL);
+        check(MPI_Isend(static_cast<const char*>(send) + done, static_cast<int>(n), MPI_BYTE, dest, kDataTag,
+                        data_, &requests.back()),
+              "MPI_Isend");
+        done += n;
+      }
+    } catch (...) {
+      // The buffers belong to the caller and die with this call: finish what was posted before throwing.
+      MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE);
+      throw;
+    }
+    check(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE), "MPI_Waitall");
+  }
+
+  // MPI_Bcast of count elements in pieces that fit one call (every rank cuts the same pieces).
+  void broadcast_pieces(void* buf, size_t count, DType dtype, int root) {
+    const MPI_Datatype type = mpi_type(dtype);
+    const size_t piece = piece_elements(dtype);
+    for (size_t done = 0; done < count;) {
+      const size_t n = std::min(count - done, piece);
+      check(MPI_Bcast(element_at(buf, done, dtype), static_cast<int>(n), type, root, data_), "MPI_Bcast");
+      done += n;
+    }
+  }
+
+  // An alltoallv beyond MPI's int counts: in step k this rank sends its block for rank + k while it receives
+  // the block of rank - k (exchange() cuts what is above 1 GiB), every rank in the same order.
+  void alltoallv_pairwise(const void* send, const std::vector<size_t>& send_counts, void* recv,
+                          const std::vector<size_t>& recv_counts, DType dtype) {
+    const std::vector<size_t> sd = offsets_of(send_counts), rd = offsets_of(recv_counts);
+    const size_t item = itemsize(dtype);
+    copy_bytes(element_at(recv, rd[rank_], dtype), element_at(send, sd[rank_], dtype), send_counts[rank_] * item);
+    for (int k = 1; k < size_; ++k) {
+      const int dest = (rank_ + k) % size_, source = (rank_ - k + size_) % size_;
+      exchange(element_at(send, sd[dest], dtype), send_counts[dest] * item, dest, element_at(recv, rd[source], dtype),
+               recv_counts[source] * item, source);
+    }
+  }
+
+  // A reduce-scatter beyond MPI's int counts (MPI_Reduce_scatter adds its counts up in an int): each rank's
+  // part is reduced to it with MPI_Reduce, in pieces. In place (send null), each part is reduced where it
+  // lies in recv, and this rank's moves to the front at the end (the parts of later roots are not touched
+  // before their turn).
+  void reduce_scatter_pieces(const void* send, void* recv, const std::vector<size_t>& counts, DType dtype,
+                             ReduceOp op) {
+    const MPI_Datatype type = mpi_type(dtype);
+    const MPI_Op mop = mpi_op(dtype, op);
+    const std::vector<size_t> displs = offsets_of(counts);
+    const void* input = send != nullptr ? send : recv;
+    const size_t piece = piece_elements(dtype);
+    for (int r = 0; r < size_; ++r) {
+      for (size_t done = 0; done < counts[r];) {
+        const size_t n = std::min(counts[r] - done, piece);
+        const void* s = element_at(input, displs[r] + done, dtype);
+        void* dst = nullptr;
+        if (r == rank_) {
+          dst = element_at(recv, (send != nullptr ? 0 : displs[r]) + done, dtype);
+          if (send == nullptr) s = MPI_IN_PLACE;
+        }
+        check(MPI_Reduce(s, dst, static_cast<int>(n), type, mop, r, data_), "MPI_Reduce");
+        done += n;
+      }
+    }
+    if (send == nullptr && displs[rank_] != 0) {
+      std::memmove(recv, element_at(recv, displs[rank_], dtype), counts[rank_] * itemsize(dtype));
+    }
+  }
 
   // A point-to-point exchange moves what it says (a transfer to or from this rank itself stays in memory).
   void count_sendrecv(size_t send_bytes, int dest, size_t recv_bytes, int source) {

@@ -164,8 +164,15 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
 
 
 # -- alltoall -----------------------------------------------------------------------------------------------
+def _received_splits(splits) -> torch.Tensor:
+    """The rows received from each rank as Horovod gives them (int32), or int64 where one rank sent more
+    than 2^31 - 1 rows (int32 would wrap around)."""
+    return torch.from_numpy(splits.astype("int32" if int(splits.max(initial=0)) < 2**31 else "int64"))
+
+
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
-    """Start an alltoall; ``synchronize`` returns ``(output, received_splits)``."""
+    """Start an alltoall; ``synchronize`` returns ``(output, received_splits)`` (int32, or int64 where a count
+    is above 2^31 - 1)."""
     dt = _dtype(tensor)
     src, back = _source(tensor)
     if splits is not None:
@@ -174,8 +181,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     holder: list = []
 
     def finish(results):
-        received = torch.from_numpy(results[0].received_splits.astype("int32"))
-        return back(holder[0]), received
+        return back(holder[0]), _received_splits(results[0].received_splits)
     return _c.alltoall_async(_np(src), splits, _alloc_like(src, holder), name, process_set, dtype=dt,
                              finish=finish)
 

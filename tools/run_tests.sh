@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set everything up and run every test: unit and integration tests in one process, then the MPI suite
-# under mpirun at 2 and 3 ranks, then the GPU paths' CPU stand-ins (staging, the launcher on Gloo), then the
+# under mpirun at 2 and 3 ranks and its large-tensor tests at 2 ranks, then the GPU paths' CPU stand-ins (staging, the launcher on Gloo), then the
 # wheel as a user installs it (tools/check_wheel.sh), then the MXNet suite in its own environment
 # (tools/run_mxnet_tests.sh), then perseus on MPICH (tools/run_mpich_tests.sh).
 # Every test has a timeout; a failing rank aborts its MPI job.
@@ -56,8 +56,11 @@ for np in 2 3; do
   echo "== MPI tests on $np ranks"
   # Every rank runs every test and prints its own summary line. A process that dies on a signal, even after
   # every test passed, fails the stage: there is no second attempt.
-  stage "MPI tests on $np ranks" "${MPIRUN[@]}" -np "$np" "${PYTEST[@]}" -q tests/mpi
+  stage "MPI tests on $np ranks" "${MPIRUN[@]}" -np "$np" "${PYTEST[@]}" -q tests/mpi \
+    --ignore tests/mpi/test_large_tensors.py
 done
+echo "== tensors above 2 GiB and above 2^31 elements, every collective (2 ranks; ~10 GiB of memory)"
+stage "large tensors on 2 ranks" "${MPIRUN[@]}" -np 2 "${PYTEST[@]}" -q tests/mpi/test_large_tensors.py
 echo "== the GPU paths without a GPU: host staging (PERSEUS_STAGE_CPU_TENSORS=1) and the NCCL launcher on Gloo"
 echo "   (PERSEUS_DEVICE_BACKEND=gloo), each under the collective and optimizer MPI tests on 2 and 3 ranks"
 DEVICE_TESTS=(tests/mpi/test_collectives.py tests/mpi/test_optimizer.py tests/mpi/test_sync_batch_norm.py

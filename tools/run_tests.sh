@@ -36,7 +36,7 @@ stage() {  # stage NAME CMD...: run CMD, its output also kept in a log; a failur
   fi
   # What did not run: pytest's "N skipped" (summed over the ranks of an MPI job) and scripts' "NOT RUN:" lines.
   local skipped notrun
-  skipped=$(grep -a -o -E "[0-9]+ skipped" "$log" | awk '{n += $1} END {print n + 0}')
+  skipped=$( (grep -a -o -E "[0-9]+ skipped" "$log" || true) | awk '{n += $1} END {print n + 0}')
   notrun=$(grep -a -c "NOT RUN:" "$log" || true)
   echo "-- $name: $skipped skipped, $notrun not run (reasons: the SKIPPED / NOT RUN lines above)"
   SKIPS+=("$name: $skipped skipped, $notrun not run")
@@ -51,7 +51,10 @@ summary() {  # the last lines CI shows: which stages failed, and the failing tes
     | sort | uniq -c | sort -rn | head -40 || true
 }
 echo "== unit and integration tests (no mpirun)"
-stage "unit and integration tests" "${PYTEST[@]}" -q tests/unit tests/integration
+# (The MXNet corpus scripts need .venv-mxnet: tools/run_mxnet_tests.sh runs those two cases, in that environment.)
+stage "unit and integration tests" "${PYTEST[@]}" -q tests/unit tests/integration \
+  --deselect "tests/integration/test_convert_corpus.py::test_converted_script_trains_on_two_ranks[mxnet_gluon.py]" \
+  --deselect "tests/integration/test_convert_corpus.py::test_converted_script_trains_on_two_ranks[mxnet_gluon_best.py]"
 for np in 2 3; do
   echo "== MPI tests on $np ranks"
   # Every rank runs every test and prints its own summary line. A process that dies on a signal, even after

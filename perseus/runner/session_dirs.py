@@ -19,6 +19,8 @@ import re
 import shutil
 from typing import Optional
 
+from perseus.common.knobs import external
+
 __all__ = ["stale_session_dirs", "remove_stale_session_dirs"]
 
 _NAME = re.compile(r"ompi\.(\d+)")
@@ -35,7 +37,7 @@ def _alive(pid: int) -> bool:
 
 
 def _base(tmpdir: Optional[str]) -> str:
-    return tmpdir or os.environ.get("TMPDIR") or "/tmp"
+    return tmpdir or external("TMPDIR") or "/tmp"
 
 
 def stale_session_dirs(tmpdir: Optional[str] = None) -> list:

@@ -52,7 +52,7 @@ summary() {  # the last lines CI shows: which stages failed, and the failing tes
 }
 echo "== unit and integration tests (no mpirun)"
 # (The MXNet corpus scripts need .venv-mxnet: tools/run_mxnet_tests.sh runs those two cases, in that environment.)
-stage "unit and integration tests" "${PYTEST[@]}" -q tests/unit tests/integration \
+stage "unit and integration tests" "${PYTEST[@]}" -q --durations=15 tests/unit tests/integration \
   --deselect "tests/integration/test_convert_corpus.py::test_converted_script_trains_on_two_ranks[mxnet_gluon.py]" \
   --deselect "tests/integration/test_convert_corpus.py::test_converted_script_trains_on_two_ranks[mxnet_gluon_best.py]"
 for np in 2 3; do

@@ -83,6 +83,19 @@ def link(host, up):
                    check=True, timeout=10)
 
 
+def discovery_fixture(tmp_path):
+    """Generator for a per-test fixture: a :class:`Discovery` reporting perseus-h0 and perseus-h1; afterwards
+    every host's link is up again and what the test left running in the hosts is killed."""
+    d = Discovery(tmp_path)
+    d.set("perseus-h0", "perseus-h1")
+    yield d
+    for i in range(HOSTS):
+        try:
+            link(f"perseus-h{i}", True)
+        except Exception:  # noqa: BLE001 - best effort: the next test starts from a clean cluster either way
+            pass
+    kill_strays()
+
 class Discovery:
     """A discovery script printing the file ``hosts`` next to it; ``set()`` changes what it prints, ``fail()``
     makes it exit 1, ``garbage()`` print nonsense."""

@@ -1,4 +1,4 @@
-"""The Keras elastic path with tf-keras 2 (run under TF_USE_LEGACY_KERAS=1 by test_keras2_elastic.py, on 2 or
+"""The Keras elastic path with tf-keras 2 (run under TF_USE_LEGACY_KERAS=1 by test_keras2.py, on 2 or
 more ranks): KerasState made from a compiled model whose optimizer has no slots yet, a collective that fails on
 every rank in the first batches, and the retry loop going back to the state the job started from.
 

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from elastic_cluster import (Discovery, check_recovered, cluster_fixture, events, finish, phases, host_pids,
-                             kill_strays, link, start, wait_for, worker_pids)
+from elastic_cluster import (check_recovered, cluster_fixture, discovery_fixture, events, finish, host_pids, link,
+                             phases, start, wait_for, worker_pids)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -30,15 +30,7 @@ def cluster():
 
 @pytest.fixture
 def disc(cluster, tmp_path):
-    d = Discovery(tmp_path)
-    d.set(H0, H1)
-    yield d
-    for h in (H0, H1, H2):
-        try:
-            link(h, True)
-        except Exception:  # noqa: BLE001 - best effort
-            pass
-    kill_strays()
+    yield from discovery_fixture(tmp_path)
 
 
 def run(disc, tmp_path, *, env=None, timeout=150, **kw):

@@ -14,8 +14,8 @@ import time
 import numpy as np
 import pytest
 
-from elastic_cluster import (HERE, Discovery, check_recovered, cluster_fixture, events, finish, kill_strays, link,
-                             phases, start, wait_for)
+from elastic_cluster import (HERE, check_recovered, cluster_fixture, discovery_fixture, events, finish, phases,
+                             start, wait_for)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -31,15 +31,7 @@ def cluster():
 
 @pytest.fixture
 def disc(cluster, tmp_path):
-    d = Discovery(tmp_path)
-    d.set(H0, H1)
-    yield d
-    for h in (H0, H1, H2):
-        try:
-            link(h, True)
-        except Exception:  # noqa: BLE001 - best effort
-            pass
-    kill_strays()
+    yield from discovery_fixture(tmp_path)
 
 
 def _started(out, step=3, timeout=90):

@@ -19,6 +19,7 @@ import types
 
 import numpy as np
 import pytest
+from proc_sockets import listening_sockets
 
 from conftest import rank_data
 
@@ -34,23 +35,8 @@ N = 70000                        # float32 elements per tensor: 280 kB, a unit o
 
 
 def listening(pid: int) -> set:
-    """``(address, port)`` of the listening TCP sockets that process ``pid`` holds."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    found = set()
-    with open(f"/proc/{pid}/net/tcp") as f:
-        for row in f.read().splitlines()[1:]:
-            fields = row.split()
-            if fields[3] == "0A" and fields[9] in inodes:
-                address, port = fields[1].split(":")
-                found.add((socket.inet_ntoa(struct.pack("<I", int(address, 16))), int(port, 16)))
-    return found
+    """``(address, port)`` of the listening IPv4 TCP sockets that process ``pid`` holds."""
+    return {(a, p) for a, p in listening_sockets(pid) if not a.startswith("tcp6:")}
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ import threading
 import time
 
 import pytest
+from proc_sockets import listening_sockets
 
 from perseus.elastic import protocol
 from perseus.runner import handshake, run_func
@@ -46,26 +47,7 @@ REAL_CLIENT_BOUND_S = 1.0
 def listening(pid: int, port: int | None = None) -> set[str]:
     """The local addresses of the listening TCP sockets of process ``pid`` (on ``port``); IPv6 ones as
     ``tcp6:<hex>`` (none is expected)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    out = set()
-    for table in ("tcp", "tcp6"):
-        with open(f"/proc/{pid}/net/{table}") as f:
-            rows = f.read().splitlines()[1:]
-        for row in rows:
-            fields = row.split()
-            local, state, inode = fields[1], fields[3], fields[9]
-            hexaddr, hexport = local.split(":")
-            if state != "0A" or inode not in inodes or (port is not None and int(hexport, 16) != port):
-                continue
-            out.add(socket.inet_ntoa(struct.pack("<I", int(hexaddr, 16))) if table == "tcp" else f"tcp6:{hexaddr}")
-    return out
+    return {address for address, p in listening_sockets(pid) if port is None or p == port}
 
 
 def rss_kib(pid: int) -> int:

@@ -4,6 +4,7 @@
 #include <sched.h>
 
 #include <chrono>
+#include <limits>
 #include <numeric>
 
 #include "adasum.h"
@@ -270,14 +271,30 @@ void Channel::broadcast(Request* r) {
   comm_->broadcast(r->output, static_cast<size_t>(r->numel()), r->sig.dtype, root);
 }
 
+// Whether some rank sends or receives more than 2^31 - 1 elements in all: `rows` holds every rank's splits
+// (rows[s * n + d]: the rows rank s sends to rank d), `row` elements each. The same answer on every rank.
+static bool beyond_int(const std::vector<int64_t>& rows, int n, int64_t row) {
+  const auto limit = static_cast<int64_t>(std::numeric_limits<int>::max());
+  for (int q = 0; q < n; ++q) {
+    int64_t sent = 0, received = 0;
+    for (int p = 0; p < n; ++p) sent += rows[q * n + p], received += rows[p * n + q];
+    if (sent * row > limit || received * row > limit) return true;
+  }
+  return false;
+}
+
 void Channel::alltoall(Request* r) {
-  const int n = comm_->size();
-  std::vector<int64_t> recv_rows(n);
-  comm_->alltoall_i64(r->splits.data(), recv_rows.data());
+  const int n = comm_->size(), me = comm_->rank();
+  // Every rank's splits, not only the counts sent to this rank: then every rank sees whether any count is
+  // beyond MPI's int and all take the same path, with no second exchange.
+  std::vector<int64_t> rows(static_cast<size_t>(n) * n);
+  comm_->allgather_i64(r->splits.data(), n, rows.data());
   const int64_t row = row_elements(r->shape);
+  std::vector<int64_t> recv_rows(n);
   std::vector<size_t> send_counts(n), recv_counts(n);
   int64_t total_rows = 0;
   for (int i = 0; i < n; ++i) {
+    recv_rows[i] = rows[static_cast<size_t>(i) * n + me];
     send_counts[i] = static_cast<size_t>(r->splits[i] * row);
     recv_counts[i] = static_cast<size_t>(recv_rows[i] * row);
     total_rows += recv_rows[i];
@@ -286,7 +303,7 @@ void Channel::alltoall(Request* r) {
   r->result_shape[0] = total_rows;
   r->result_bytes = static_cast<size_t>(total_rows * row) * itemsize(r->sig.dtype);
   r->result.reset(new uint8_t[std::max<size_t>(r->result_bytes, 1)]);
-  comm_->alltoallv(r->input, send_counts, r->result.get(), recv_counts, r->sig.dtype);
+  comm_->alltoallv(r->input, send_counts, r->result.get(), recv_counts, r->sig.dtype, beyond_int(rows, n, row));
   r->received_splits = std::move(recv_rows);
 }
 

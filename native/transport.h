@@ -62,8 +62,10 @@ class Comm : public PointToPoint {
   // recv gets counts[r] elements from rank r, concatenated in rank order.
   virtual void allgatherv(const void* send, void* recv, const std::vector<size_t>& counts, DType dtype) = 0;
   virtual void broadcast(void* buf, size_t count, DType dtype, int root) = 0;
+  // beyond_int: whether any rank's send or receive counts add up past 2^31 - 1 elements (the caller knows
+  // every rank's counts); every rank passes the same value, so all take the same path.
   virtual void alltoallv(const void* send, const std::vector<size_t>& send_counts, void* recv,
-                         const std::vector<size_t>& recv_counts, DType dtype) = 0;
+                         const std::vector<size_t>& recv_counts, DType dtype, bool beyond_int) = 0;
   // Reduce send (sum of counts elements) across ranks; this rank receives counts[rank] elements.
   virtual void reduce_scatter(const void* send, void* recv, const std::vector<size_t>& counts, DType dtype,
                               ReduceOp op) = 0;

@@ -361,7 +361,7 @@ class LoopbackComm final : public Comm {
   }
 
   void alltoallv(const void* send, const std::vector<size_t>& send_counts, void* recv,
-                 const std::vector<size_t>& recv_counts, DType dtype) override {
+                 const std::vector<size_t>& recv_counts, DType dtype, bool /*beyond_int*/) override {
     Contribution c;
     c.kind = Kind::ALLTOALLV;
     c.call = "alltoallv(dtype=" + dtype_text(dtype) + ")";  // counts are checked pairwise on completion

@@ -397,15 +397,10 @@ class MpiComm final : public Comm {
   }
 
   void alltoallv(const void* send, const std::vector<size_t>& send_counts, void* recv,
-                 const std::vector<size_t>& recv_counts, DType dtype) override {
+                 const std::vector<size_t>& recv_counts, DType dtype, bool beyond_int) override {
     check_ranks(send_counts, "MPI_Alltoallv");
     check_ranks(recv_counts, "MPI_Alltoallv");
-    // Each rank knows only its own counts, and every rank must take the same path: they agree first.
-    int too_big = fits_int(send_counts) && fits_int(recv_counts) ? 0 : 1;
-    check(MPI_Allreduce(MPI_IN_PLACE, &too_big, 1, MPI_INT, MPI_LOR, data_), "MPI_Allreduce");
-    const WireVolume agree = allreduce_volume(sizeof(int), size_);  // the algorithm's volume
-    wire().control(agree.sent, agree.received);
-    if (!too_big) {
+    if (!beyond_int) {
       const MPI_Datatype type = mpi_type(dtype);
       std::vector<int> sc, sd, rc, rd;
       to_counts(send_counts, "MPI_Alltoallv", "the send count", &sc, &sd);

@@ -287,7 +287,7 @@ void test_alltoallv(int n) {
       size_t at = 0;
       for (int dst = 0; dst < n; ++dst)
         for (size_t i = 0; i < send_counts[dst]; ++i) put(d, send.data(), at++, v(me, dst, i));
-      c.alltoallv(send.data(), send_counts, recv.data(), recv_counts, d);
+      c.alltoallv(send.data(), send_counts, recv.data(), recv_counts, d, false);
       at = 0;
       for (int src = 0; src < n; ++src)
         for (size_t i = 0; i < recv_counts[src]; ++i, ++at)
@@ -721,7 +721,7 @@ void test_mismatch(int n) {
     std::vector<size_t> sc(n, 0), rc(n, 0);
     if (me == 0) sc[1] = 1;
     float f = 0;
-    CHECK_THROWS(c.alltoallv(&f, sc, &f, rc, DType::FLOAT32), "which expects 0");
+    CHECK_THROWS(c.alltoallv(&f, sc, &f, rc, DType::FLOAT32, false), "which expects 0");
     // The communicator is still in step afterwards.
     int64_t one = 1, sum = 0;
     c.allreduce(&one, &sum, 1, DType::INT64, ReduceOp::SUM);

@@ -317,7 +317,7 @@ void test_alltoallv(Comm& c) {
       for (int p = 0; p < size; ++p) {
         for (size_t j = 0; j < send_counts[p]; ++j) put(d, send.data(), k++, pattern(d, rank, p, j));
       }
-      c.alltoallv(send.data(), send_counts, recv.data(), recv_counts, d);
+      c.alltoallv(send.data(), send_counts, recv.data(), recv_counts, d, false);
       expect_elements("alltoallv", d, recv.data(), recv_total, [&](size_t i) {
         int s = 0;
         while (i >= recv_counts[s]) i -= recv_counts[s++];

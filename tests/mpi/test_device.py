@@ -90,7 +90,13 @@ def test_gradients_arriving_during_a_burst_share_units(hvd, monkeypatch):
         _route_cpu(monkeypatch, True)
         launched = []
         real = device._Launcher._launch
-        monkeypatch.setattr(device._Launcher, "_launch", lambda self, *a: (launched.append(a[-2]), real(self, *a))[1])
+
+        def slow_launch(self, *a):  # communication slower than the gradients arrive, on any machine
+            launched.append(a[-2])
+            time.sleep(0.003)
+            return real(self, *a)
+
+        monkeypatch.setattr(device._Launcher, "_launch", slow_launch)
         grads = [torch.full((1000,), float(i)) for i in range(40)]
         handles = []
         for i, g in enumerate(grads):  # a backward pass: one gradient every 0.2 ms

@@ -4,10 +4,11 @@ Run on 2 ranks:  perseusrun -np 2 python benchmarks/gradient_sets.py   (or mpiru
 
 Each step submits every gradient tensor in reverse order (as backward produces them), then waits for all.
 Measured in one run, on the same buffers: perseus (op=Average, as DistributedOptimizer uses), plain
-MPI_Allreduce on the same data cut into ~6 MB pieces with no copies (the practical bound here),
-torch.distributed gloo with DDP-style 25 MB buckets, and Horovod when it is installed (run with
---only horovod in a separate job; see benchmarks/README.md). Reports the median of --steps steps after
---warmup steps, and ratios.
+MPI_Allreduce on the same data cut into ~6 MB pieces with no copies (the per-tensor bound), with the library
+initialised and idle, torch.distributed gloo with DDP-style 25 MB buckets, and Horovod when it is installed
+(--only horovod, in a job of its own from Horovod's venv). Reports the median of --steps steps after
+--warmup steps, and ratios. benchmarks/run_all.py runs the comparison the docs quote (benchmarks/core_job.py:
+also the flat-buffer bound, the idle library's cost, and the libraries' jobs alternating round by round).
 """
 
 from __future__ import annotations
@@ -52,20 +53,16 @@ def make_grads(shapes, torch_mod):
     return [torch_mod.randn(s, generator=g) for s in shapes]
 
 
-def interleaved(fns: dict, warmup: int, steps: int, comm, prepare: dict | None = None) -> dict:
+def interleaved(fns: dict, warmup: int, steps: int, comm) -> dict:
     """Time every method once per round, rotating, so that all see the same machine conditions.
 
-    ``prepare[name]()``, when given, runs untimed before each of that method's steps (the bound shuts the
-    library down first, so that no idle library thread can inflate it; the library then re-initialises and
-    runs one untimed step). Returns per-method milliseconds (per step, the slowest rank's time).
+    Returns per-method milliseconds (per step, the slowest rank's time). The library under test stays
+    initialised and idle while the bound runs (benchmarks/core_job.py also measures what that idle costs).
     """
     times = {name: [] for name in fns}
     names = list(fns)
-    prepare = prepare or {}
     for i in range(warmup + steps):
         for name in names[i % len(names):] + names[:i % len(names)]:
-            if name in prepare:
-                prepare[name]()
             comm.Barrier()
             t0 = time.perf_counter()
             fns[name]()
@@ -139,16 +136,12 @@ def main():
     ap.add_argument("--only", default="perseus,mpi,gloo", help="comma list of perseus, mpi, gloo, horovod")
     ap.add_argument("--json", default="", help="append results as JSON lines to this file (rank 0)")
     ap.add_argument("--tag", default="", help="label stored with the results (e.g. a setting under test)")
-    ap.add_argument("--bound-initialized", dest="bound_uninitialized", action="store_false",
-                    help="measure the chunked-MPI bound while the library stays initialized (default: the "
-                         "library is shut down for each bound step and re-initialized after it)")
     args = ap.parse_args()
     import torch
 
     which = set(args.only.split(","))
     results = {}
-    # MPI first (mpi4py initialises it), so that the library's shutdown() does not finalise it: the bound
-    # is measured with the library shut down, and the library is initialised again after it.
+    # MPI first (mpi4py initialises it); the bound is measured with the library initialised and idle.
     from mpi4py import MPI
 
     if "horovod" in which:
@@ -182,18 +175,7 @@ def main():
                 hvd_name = name
         if dist is not None:
             fns["gloo"] = bench_gloo(grads, dist, torch)
-        prepare = {}
-        if args.bound_uninitialized and "mpi_chunked" in fns and hvd_name in fns:
-            def down():
-                if hvd.is_initialized():
-                    hvd.shutdown()
-
-            def up(step=fns[hvd_name]):
-                if not hvd.is_initialized():
-                    hvd.init()
-                    step()  # names negotiated again after init: keep that out of the timed step
-            prepare = {"mpi_chunked": down, hvd_name: up}
-        times = interleaved(fns, args.warmup, args.steps, comm, prepare)
+        times = interleaved(fns, args.warmup, args.steps, comm)
         for name, ts in times.items():
             row[f"{name}_ms"] = round(float(np.median(ts)), 2)
         if "mpi_chunked" in times:
@@ -201,7 +183,6 @@ def main():
                 if name != "mpi_chunked":  # per-round ratio, then the median: robust to machine drift
                     ratios = np.array(ts) / np.array(times["mpi_chunked"])
                     row[f"{name}_over_bound"] = round(float(np.median(ratios)), 3)
-        row["bound_with_library_initialized"] = not args.bound_uninitialized
         results[set_name] = row
         if rank == 0:
             print(json.dumps(row), flush=True)

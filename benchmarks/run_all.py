@@ -1,0 +1,205 @@
+"""Run every benchmark that the docs quote, write the results, and regenerate the docs' tables and plots.
+
+    python benchmarks/run_all.py            # the full run (about an hour on 2 cores)
+    python benchmarks/run_all.py --quick    # a few minutes: fewer rounds and steps, no BERT-large
+    python benchmarks/run_all.py --cluster  # also the runs across emulated hosts (root; tools/emulated_cluster.sh)
+
+Phases (``--phases``; each writes JSON lines into the results folder, one file per phase):
+
+- ``core``: benchmarks/core_job.py, one 2-rank job per library and round, the order of the jobs rotating every
+  round: perseus, Horovod 0.28.1 (from --horovod-venv, when it is installed there), and a job with no
+  library (the bounds with nothing idle beside them, and torch.distributed on gloo). Each job times its
+  library against raw-MPI bounds in the same process, step by step, with the library initialised and idle.
+- ``training``: benchmarks/training.py, end-to-end training throughput and scaling efficiency.
+- ``convergence``: benchmarks/compression_convergence.py with evaluation curves (dense vs top-k).
+- ``multihost``, ``recovery``, ``training_cluster`` (with --cluster): channel scaling across 2 emulated hosts
+  (800 Mbit/s links, 200 Mbit/s per flow), elastic recovery, training across the hosts.
+
+The full run writes into benchmarks/results/run_all/ (committed; the docs are generated from it), --quick into
+benchmarks/results/run_all_quick/. After the phases, benchmarks/report.py rewrites the tables between the
+markers in docs/benchmarks.md and README.md and draws the plots into docs/img/ (--no-docs skips that; a quick
+run never touches the docs unless --docs is given). Progress goes to stderr, one line per job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PHASES = ("core", "training", "convergence", "multihost", "recovery", "training_cluster")
+CLUSTER_PHASES = ("multihost", "recovery", "training_cluster")
+
+
+def say(msg: str) -> None:
+    print(f"[run_all {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def mpirun(bin_dir: str, np_: int = 2) -> list[str]:
+    cmd = [os.path.join(bin_dir, "mpirun"), "--oversubscribe", "--bind-to", "none", "-np", str(np_)]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    return cmd
+
+
+def run(cmd: list[str], timeout: float, env: dict | None = None) -> None:
+    """Run one job; raise RuntimeError with its output's tail when it fails or outlives timeout."""
+    full_env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
+    subprocess.run([sys.executable, "-m", "perseus.runner.session_dirs"], check=False, env=full_env,
+                   capture_output=True)
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, env=full_env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"{' '.join(cmd)}: no result after {timeout:.0f} s") from e
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        raise RuntimeError(f"{' '.join(cmd)}: exit status {proc.returncode}\n{tail}")
+    say(f"  done in {time.monotonic() - t0:.1f} s: {' '.join(os.path.basename(c) for c in cmd[-8:])}")
+
+
+def horovod_bin(venv: str) -> str | None:
+    """The Horovod venv's bin folder when horovod.torch imports there, else None."""
+    py = os.path.join(venv, "bin", "python")
+    if not os.path.exists(py):
+        return None
+    ok = subprocess.run([py, "-c", "import horovod.torch"], capture_output=True).returncode == 0
+    return os.path.join(venv, "bin") if ok else None
+
+
+def phase_core(args, out: str, hvd_bin: str | None) -> None:
+    libs = [("perseus", os.path.dirname(sys.executable)), ("none", os.path.dirname(sys.executable))]
+    if hvd_bin:
+        libs.insert(1, ("horovod", hvd_bin))
+    else:
+        say(f"Horovod is not installed in {args.horovod_venv} (tools/install_horovod_baseline.sh): not measured")
+    sets = "resnet50" if args.quick else "resnet50,bert_large"
+    for r in range(args.rounds):
+        order = libs[r % len(libs):] + libs[:r % len(libs)]
+        for lib, bin_dir in order:
+            say(f"core round {r + 1}/{args.rounds}: {lib}")
+            run(mpirun(bin_dir) + [os.path.join(bin_dir, "python"), os.path.join(HERE, "core_job.py"),
+                                   "--lib", lib, "--sets", sets, "--round", str(r), "--out", out,
+                                   "--steps", str(args.steps), "--bert-steps", str(max(args.steps // 3, 1)),
+                                   "--small-rounds", str(args.steps)], timeout=1800)
+
+
+def phase_training(args, out: str, hvd_bin: str | None, cluster: bool = False) -> None:
+    cmd = [sys.executable, os.path.join(HERE, "training.py"), "--rounds", str(args.rounds), "--json", out,
+           "--horovod-venv", args.horovod_venv]
+    if args.quick:
+        cmd.append("--quick")
+    if cluster:
+        cmd.append("--cluster")
+    run(cmd, timeout=5400)
+
+
+def phase_convergence(args, out: str, hvd_bin: str | None) -> None:
+    tasks = ["--tasks", "linear", "--linear-steps", "300"] if args.quick else \
+        ["--tasks", "digits,linear", "--digits-seeds", "2"]
+    run(mpirun(os.path.dirname(sys.executable)) + [
+        sys.executable, os.path.join(HERE, "compression_convergence.py"), *tasks,
+        "--variants", "dense,topk:0.01,topk:0.01:noef", "--eval-every", "30" if args.quick else "60",
+        "--json", out], timeout=3600)
+
+
+def phase_multihost(args, out: str, hvd_bin: str | None) -> None:
+    methods = "perseus-default,perseus-1ch,perseus-2ch,perseus-4ch,perseus-8ch,mpi"
+    if hvd_bin:
+        methods += ",horovod"
+    run([sys.executable, os.path.join(HERE, "multihost.py"), "--sets", "resnet50", "--methods", methods,
+         "--rounds", str(args.rounds), "--link-mbit", "800", "--flow-mbit", "200",
+         "--horovod-venv", args.horovod_venv, "--json", out], timeout=5400)
+
+
+def phase_recovery(args, out: str, hvd_bin: str | None) -> None:
+    run([sys.executable, os.path.join(HERE, "elastic_recovery.py"), "--state-mb", "32" if args.quick else "128",
+         "--rounds", str(args.rounds), "--json", out], timeout=3600)
+
+
+def cluster(action: str, *params: str) -> None:
+    cmd = ["bash", os.path.join(ROOT, "tools", "emulated_cluster.sh"), action, *params]
+    subprocess.run(cmd, check=(action == "up"), cwd=ROOT, stdout=subprocess.DEVNULL)
+
+
+RUNNERS = {"core": phase_core, "training": phase_training, "convergence": phase_convergence,
+           "multihost": phase_multihost, "recovery": phase_recovery,
+           "training_cluster": lambda a, o, h: phase_training(a, o, h, cluster=True)}
+
+
+def write_meta(folder: str, args, phases: list[str]) -> None:
+    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit, "quick": args.quick,
+            "rounds": args.rounds, "steps": args.steps, "phases": phases, "cpus": os.cpu_count(),
+            "machine": platform.platform(), "python": platform.python_version()}
+    with open(os.path.join(folder, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer rounds and steps, no BERT-large")
+    ap.add_argument("--cluster", action="store_true", help="also the emulated-host phases (root)")
+    ap.add_argument("--phases", default="", help="comma list of " + ", ".join(PHASES) + " (default: all that apply)")
+    ap.add_argument("--rounds", type=int, default=0, help="rounds per phase (default 7, quick 3)")
+    ap.add_argument("--steps", type=int, default=0, help="timed steps per core job (default 9, quick 4)")
+    ap.add_argument("--horovod-venv", default="/work/hvd-venv")
+    ap.add_argument("--out", default="", help="results folder (default benchmarks/results/run_all[_quick])")
+    ap.add_argument("--docs", dest="docs", action="store_true", default=None, help="regenerate the docs")
+    ap.add_argument("--no-docs", dest="docs", action="store_false")
+    args = ap.parse_args()
+    args.rounds = args.rounds or (3 if args.quick else 7)
+    args.steps = args.steps or (4 if args.quick else 9)
+    docs = (not args.quick) if args.docs is None else args.docs
+    phases = args.phases.split(",") if args.phases else [
+        p for p in PHASES if args.cluster or p not in CLUSTER_PHASES]
+    unknown = set(phases) - set(PHASES)
+    if unknown:
+        ap.error(f"unknown phase(s) {sorted(unknown)}; choose from {', '.join(PHASES)}")
+    if any(p in CLUSTER_PHASES for p in phases) and os.geteuid() != 0:
+        ap.error("the emulated-host phases need root (network namespaces); leave out --cluster")
+    folder = args.out or os.path.join(HERE, "results", "run_all_quick" if args.quick else "run_all")
+    os.makedirs(folder, exist_ok=True)
+    hvd_bin = horovod_bin(args.horovod_venv)
+    failed = []
+    for phase in phases:
+        out = os.path.join(folder, f"{phase}.jsonl")
+        if os.path.exists(out):
+            shutil.move(out, out + ".previous")  # a phase's file holds one run; the last one stays beside it
+        say(f"phase {phase} -> {os.path.relpath(out, ROOT)}")
+        t0 = time.monotonic()
+        try:
+            if phase in CLUSTER_PHASES:  # recovery: unshaped links, one slot per host (a rank per host)
+                cluster("up", *(("2", "0", "0", "1") if phase == "recovery" else ("2", "800", "200")))
+            RUNNERS[phase](args, out, hvd_bin)
+        except RuntimeError as e:  # one phase's failure is reported and the others still run
+            failed.append(phase)
+            say(f"phase {phase} FAILED: {e}")
+            if os.path.exists(out):
+                shutil.move(out, out + ".failed")
+            if os.path.exists(out + ".previous"):  # the docs keep the last complete run of this phase
+                shutil.move(out + ".previous", out)
+        finally:
+            if phase in CLUSTER_PHASES:
+                cluster("down")
+        say(f"phase {phase}: {time.monotonic() - t0:.0f} s")
+    write_meta(folder, args, phases)
+    for f in os.listdir(folder):
+        if f.endswith(".previous"):
+            os.remove(os.path.join(folder, f))
+    if docs:
+        subprocess.run([sys.executable, os.path.join(HERE, "report.py"), folder], check=True)
+    say("failed phases: " + ", ".join(failed) if failed else "every phase ran")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

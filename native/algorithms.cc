@@ -3,11 +3,14 @@
 
 #include <algorithm>
 
+#include "huge_pages.h"
+
 namespace perseus {
 
 uint8_t* Scratch::get(size_t nbytes, int slot) {
   auto& s = slots_[slot];
   if (s.size() < nbytes) s.resize(std::max(nbytes, 2 * s.size()));
+  if (huge_pages_) advise_huge_pages(s.data(), nbytes);
   return s.data();
 }
 

@@ -14,9 +14,13 @@ namespace perseus {
 // Scratch memory an algorithm may reuse between calls (owned by the channel).
 class Scratch {
  public:
+  // A buffer of at least nbytes for `slot` (0-2), kept between calls; with huge pages on, its frames are
+  // offered for collapsing (huge_pages.h).
   uint8_t* get(size_t nbytes, int slot);
+  void set_huge_pages(bool on) { huge_pages_ = on; }
  private:
   std::vector<uint8_t> slots_[3];
+  bool huge_pages_ = false;
 };
 
 // `total` elements in `parts` segments whose sizes differ by at most one (the first ones larger).

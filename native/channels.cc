@@ -9,6 +9,7 @@
 
 #include "adasum.h"
 #include "buffers.h"
+#include "huge_pages.h"
 #include "kernels.h"
 #include "ring.h"
 
@@ -23,6 +24,7 @@ constexpr int kSpinUs = 100;  // how long an idle channel thread spins (yielding
 
 Channel::Channel(std::unique_ptr<Comm> comm, ChannelConfig config, ChannelHooks hooks)
     : comm_(std::move(comm)), config_(std::move(config)), hooks_(std::move(hooks)) {
+  scratch_.set_huge_pages(config_.huge_pages);
   const HostLayout* h = config_.layout.get();
   if (h != nullptr && h->hosts > 1) {
     const int r = comm_->rank();
@@ -155,6 +157,10 @@ void Channel::allreduce(Unit* u) {
     Request* r = p.request;
     void* dst = element_at(r->output, p.offset, dt);
     const void* src = r->input == nullptr ? nullptr : element_at(r->input, p.offset, dt);
+    if (config_.huge_pages) {  // the caller's memory, reused step after step: collapsed the second time
+      advise_huge_pages(dst, p.count * itemsize(dt));
+      if (src != nullptr && src != dst) advise_huge_pages(src, p.count * itemsize(dt));
+    }
     if (pre != 1.0) {
       scale_into(src != nullptr ? src : dst, dst, p.count, dt, pre);
       src = nullptr;
@@ -167,6 +173,7 @@ void Channel::allreduce(Unit* u) {
   }
   if (fusion_.size() < u->nbytes()) fusion_.resize(u->nbytes());
   uint8_t* buf = fusion_.data();
+  if (config_.huge_pages) advise_huge_pages(buf, u->nbytes());
   activity(u, "MEMCPY_IN_FUSION_BUFFER");
   for (const Piece& p : u->pieces) {
     const void* src = p.request->input != nullptr ? p.request->input : p.request->output;

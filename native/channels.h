@@ -29,6 +29,7 @@ namespace perseus {
 // What a channel knows about where the ranks of its process set are.
 struct ChannelConfig {
   bool hierarchical_allgather = false;
+  bool huge_pages = true;                     // collapse reused large buffers (huge_pages.h)
   std::shared_ptr<const HostLayout> layout;  // null: one host
   LinkOptions links;                          // world_ranks filled in per communicator
 };

@@ -102,6 +102,7 @@ SetOptions Engine::set_options() const {
   o.stall.shutdown_time_s = s.stall_shutdown_time_s;
   o.host_key = s.host_key;
   o.hierarchical_allgather = s.hierarchical_allgather;
+  o.huge_pages = s.huge_pages;
   o.links.interfaces = s.network_interfaces;
   o.links.timeout_s = s.link_timeout_s;
   return o;

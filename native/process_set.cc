@@ -31,6 +31,7 @@ ProcessSet::ProcessSet(SetContext context, const SetOptions& options, int id, st
   hooks.faults = &ctx_.faults;
   ChannelConfig config;
   config.hierarchical_allgather = options.hierarchical_allgather;
+  config.huge_pages = options.huge_pages;
   // One allgather of host keys at creation: a set on one host keeps MPI's shared-memory paths only.
   HostLayout layout = HostLayout::exchange(*control_, options.host_key);
   if (layout.hosts > 1) config.layout = std::make_shared<const HostLayout>(std::move(layout));

@@ -15,6 +15,7 @@
 
 #include "decode_for_test.h"
 #include "engine.h"
+#include "huge_pages.h"
 #include "settings.h"
 #include "transport.h"
 #include "transport_loopback.h"
@@ -608,6 +609,14 @@ PYBIND11_MODULE(_core, m) {
   m.doc() = "perseus native core: queue, negotiation, fusion, channels, transports, completion";
   m.def("mpi_library_version", &mpi_library_version);
   m.def("abandoned_process_sets", &abandoned_process_sets);
+  m.def("huge_page_stats", [] {
+    const perseus::HugePageStats s = perseus::huge_page_stats();
+    py::dict d;
+    d["collapsed_frames"] = s.collapsed_frames;
+    d["refused_frames"] = s.refused_frames;
+    d["gave_up"] = s.gave_up;
+    return d;
+  }, "This process's requests to collapse reused buffers into 2 MiB huge pages (PERSEUS_HUGE_PAGES).");
   py::class_<PyWorld>(m, "LoopbackWorld")
       .def(py::init([](int size) { return PyWorld{make_loopback_world(size)}; }), py::arg("size"),
            "In-process ranks (threads) for tests: pass it to Engine.add_loopback_process_set.")

@@ -34,6 +34,7 @@ struct SetOptions {
   StallSettings stall;
   int64_t host_key = 0;  // ranks with equal keys are on one host
   bool hierarchical_allgather = false;
+  bool huge_pages = true;  // huge_pages.h
   LinkOptions links;  // interfaces and timeout of the channels' links (cancel and world_ranks: the set's own)
 };
 

@@ -37,6 +37,8 @@ struct Settings {
   // ranks with equal keys are on one host (Python gives the world rank of the host's first rank)
   int64_t host_key = 0;  // set per rank by the engine's creator
   bool hierarchical_allgather = false;  // knob hierarchical_allgather
+  // collapse reused large host buffers into huge pages
+  bool huge_pages = true;  // knob huge_pages
   // for the channels' links between hosts; empty: all
   std::vector<std::string> network_interfaces;  // knob network_interface
   double link_timeout_s = 30.0;  // knob link_timeout_s
@@ -62,6 +64,7 @@ struct Settings {
   X(idle_poll_max_ms)              \
   X(host_key)                      \
   X(hierarchical_allgather)        \
+  X(huge_pages)                    \
   X(network_interfaces)            \
   X(link_timeout_s)                \
   X(cpu_core)

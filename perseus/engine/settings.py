@@ -79,6 +79,7 @@ ENGINE_FIELDS: tuple[EngineField, ...] = (
     EngineField("host_key", "int64_t", default=0,
                 note="ranks with equal keys are on one host (Python gives the world rank of the host's first rank)"),
     EngineField("hierarchical_allgather", "bool", ("hierarchical_allgather",)),
+    EngineField("huge_pages", "bool", ("huge_pages",), note="collapse reused large host buffers into huge pages"),
     EngineField("network_interfaces", "std::vector<std::string>", ("network_interface",),
                 lambda s: interface_names(s.network_interface),
                 note="for the channels' links between hosts; empty: all"),

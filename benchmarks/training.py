@@ -20,7 +20,9 @@ Every job sets torch.set_num_threads(1) on every rank, the 1-rank job included: 
 the 2 ranks gets one core, so a rank of a 2-rank job computes as fast as the single job and the comparison
 isolates what communication (and its overlap) costs. Each job warms up --warmup steps, lines the ranks up with
 a barrier, trains --steps steps and takes the slowest rank's elapsed time; a step is that time / --steps and
-the job's throughput is ranks x batch x steps / that time (samples per second for the whole job).
+the job's throughput is ranks x batch x steps / that time (samples per second for the whole job). Each job
+also records cpu_per_s, the busiest rank's CPU seconds (all its threads) per second of the timed steps: above
+1.0, communication threads took CPU time that the rank's one compute thread then shares a core with.
 
 The driver reports per model and method the median throughput over the rounds, the scaling efficiency
 (median throughput / (ranks x median single throughput)) and the ratios to Horovod and to DDP as medians of
@@ -156,15 +158,18 @@ def job(args) -> int:
     for _ in range(args.warmup):
         step()
     comm.Barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(args.steps):
         loss = step()
-    slowest = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+    slowest = comm.allreduce(elapsed, op=MPI.MAX)
+    busiest = comm.allreduce(cpu / elapsed, op=MPI.MAX)  # CPU seconds per second, all of a process's threads
     batch = args.batch if args.model == "resnet" else args.seq_batch
     if rank == 0:
         row = {"model": args.model, "method": args.method, "ranks": size, "round": args.round,
                "step_s": round(slowest / args.steps, 5), "throughput": round(size * batch * args.steps / slowest, 3),
-               "params": sum(p.numel() for p in model.parameters()), "final_loss": round(loss.item(), 4)}
+               "params": sum(p.numel() for p in model.parameters()), "final_loss": round(loss.item(), 4),
+               "cpu_per_s": round(busiest, 3)}
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
     shutdown()
@@ -261,6 +266,7 @@ def summarize(rows: list[dict], args, methods: list[str]) -> list[dict]:
             row = {"model": model, "method": m, "available": True, "ranks": ranks, "unit": UNITS[model],
                    "params": samples[0]["params"], "median_throughput": round(med[m], 2),
                    "throughput": [r["throughput"] for r in samples], "step_s": [r["step_s"] for r in samples],
+                   "cpu_per_s": [r["cpu_per_s"] for r in samples],
                    "rounds_done": [r["round"] for r in samples]}
             if "single" in med:
                 row["efficiency"] = round(med[m] / (ranks * med["single"]), 3)
@@ -276,7 +282,7 @@ def settings(args) -> dict:
     s = {flag: getattr(args, flag) for flag in SIZE_FLAGS}
     s.update(bench="training", date=time.strftime("%Y-%m-%d"), rounds=args.rounds, multi_ranks=args.ranks,
              cluster=args.hosts if args.cluster else "", torch_threads_per_rank=1, cpus=os.cpu_count(),
-             host=socket.gethostname())
+             host=socket.gethostname(), loadavg_at_end=[round(x, 2) for x in os.getloadavg()])
     return s
 
 
@@ -305,7 +311,7 @@ def report(table: list[dict], missing: str, args) -> None:
 
 def driver(args) -> int:
     """Run all jobs, print the summary, write --json; exit status 1 if any job failed."""
-    for name, normal, quick in (("rounds", 3, 2), ("steps", 20, 5), ("warmup", 3, 2)):
+    for name, normal, quick in (("rounds", 3, 2), ("steps", 20, 4), ("warmup", 3, 1)):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else normal)
     methods = args.methods.split(",")
@@ -334,9 +340,9 @@ def main() -> int:
     ap.add_argument("--models", default="resnet,transformer")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--rounds", type=int, default=None, help="default 3 (2 with --quick)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per job; default 20 (5 with --quick)")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first; default 3 (2 with --quick)")
-    ap.add_argument("--quick", action="store_true", help="2 rounds of 5 steps")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per job; default 20 (4 with --quick)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first; default 3 (1 with --quick)")
+    ap.add_argument("--quick", action="store_true", help="2 rounds of 4 steps after 1 warm-up step")
     ap.add_argument("--ranks", type=int, default=2, help="ranks of the distributed jobs")
     ap.add_argument("--batch", type=int, default=32, help="resnet images per rank and step")
     ap.add_argument("--image-size", type=int, default=32)

@@ -16,6 +16,11 @@ Methods, each one mpirun job per model and round (the driver rotates the order o
             its own mpirun; reported as unavailable (a printed line and a JSON row) when it does not import
   ddp       torch DistributedDataParallel on the gloo backend (bucketed all-reduce hooked into backward)
 
+perseus and Horovod start (hvd.init()) before the job imports mpi4py, as in a training script, so each runs
+with the MPI options it picks itself: perseus sets Open MPI's mpi_yield_when_idle=1 (a rank waiting in MPI
+yields its core), Horovod leaves Open MPI's default (it spins). With one core per rank that matters: with MPI
+started first, perseus's ResNet throughput here fell from about 290 to 210-230 images/s.
+
 Every job sets torch.set_num_threads(1) on every rank, the 1-rank job included: on a 2-core machine each of
 the 2 ranks gets one core, so a rank of a 2-rank job computes as fast as the single job and the comparison
 isolates what communication (and its overlap) costs. Each job warms up --warmup steps, lines the ranks up with
@@ -102,16 +107,27 @@ def make_transformer(args, torch):
 
 
 # ----------------------------------------------------------------------------------------------- job side
-def distribute(args, model, optimizer, comm):
+def start_library(method: str):
+    """Import and initialise perseus.torch or horovod.torch (None for other methods).
+
+    It runs before the job imports mpi4py, as in a training script that starts with hvd.init(): perseus picks
+    MPI's options (mpi_yield_when_idle) only when it is the one that starts MPI.
+    """
+    if method == "perseus":
+        import perseus.torch as hvd
+    elif method == "horovod":
+        import horovod.torch as hvd
+    else:
+        return None
+    hvd.init()
+    return hvd
+
+
+def distribute(args, model, optimizer, comm, hvd):
     """Wrap model and optimizer for args.method; return (model, optimizer, shutdown callable)."""
     if args.method == "single":
         return model, optimizer, lambda: None
-    if args.method in ("perseus", "horovod"):
-        if args.method == "perseus":
-            import perseus.torch as hvd
-        else:
-            import horovod.torch as hvd
-        hvd.init()
+    if hvd is not None:
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
@@ -135,6 +151,8 @@ def distribute(args, model, optimizer, comm):
 def job(args) -> int:
     """One timed job on this rank; rank 0 appends the job's row to args.out."""
     import torch
+
+    hvd = start_library(args.method)
     from mpi4py import MPI
 
     torch.set_num_threads(1)
@@ -145,7 +163,7 @@ def job(args) -> int:
     torch.manual_seed(1234 + rank)
     x = x if args.model == "transformer" else torch.randn_like(x)  # each rank its own images
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    model, optimizer, shutdown = distribute(args, model, optimizer, comm)
+    model, optimizer, shutdown = distribute(args, model, optimizer, comm, hvd)
     loss_fn = torch.nn.functional.cross_entropy
 
     def step():

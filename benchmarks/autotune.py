@@ -74,6 +74,7 @@ def main() -> int:
     import perseus.torch as hvd
     from perseus.common.state import runtime
     from perseus.common.knobs import knob
+    from perseus.engine.settings import topology_channels
 
     hvd.init()
     engine = runtime().engine
@@ -93,10 +94,12 @@ def main() -> int:
             out.append(hvd.allreduce(torch.tensor([time.perf_counter() - t0]), op=hvd.Max, name="bench.t").item())
         return out
 
-    default = (knob("fusion_threshold_bytes").default, knob("inplace_threshold_bytes").default,
-               knob("num_channels").default, int(knob("cycle_time_ms").default * 1000), 0)
-    max_channels = engine.params(0)[5]
     topo = runtime()._topology
+    # the default channel count is chosen by topology at init() (0: one host 1, several hosts more)
+    default = (knob("fusion_threshold_bytes").default, knob("inplace_threshold_bytes").default,
+               topology_channels(knob("num_channels").default, topo.local_size < topo.size),
+               int(knob("cycle_time_ms").default * 1000), 0)
+    max_channels = engine.params(0)[5]
     # 1. the tuner, from the bad setting: every step until every rank's tuner has finished
     search_times = []
     while True:

@@ -15,6 +15,8 @@ every rank submits every gradient (reverse order, as backward produces them) and
 time is the slowest rank's. Methods:
 
   perseus-<N>ch   perseus.torch allreduce_async_ (Average), PERSEUS_NUM_CHANNELS=N
+  perseus-default the same with no perseus setting at all (PERSEUS_NUM_CHANNELS and
+                  PERSEUS_ALLREDUCE_ALGORITHM removed from the job's environment): what a user gets
   perseus-hier-<N>ch / perseus-ring-<N>ch   the same with PERSEUS_ALLREDUCE_ALGORITHM=hierarchical / ring
   mpi             in-place MPI_Allreduce of each gradient in 6 MB pieces (one TCP flow between a pair)
   mpi-links<K>    the same with Open MPI's btl_tcp_links=K (K TCP connections per pair of processes)
@@ -86,6 +88,10 @@ def job(args) -> int:
     if rank == 0:
         row = {"method": method, "set": args.set, "ranks": size, "params": int(sum(g.numel() for g in grads)),
                "step_s": [round(t, 4) for t in times], "round": args.round}
+        if method.startswith("perseus"):  # the channels in use (perseus-default: what init() chose)
+            from perseus.common.state import runtime
+
+            row["channels"] = int(runtime().engine.params(0)[2])
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
     if dist is not None:
@@ -98,6 +104,8 @@ def job(args) -> int:
 # -------------------------------------------------------------------------------------------- driver side
 def method_env(method: str) -> dict:
     env = {}
+    if method == "perseus-default":
+        return env
     if method.startswith("perseus"):
         parts = method.split("-")
         env["PERSEUS_NUM_CHANNELS"] = parts[-1].rstrip("ch")
@@ -113,6 +121,10 @@ def command(args, method: str, set_name: str, rnd: int, out: str) -> tuple[list[
     hosts = ",".join(f"{h}:{args.ranks_per_host}" for h in args.hosts.split(","))
     np_ = args.ranks_per_host * len(args.hosts.split(","))
     env = dict(os.environ)
+    if method == "perseus-default":
+        for name in ("PERSEUS_NUM_CHANNELS", "PERSEUS_ALLREDUCE_ALGORITHM", "PERSEUS_HIERARCHICAL_ALLREDUCE",
+                     "HOROVOD_HIERARCHICAL_ALLREDUCE"):
+            env.pop(name, None)
     env.update(method_env(method))
     if args.iface:
         env["PERSEUS_NETWORK_INTERFACE"] = env["GLOO_SOCKET_IFNAME"] = args.iface
@@ -147,6 +159,9 @@ def summarize(rows: list[dict], args) -> list[dict]:
         for m, t in med.items():
             row = {"set": set_name, "method": m, "median_s": round(t, 3), "over_bound": round(t / bound_s, 2),
                    "bound_s": round(bound_s, 3)}
+            used = sorted({r["channels"] for r in mine if r["method"] == m and "channels" in r})
+            if used:
+                row["channels"] = used[0] if len(used) == 1 else used
             if "horovod" in med:
                 row["speedup_vs_horovod"] = round(med["horovod"] / t, 2)
             if "perseus-1ch" in med:

@@ -23,7 +23,7 @@ struct Settings {
   // the cycle when only device requests are new
   double device_cycle_time_ms = 1.0;  // knob device_cycle_time_ms
   double cycle_time_ms = 0.0;  // knob cycle_time_ms
-  int num_channels = 1;  // knob num_channels
+  int num_channels = 0;  // knob num_channels
   // channels created per set (a TUNE request may activate up to this many)
   int max_channels = 0;  // knob max_channels
   // time training steps for the run-time tuner (ProcessSet::steps)

@@ -129,13 +129,20 @@ KNOBS: tuple[Knob, ...] = (
              "which costs microseconds; a positive value gathers more per round at the price of that much "
              "latency on every synchronous collective (Horovod's default is 1 ms).",
          flag=Flag("--cycle-time-ms", "tuning", "wait before negotiating new requests, in ms")),
-    Knob("num_channels", ("PERSEUS_NUM_CHANNELS",), int, 1, unit="channels", tunable=True,
+    Knob("num_channels", ("PERSEUS_NUM_CHANNELS",), int, 0, unit="channels", tunable=True,
          doc="Concurrent communication channels per process set; each is a duplicated communicator driven "
-             "by its own thread. 1 measured fastest on a single shared-memory host; networks gain from more.",
+             "by its own thread and, between hosts, has its own TCP connections. 0 (the default): init() "
+             "chooses, the same on every rank: 8 when the job's ranks span more than one host (a single TCP "
+             "flow rarely fills a link: on 2 emulated hosts with 200 Mbit/s per flow, ResNet-50's gradients "
+             "took 1.19x the link bound with the default, 4.3x with 1 channel; docs/benchmarks.md), 1 on one "
+             "shared-memory host (measured fastest there). A positive value is used as it is. Rank 0 logs the "
+             "count in use at init() (PERSEUS_LOG_LEVEL=info). The autotuner starts from the chosen count and "
+             "tunes it, unless it was set explicitly.",
          flag=Flag("--num-channels", "tuning", "concurrent communication channels", minimum=1)),
     Knob("max_channels", ("PERSEUS_MAX_CHANNELS",), int, 0, unit="channels",
-         doc="Channels created per process set (0: num_channels). Run-time tuning may switch the number in "
-             "use between 1 and this many at the same step on every rank; idle channels cost nothing."),
+         doc="Channels created per process set (0: as many as num_channels has in use). Run-time tuning may "
+             "switch the number in use between 1 and this many at the same step on every rank; idle channels "
+             "cost nothing."),
     Knob("allreduce_algorithm", ("PERSEUS_ALLREDUCE_ALGORITHM",), str, "auto", tunable=True,
          choices=("auto", "mpi", "ring", "hierarchical"),
          doc="How a large unit is all-reduced: mpi (MPI_Allreduce, then a scaling pass for Average), ring "

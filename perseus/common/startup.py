@@ -26,10 +26,12 @@ import sys
 import time
 import traceback
 from typing import Any, Optional, Sequence
+
+from perseus.engine.settings import topology_channels
 from perseus.transport.mpi import load_mpi
 
-__all__ = ["affinity_cores", "await_every_rank", "agree", "abort_job", "topology", "configure_logging",
-           "warn_ignored_settings", "install_abort_hook"]
+__all__ = ["affinity_cores", "await_every_rank", "agree", "abort_job", "topology", "choose_by_topology",
+           "configure_logging", "warn_ignored_settings", "install_abort_hook"]
 
 
 def _describe(exc: BaseException) -> tuple[str, str, tuple[str, ...]]:
@@ -169,6 +171,29 @@ def topology(MPI, base) -> tuple:
     local.Free()
     cross.Free()
     return (rank, size, local_rank, local_size, cross_rank, cross_size, homogeneous, host_key)
+
+
+def choose_by_topology(settings, topology) -> None:
+    """Set what ``settings`` leave to the job's topology (a :class:`perseus.common.state.Topology`): the
+    channel count when num_channels is 0 (:func:`perseus.engine.settings.topology_channels`). Rank 0 logs the
+    count in use at info level.
+
+    The job spans several hosts when this rank's host holds fewer than all ranks. Every rank reaches the same
+    answer: a host with fewer than all ranks means there is another host, so then no host holds them all.
+    (``cross_size`` would not do: with different numbers of ranks per host it differs between ranks.)
+
+    Raises:
+        ValueError: num_channels is negative.
+    """
+    multi_host = topology.local_size < topology.size
+    given = int(settings.num_channels)
+    settings.num_channels = topology_channels(given, multi_host)
+    if topology.rank == 0:
+        why = ("as set (PERSEUS_NUM_CHANNELS)" if given else
+               f"chosen by topology: the job spans {topology.cross_size} hosts" if multi_host else
+               "chosen by topology: one host")
+        logging.getLogger("perseus").info("%d channel%s per process set, %s", settings.num_channels,
+                                          "s" if settings.num_channels != 1 else "", why)
 
 
 _LEVELS = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,

@@ -21,6 +21,7 @@ from perseus.common.exceptions import NotAMemberError
 from perseus.common.knobs import Settings, knob, load_settings
 from perseus.common.process_sets import ProcessSet, global_process_set
 from perseus.engine import native
+from perseus.engine.settings import topology_channels
 from perseus.timeline import Timeline
 from perseus.transport.mpi import load_mpi
 
@@ -175,6 +176,7 @@ class Runtime:
                 timeline = Timeline(settings.timeline, mark_cycles=settings.timeline_mark_cycles,
                                     max_bytes=settings.timeline_max_bytes)
             native.load_core()
+            topology_channels(settings.num_channels, multi_host=False)  # a negative count fails here, on every rank
             cores = startup.affinity_cores(settings.thread_affinity)
             for ps in entries:
                 psets.check_ranks(ps, world.Get_size())
@@ -200,6 +202,7 @@ class Runtime:
             base = world.Dup()
             stage = "exchanging the topology"
             topology = Topology(*startup.topology(MPI, base))
+            startup.choose_by_topology(settings, topology)
             stage = "creating the global process set's channels"
             engine = native.Engine(settings, topology.rank, host_key=topology.host_key,
                             cpu_core=cores[topology.local_rank % len(cores)] if cores else -1)

@@ -15,7 +15,28 @@ from typing import Any, Callable, Optional
 from perseus.common.knobs import knob
 
 __all__ = ["EngineField", "ENGINE_FIELDS", "ENGINE_SETTINGS", "engine_values", "allreduce_algorithm",
-           "interface_names"]
+           "interface_names", "CROSS_HOST_CHANNELS", "topology_channels"]
+
+#: channels per process set when num_channels is left at 0 (by topology) and the job spans several hosts: one
+#: TCP flow each between hosts, so several fill a link whose single flows cannot (docs/benchmarks.md)
+CROSS_HOST_CHANNELS = 8
+
+
+def topology_channels(num_channels: int, multi_host: bool) -> int:
+    """The channels per process set for the knob value ``num_channels``: that value when it is positive (the
+    user's choice always wins), else (0: by topology) :data:`CROSS_HOST_CHANNELS` when the job's ranks span
+    more than one host and 1 on a single shared-memory host.
+
+    Raises:
+        ValueError: ``num_channels`` is negative.
+    """
+    num_channels = int(num_channels)
+    if num_channels < 0:
+        raise ValueError(f"perseus setting num_channels (PERSEUS_NUM_CHANNELS): {num_channels} is negative; use "
+                         "a positive count, or 0 to choose by topology")
+    if num_channels > 0:
+        return num_channels
+    return CROSS_HOST_CHANNELS if multi_host else 1
 
 
 def allreduce_algorithm(settings) -> str:

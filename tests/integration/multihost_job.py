@@ -2,7 +2,7 @@
 
     python multihost_job.py collectives HOSTS PER_HOST [NETWORK_INTERFACE]
     python multihost_job.py train HOSTS PER_HOST
-    python multihost_job.py flows HOSTS PER_HOST     (PERSEUS_NUM_CHANNELS set by the caller)
+    python multihost_job.py flows HOSTS PER_HOST     (PERSEUS_NUM_CHANNELS set by the caller, or not)
 
 Ranks are expected to fill the hosts in order (perseusrun maps by slot): rank r runs on perseus-h<r // PER_HOST>.
 Every check that fails raises, which ends the whole job with a non-zero status; a rank that passes prints
@@ -202,10 +202,16 @@ def tcp_connections_to(peer_ip):
 
 
 def flows(hosts, per_host):
-    """Every channel must have its own TCP connection to the other host once large all-reduces ran."""
+    """Every channel must have its own TCP connection to the other host once large all-reduces ran. The
+    channels are those in use (init() chooses them by topology when PERSEUS_NUM_CHANNELS is unset), as the
+    settings report them and as the engine runs them."""
+    from perseus.common.state import runtime
+
     hvd.init()
     check_layout(hosts, per_host)
-    channels = int(os.environ.get("PERSEUS_NUM_CHANNELS", "1"))
+    channels = runtime().settings.num_channels
+    check(runtime().engine.params(0)[2] == channels, f"engine runs {runtime().engine.params(0)[2]} channels, "
+                                                     f"settings say {channels}")
     xs = [torch.full((BIG,), 1.0) for _ in range(2 * channels)]  # 4 MB each: one unit per channel, twice
     for h in [hvd.allreduce_async_(x, op=hvd.Sum, name=f"flow.{i}") for i, x in enumerate(xs)]:
         hvd.synchronize(h)

@@ -144,6 +144,26 @@ def test_each_channel_is_its_own_tcp_flow(cluster):
     assert [b - a for a, b in zip(counts[1], counts[4])] == [3, 3], counts
 
 
+def test_default_settings_use_several_channels_across_hosts(cluster):
+    # Nothing set: init() sees ranks on two hosts and opens CROSS_HOST_CHANNELS channels, each its own TCP
+    # flow, which the settings report; an explicit PERSEUS_NUM_CHANNELS=1 still gets one.
+    from perseus.engine.settings import CROSS_HOST_CHANNELS
+
+    seen = {}
+    for given in ("", "1"):
+        env = {k: v for k, v in os.environ.items() if k not in ("PERSEUS_NUM_CHANNELS", "PERSEUS_MAX_CHANNELS")}
+        if given:
+            env["PERSEUS_NUM_CHANNELS"] = given
+        code, out, _ = perseusrun("-np", "2", "-H", "perseus-h0:1,perseus-h1:1", *job("flows", 2, 1), env=env)
+        assert code == 0, out
+        lines = ok_lines(out, "flows")
+        assert len(lines) == 2, out
+        seen[given] = sorted((int(re.search(r"channels (\d+)", line).group(1)),
+                              int(re.search(r"connections (\d+)", line).group(1))) for line in lines)
+    assert [c for c, _ in seen["1"]] == [1, 1] and [c for c, _ in seen[""]] == [CROSS_HOST_CHANNELS] * 2, seen
+    assert [b[1] - a[1] for a, b in zip(seen["1"], seen[""])] == [CROSS_HOST_CHANNELS - 1] * 2, seen
+
+
 @pytest.mark.parametrize("settings", [
     {"PERSEUS_ALLREDUCE_ALGORITHM": "ring", "HOROVOD_HIERARCHICAL_ALLGATHER": "1", "PERSEUS_NUM_CHANNELS": "2"},
     {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "PERSEUS_NUM_CHANNELS": "3"},

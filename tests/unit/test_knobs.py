@@ -78,7 +78,7 @@ def test_documented_default_values():
     assert s.fusion_threshold_bytes == 4 * 1024 * 1024
     assert s.inplace_threshold_bytes == 256 * 1024
     assert s.cycle_time_ms == 0.0
-    assert s.num_channels == 1
+    assert s.num_channels == 0  # chosen at init() by topology (tests/unit/test_topology_defaults.py)
     assert s.cache_capacity == 4096
     assert s.stall_check_time_s == 60.0 and s.stall_shutdown_time_s == 300.0
     assert s.log_level == "warning"
@@ -267,9 +267,9 @@ def test_settings_as_dict_is_a_copy_and_independent_instances():
     s1, s2 = load_settings({}), load_settings({})
     d = s1.as_dict()
     d["num_channels"] = 99
-    assert s1.num_channels == 1
+    assert s1.num_channels == 0
     s1.num_channels = 5
-    assert s2.num_channels == 1
+    assert s2.num_channels == 0
 
 
 def test_settings_direct_construction():

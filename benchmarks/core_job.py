@@ -95,23 +95,27 @@ def small_methods(lib: str, hvd, dist, comm, MPI, n: int, calls: int) -> tuple[d
     return many, one
 
 
-def init_library(lib: str, comm):
-    """Initialise the library under test (mpi4py is already initialised); returns (hvd, dist)."""
-    hvd = dist = None
+def init_library(lib: str):
+    """Initialise perseus or Horovod before mpi4py is imported, as a user's script does (the library then
+    starts MPI with its own settings); None for ``none``."""
     if lib == "perseus":
         import perseus.torch as hvd
     elif lib == "horovod":
         import horovod.torch as hvd
-    if hvd is not None:
-        hvd.init()
-        return hvd, None
+    else:
+        return None
+    hvd.init()
+    return hvd
+
+
+def init_gloo(comm):
     import torch.distributed as dist
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     port = comm.bcast(_free_port() if comm.Get_rank() == 0 else None)
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=comm.Get_rank(), world_size=comm.Get_size())
-    return None, dist
+    return dist
 
 
 def _free_port() -> int:
@@ -135,13 +139,14 @@ def main() -> int:
     ap.add_argument("--round", type=int, default=0)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    from mpi4py import MPI
-
     import torch
 
     torch.set_num_threads(1)
+    hvd = init_library(args.lib)
+    from mpi4py import MPI
+
     comm = MPI.COMM_WORLD.Dup()
-    hvd, dist = init_library(args.lib, comm)
+    dist = init_gloo(comm) if hvd is None else None
     rank, size = comm.Get_rank(), comm.Get_size()
     rows = []
     base = {"bench": "core", "lib": args.lib, "round": args.round, "ranks": size}

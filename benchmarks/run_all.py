@@ -134,11 +134,18 @@ RUNNERS = {"core": phase_core, "training": phase_training, "convergence": phase_
            "training_cluster": lambda a, o, h: phase_training(a, o, h, cluster=True)}
 
 
+def phase_args(args, phase: str):
+    """The arguments a phase runs with: the emulated-host phases take --cluster-rounds rounds."""
+    if phase not in CLUSTER_PHASES:
+        return args
+    return argparse.Namespace(**dict(vars(args), rounds=args.cluster_rounds))
+
+
 def write_meta(folder: str, args, phases: list[str]) -> None:
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit, "quick": args.quick,
-            "rounds": args.rounds, "steps": args.steps, "phases": phases, "cpus": os.cpu_count(),
+            "rounds": args.rounds, "cluster_rounds": args.cluster_rounds, "steps": args.steps, "phases": phases, "cpus": os.cpu_count(),
             "machine": platform.platform(), "python": platform.python_version()}
     with open(os.path.join(folder, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
@@ -151,6 +158,7 @@ def main() -> int:
     ap.add_argument("--phases", default="", help="comma list of " + ", ".join(PHASES) + " (default: all that apply)")
     ap.add_argument("--rounds", type=int, default=0, help="rounds per phase (default 7, quick 3)")
     ap.add_argument("--steps", type=int, default=0, help="timed steps per core job (default 9, quick 4)")
+    ap.add_argument("--cluster-rounds", type=int, default=3, help="rounds of the emulated-host phases")
     ap.add_argument("--horovod-venv", default="/work/hvd-venv")
     ap.add_argument("--out", default="", help="results folder (default benchmarks/results/run_all[_quick])")
     ap.add_argument("--docs", dest="docs", action="store_true", default=None, help="regenerate the docs")
@@ -179,7 +187,7 @@ def main() -> int:
         try:
             if phase in CLUSTER_PHASES:  # recovery: unshaped links, one slot per host (a rank per host)
                 cluster("up", *(("2", "0", "0", "1") if phase == "recovery" else ("2", "800", "200")))
-            RUNNERS[phase](args, out, hvd_bin)
+            RUNNERS[phase](phase_args(args, phase), out, hvd_bin)
         except RuntimeError as e:  # one phase's failure is reported and the others still run
             failed.append(phase)
             say(f"phase {phase} FAILED: {e}")

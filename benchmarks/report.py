@@ -136,6 +136,36 @@ def core_plot(summary: dict, path: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------- other phases
+def profile_table(rows: list[dict], source: str) -> str:
+    mem = {hp: [r["median_ms"] for r in rows if r.get("case") == "memory" and r.get("huge_pages") == hp]
+           for hp in ("0", "1")}
+    lines = ["| the same 102 MB, 2 ranks | median ms per step |", "| --- | --- |"]
+    labels = {"mpi_numpy_pages": "raw MPI, a NumPy buffer (huge pages)", "mpi_torch_pages": "raw MPI, a torch buffer (4 KiB pages)",
+              "mpi_torch_collapsed": "raw MPI, a torch buffer after MADV_COLLAPSE", "mpi_flat": "raw MPI, flat bound"}
+    every = mem["0"] + mem["1"]
+    for key, label in labels.items():
+        vals = [m[key] for m in every if key in m]
+        if vals:
+            lines.append(f"| {label} | {statistics.median(vals):.1f} |")
+    for hp, label in (("0", "perseus, ResNet-50 set, huge pages off"), ("1", "perseus, ResNet-50 set, huge pages on")):
+        if mem[hp]:
+            per = statistics.median(m["perseus"] for m in mem[hp])
+            ratio = statistics.median(m["perseus"] / m["mpi_flat"] for m in mem[hp])
+            lines.append(f"| {label} | {per:.1f} ({ratio:.2f}x the flat bound of the same job) |")
+    lat = [r for r in rows if r.get("case") == "latency"]
+    if lat:
+        lines += ["", "| 1-float synchronous all-reduce | us per round trip | context switches per round trip | cores busy |",
+                  "| --- | --- | --- | --- |"]
+        for name in ("perseus", "mpi"):
+            med = {k: statistics.median(r[name][k] for r in lat)
+                   for k in ("us_per_round_trip", "context_switches_per_round_trip", "cores_busy")}
+            lines.append(f"| {name} | {med['us_per_round_trip']:.1f} | {med['context_switches_per_round_trip']:.1f} | "
+                         f"{med['cores_busy']:.2f} |")
+    lines += ["", f"Source: `{source}`."]
+    return "\n".join(lines)
+
+
+
 def training_table(rows: list[dict], source: str) -> str:
     lines = ["| model | method | throughput (samples/s) | scaling efficiency | vs Horovod | vs DDP |",
              "| --- | --- | --- | --- | --- | --- |"]
@@ -292,7 +322,8 @@ def sections(folder: str) -> dict:
             out["headline"] = ("![All-reduce time against the raw-MPI bound](docs/img/core_vs_bound.png)\n\n"
                                f"ResNet-50 gradient set on 2 ranks, time over the raw-MPI flat bound: {', '.join(parts)} "
                                f"(`{rel}/core.jsonl`; method and more in [docs/benchmarks.md](docs/benchmarks.md)).")
-    phases = {"training": (training_table, training_plot, "training.png"),
+    phases = {"profile": (profile_table, None, None),
+              "training": (training_table, training_plot, "training.png"),
               "training_cluster": (training_table, None, None),
               "convergence": (convergence_table, convergence_plot, "convergence.png"),
               "multihost": (multihost_table, multihost_plot, "multihost_channels.png"),

@@ -10,6 +10,7 @@ Phases (``--phases``; each writes JSON lines into the results folder, one file p
   round: perseus, Horovod 0.28.1 (from --horovod-venv, when it is installed there), and a job with no
   library (the bounds with nothing idle beside them, and torch.distributed on gloo). Each job times its
   library against raw-MPI bounds in the same process, step by step, with the library initialised and idle.
+- ``profile``: benchmarks/single_host_profile.py, where the time goes on one host (pages, latency).
 - ``training``: benchmarks/training.py, end-to-end training throughput and scaling efficiency.
 - ``convergence``: benchmarks/compression_convergence.py with evaluation curves (dense vs top-k).
 - ``multihost``, ``recovery``, ``training_cluster`` (with --cluster): channel scaling across 2 emulated hosts
@@ -34,7 +35,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-PHASES = ("core", "training", "convergence", "multihost", "recovery", "training_cluster")
+PHASES = ("core", "profile", "training", "convergence", "multihost", "recovery", "training_cluster")
 CLUSTER_PHASES = ("multihost", "recovery", "training_cluster")
 
 
@@ -91,6 +92,11 @@ def phase_core(args, out: str, hvd_bin: str | None) -> None:
                                    "--small-rounds", str(args.steps)], timeout=1800)
 
 
+def phase_profile(args, out: str, hvd_bin: str | None) -> None:
+    run([sys.executable, os.path.join(HERE, "single_host_profile.py"), "--rounds", "1" if args.quick else "3",
+         "--json", out], timeout=1800)
+
+
 def phase_training(args, out: str, hvd_bin: str | None, cluster: bool = False) -> None:
     cmd = [sys.executable, os.path.join(HERE, "training.py"), "--rounds", str(args.rounds), "--json", out,
            "--horovod-venv", args.horovod_venv]
@@ -129,7 +135,7 @@ def cluster(action: str, *params: str) -> None:
     subprocess.run(cmd, check=(action == "up"), cwd=ROOT, stdout=subprocess.DEVNULL)
 
 
-RUNNERS = {"core": phase_core, "training": phase_training, "convergence": phase_convergence,
+RUNNERS = {"core": phase_core, "profile": phase_profile, "training": phase_training, "convergence": phase_convergence,
            "multihost": phase_multihost, "recovery": phase_recovery,
            "training_cluster": lambda a, o, h: phase_training(a, o, h, cluster=True)}
 
@@ -141,14 +147,19 @@ def phase_args(args, phase: str):
     return argparse.Namespace(**dict(vars(args), rounds=args.cluster_rounds))
 
 
-def write_meta(folder: str, args, phases: list[str]) -> None:
+def write_meta(folder: str, args, ran: dict) -> None:
+    """meta.json: per phase, when and how it last ran (the phases of earlier runs keep their entries)."""
+    path = os.path.join(folder, "meta.json")
+    meta = json.load(open(path)) if os.path.exists(path) else {}
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit, "quick": args.quick,
-            "rounds": args.rounds, "cluster_rounds": args.cluster_rounds, "steps": args.steps, "phases": phases, "cpus": os.cpu_count(),
-            "machine": platform.platform(), "python": platform.python_version()}
-    with open(os.path.join(folder, "meta.json"), "w") as f:
-        json.dump(meta, f, indent=1)
+    common = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit, "quick": args.quick,
+              "steps": args.steps, "cpus": os.cpu_count(), "machine": platform.platform(),
+              "python": platform.python_version()}
+    for phase, seconds in ran.items():
+        meta[phase] = dict(common, rounds=phase_args(args, phase).rounds, seconds=round(seconds))
+    with open(path, "w") as f:
+        json.dump(meta, f, indent=1, sort_keys=True)
 
 
 def main() -> int:
@@ -177,7 +188,7 @@ def main() -> int:
     folder = args.out or os.path.join(HERE, "results", "run_all_quick" if args.quick else "run_all")
     os.makedirs(folder, exist_ok=True)
     hvd_bin = horovod_bin(args.horovod_venv)
-    failed = []
+    failed, ran = [], {}
     for phase in phases:
         out = os.path.join(folder, f"{phase}.jsonl")
         if os.path.exists(out):
@@ -199,7 +210,9 @@ def main() -> int:
             if phase in CLUSTER_PHASES:
                 cluster("down")
         say(f"phase {phase}: {time.monotonic() - t0:.0f} s")
-    write_meta(folder, args, phases)
+        if phase not in failed:
+            ran[phase] = time.monotonic() - t0
+    write_meta(folder, args, ran)
     for f in os.listdir(folder):
         if f.endswith(".previous"):
             os.remove(os.path.join(folder, f))

@@ -148,6 +148,22 @@ def distribute(args, model, optimizer, comm, hvd):
     raise SystemExit(f"unknown method {args.method!r}")
 
 
+def thread_cpu() -> dict:
+    """CPU seconds so far of each of this process's threads, summed by thread name (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                text = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = text[text.index("(") + 1:text.rindex(")")]
+        fields = text[text.rindex(")") + 2:].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return out
+
+
 def job(args) -> int:
     """One timed job on this rank; rank 0 appends the job's row to args.out."""
     import torch
@@ -176,10 +192,10 @@ def job(args) -> int:
     for _ in range(args.warmup):
         step()
     comm.Barrier()
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0, c0, threads0 = time.perf_counter(), time.process_time(), thread_cpu()
     for _ in range(args.steps):
         loss = step()
-    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+    elapsed, cpu, threads1 = time.perf_counter() - t0, time.process_time() - c0, thread_cpu()
     slowest = comm.allreduce(elapsed, op=MPI.MAX)
     busiest = comm.allreduce(cpu / elapsed, op=MPI.MAX)  # CPU seconds per second, all of a process's threads
     batch = args.batch if args.model == "resnet" else args.seq_batch
@@ -187,7 +203,10 @@ def job(args) -> int:
         row = {"model": args.model, "method": args.method, "ranks": size, "round": args.round,
                "step_s": round(slowest / args.steps, 5), "throughput": round(size * batch * args.steps / slowest, 3),
                "params": sum(p.numel() for p in model.parameters()), "final_loss": round(loss.item(), 4),
-               "cpu_per_s": round(busiest, 3)}
+               "cpu_per_s": round(busiest, 3),
+               # rank 0's CPU seconds per step by thread name: what the library's threads take from the core
+               "thread_cpu_per_step": {k: round((v - threads0.get(k, 0.0)) / args.steps, 4)
+                                       for k, v in threads1.items() if v - threads0.get(k, 0.0) > 0}}
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
     shutdown()

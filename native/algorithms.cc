@@ -10,7 +10,7 @@ namespace perseus {
 uint8_t* Scratch::get(size_t nbytes, int slot) {
   auto& s = slots_[slot];
   if (s.size() < nbytes) s.resize(std::max(nbytes, 2 * s.size()));
-  if (huge_pages_) advise_huge_pages(s.data(), nbytes);
+  if (huge_pages_) advise_huge_pages(s.data(), s.size());
   return s.data();
 }
 

@@ -5,7 +5,6 @@
 
 #include <mutex>
 #include <unordered_map>
-#include <vector>
 
 namespace perseus {
 namespace {
@@ -15,12 +14,18 @@ namespace {
 #endif
 
 constexpr uintptr_t kFrame = uintptr_t(2) << 20;
-constexpr size_t kMaxTracked = size_t(1) << 20;  // frames remembered (2 TiB of memory): beyond, no new ones
+constexpr size_t kMaxTracked = size_t(1) << 20;  // buffers remembered; beyond, no new ones are
 constexpr int64_t kGiveUpAfter = 16;             // refusals with no success before the process stops asking
+constexpr uint8_t kSightings = 3;                // the sighting of the same buffer that collapses it
+constexpr uint8_t kDone = 255;
 
 struct Tracker {
   std::mutex mu;
-  std::unordered_map<uintptr_t, uint8_t> seen;  // frame -> 1: seen once, 2: asked for
+  // (start, length) of a buffer -> times seen, kDone once collapsed. The same start and length again and
+  // again means memory kept between steps; a training loop that allocates its gradients anew each step
+  // (zero_grad(set_to_none=True)) hands over buffers whose addresses change, and those are never collapsed:
+  // a collapse copies the frame, a cost only memory that stays can repay.
+  std::unordered_map<uint64_t, uint8_t> seen;
   HugePageStats stats;
 };
 
@@ -29,19 +34,22 @@ Tracker& tracker() {
   return *t;
 }
 
-// The frames of [first, last] seen for the second time, as runs of consecutive frames.
-void frames_due(Tracker& t, uintptr_t first, uintptr_t last, std::vector<std::pair<uintptr_t, uintptr_t>>* runs) {
-  for (uintptr_t f = first; f <= last; f += kFrame) {
-    auto it = t.seen.find(f);
-    if (it == t.seen.end()) {
-      if (t.seen.size() < kMaxTracked) t.seen.emplace(f, 1);
-      continue;
-    }
-    if (it->second != 1) continue;
-    it->second = 2;
-    if (!runs->empty() && runs->back().second == f) runs->back().second = f + kFrame;
-    else runs->push_back({f, f + kFrame});
+uint64_t key_of(uintptr_t start, size_t nbytes) {
+  return static_cast<uint64_t>(start) * 0x9E3779B97F4A7C15ull ^ static_cast<uint64_t>(nbytes);
+}
+
+// Whether this sighting of [start, start + nbytes) is the one that collapses it.
+bool due(Tracker& t, uintptr_t start, size_t nbytes) {
+  const uint64_t key = key_of(start, nbytes);
+  auto it = t.seen.find(key);
+  if (it == t.seen.end()) {
+    if (t.seen.size() < kMaxTracked) t.seen.emplace(key, 1);
+    return false;
   }
+  if (it->second == kDone) return false;
+  if (++it->second < kSightings) return false;
+  it->second = kDone;
+  return true;
 }
 
 }  // namespace
@@ -50,19 +58,14 @@ void advise_huge_pages(const void* p, size_t nbytes) {
   if (p == nullptr || nbytes < kHugePageMinBytes) return;
   Tracker& t = tracker();
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-  std::vector<std::pair<uintptr_t, uintptr_t>> runs;
   {
     std::lock_guard<std::mutex> lock(t.mu);
-    if (t.stats.gave_up) return;
-    frames_due(t, a & ~(kFrame - 1), (a + nbytes - 1) & ~(kFrame - 1), &runs);
+    if (t.stats.gave_up || !due(t, a, nbytes)) return;
   }
-  if (runs.empty()) return;
   int64_t ok = 0, refused = 0;
-  for (const auto& run : runs) {
-    // The frames at the ends may hold other memory of the process too: collapsing keeps every byte.
-    for (uintptr_t f = run.first; f < run.second; f += kFrame) {
-      if (madvise(reinterpret_cast<void*>(f), kFrame, MADV_COLLAPSE) == 0) ++ok; else ++refused;
-    }
+  // The frames at the ends may hold other memory of the process too: collapsing keeps every byte.
+  for (uintptr_t f = a & ~(kFrame - 1); f < a + nbytes; f += kFrame) {
+    if (madvise(reinterpret_cast<void*>(f), kFrame, MADV_COLLAPSE) == 0) ++ok; else ++refused;
   }
   std::lock_guard<std::mutex> lock(t.mu);
   t.stats.collapsed_frames += ok;

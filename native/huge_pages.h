@@ -5,8 +5,9 @@
 // 4 KiB pages an all-reduce of a ResNet-50 gradient set took 2.4x as long as on 2 MiB pages (docs/benchmarks.md).
 // Framework allocators hand out 4 KiB pages unless the system makes every mapping huge, so the channels ask
 // the kernel (madvise MADV_COLLAPSE, Linux 6.1+) to back the 2 MiB frames under a large buffer with huge pages
-// the second time that buffer's frames are reduced: memory reused step after step (gradients, fusion and
-// scratch buffers) is collapsed once; memory seen once is left alone, and a frame is never collapsed twice.
+// the third time they are handed the same buffer (same start, same length): memory kept step after step
+// (gradients that persist, fusion and scratch buffers) is collapsed once; buffers at new addresses every
+// step (gradients allocated anew) are left alone, since a collapse copies its frames.
 // Collapsing keeps the contents (it may round a frame's resident memory up to 2 MiB). Best effort: where the
 // kernel refuses (no support, THP disabled, shared or file memory), nothing changes, and after repeated
 // refusals with no success the process stops asking.
@@ -24,7 +25,8 @@ struct HugePageStats {
 };
 
 // Note that [p, p + nbytes) is about to be moved by a collective; buffers under kHugePageMinBytes are
-// ignored. Thread-safe; cheap once a buffer's frames are known (a lock and a hash lookup per 2 MiB).
+// ignored. Thread-safe; a lock and a hash lookup per call. Callers pass a buffer's whole extent where it is
+// reused in parts (fusion and scratch buffers), so that its key does not change with each unit's size.
 void advise_huge_pages(const void* p, size_t nbytes);
 constexpr size_t kHugePageMinBytes = size_t(1) << 20;
 

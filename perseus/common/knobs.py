@@ -120,9 +120,10 @@ KNOBS: tuple[Knob, ...] = (
          doc="Tensors at least this large are reduced where they lie (no copy into a fusion buffer)."),
     Knob("huge_pages", ("PERSEUS_HUGE_PAGES",), bool, True,
          doc="Ask Linux (6.1+, MADV_COLLAPSE) to back host buffers of at least 1 MiB that all-reduces move again "
-             "and again (gradients, fusion and scratch buffers) with transparent huge pages, the second time "
-             "they are reduced: within a host MPI's cross-process copies of large messages are about twice as "
-             "fast on them. Contents are kept; a frame's resident memory may grow to 2 MiB. 0 turns it off."),
+             "and again (gradients kept between steps, fusion and scratch buffers) with transparent huge pages, "
+             "the third time the same buffer is reduced: within a host MPI's cross-process copies of large "
+             "messages are about twice as fast on them. Buffers at new addresses every step are left alone. "
+             "Contents are kept; a frame's resident memory may grow to 2 MiB. 0 turns it off."),
     Knob("cycle_time_ms", _both("CYCLE_TIME"), float, 0.0, unit="ms", tunable=True,
          doc="How long the engine waits after the first new request before it negotiates. 0 (the default): "
              "it negotiates at once, and requests that arrive during a round are gathered into the next one, "

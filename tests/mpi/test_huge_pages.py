@@ -43,7 +43,7 @@ def test_a_reused_gradient_is_collapsed_and_keeps_its_values(hvd):
     before = stats()
     grad = torch.empty(3 << 20)  # 12 MiB: several whole 2 MiB frames whatever its alignment
     neighbour = torch.arange(1000.0)  # other memory of the process, perhaps in a collapsed frame
-    for step in range(3):
+    for step in range(3):  # the third time the same buffer is reduced, its frames are collapsed
         grad.fill_(rank + step)
         hvd.allreduce_(grad, name="hp.grad")  # Average
         assert torch.all(grad == step + (size - 1) / 2), step
@@ -54,6 +54,19 @@ def test_a_reused_gradient_is_collapsed_and_keeps_its_values(hvd):
         assert huge_kb_at(grad.data_ptr() + (6 << 20)) >= 2048
     else:  # refused, or given up earlier: nothing changed but the counters
         assert after["refused_frames"] > before["refused_frames"] or after["gave_up"], (before, after)
+
+
+def test_buffers_at_new_addresses_are_left_alone(hvd):
+    """Gradients allocated anew every step (zero_grad(set_to_none=True)) are not collapsed: a collapse copies
+    its frames, which only memory that stays can repay."""
+    before = stats()
+    kept = []
+    for step in range(5):
+        grad = torch.full((3 << 20,), float(step))  # kept alive: every step's buffer has its own address
+        kept.append(grad)
+        hvd.allreduce_(grad, name="hp.fresh", op=hvd.Sum)
+        assert torch.all(grad == step * hvd.size())
+    assert stats()["collapsed_frames"] == before["collapsed_frames"]
 
 
 def test_off_leaves_memory_alone(hvd):

@@ -1,8 +1,9 @@
 """Run every benchmark that the docs quote, write the results, and regenerate the docs' tables and plots.
 
-    python benchmarks/run_all.py            # the full run (about an hour on 2 cores)
-    python benchmarks/run_all.py --quick    # a few minutes: fewer rounds and steps, no BERT-large
-    python benchmarks/run_all.py --cluster  # also the runs across emulated hosts (root; tools/emulated_cluster.sh)
+    python benchmarks/run_all.py            # the runs on one host (about 13 minutes on 2 cores)
+    python benchmarks/run_all.py --cluster  # and across emulated hosts (root; about 30 minutes in all): what the
+                                            # docs show
+    python benchmarks/run_all.py --quick    # about 3 minutes: fewer rounds and steps, no BERT-large
 
 Phases (``--phases``; each writes JSON lines into the results folder, one file per phase):
 
@@ -93,7 +94,7 @@ def phase_core(args, out: str, hvd_bin: str | None) -> None:
 
 
 def phase_profile(args, out: str, hvd_bin: str | None) -> None:
-    run([sys.executable, os.path.join(HERE, "single_host_profile.py"), "--rounds", "1" if args.quick else "3",
+    run([sys.executable, os.path.join(HERE, "single_host_profile.py"), "--rounds", str(args.rounds),
          "--json", out], timeout=1800)
 
 
@@ -131,8 +132,11 @@ def phase_recovery(args, out: str, hvd_bin: str | None) -> None:
 
 
 def cluster(action: str, *params: str) -> None:
+    """Bring the emulated cluster up or down; RuntimeError when it does not come up."""
     cmd = ["bash", os.path.join(ROOT, "tools", "emulated_cluster.sh"), action, *params]
-    subprocess.run(cmd, check=(action == "up"), cwd=ROOT, stdout=subprocess.DEVNULL)
+    done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if action == "up" and done.returncode != 0:
+        raise RuntimeError(f"the emulated cluster did not come up: {done.stderr[-2000:]}")
 
 
 RUNNERS = {"core": phase_core, "profile": phase_profile, "training": phase_training, "convergence": phase_convergence,
@@ -167,7 +171,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer rounds and steps, no BERT-large")
     ap.add_argument("--cluster", action="store_true", help="also the emulated-host phases (root)")
     ap.add_argument("--phases", default="", help="comma list of " + ", ".join(PHASES) + " (default: all that apply)")
-    ap.add_argument("--rounds", type=int, default=0, help="rounds per phase (default 7, quick 3)")
+    ap.add_argument("--rounds", type=int, default=0, help="rounds per phase (default 5, quick 3)")
     ap.add_argument("--steps", type=int, default=0, help="timed steps per core job (default 9, quick 4)")
     ap.add_argument("--cluster-rounds", type=int, default=3, help="rounds of the emulated-host phases")
     ap.add_argument("--horovod-venv", default="/work/hvd-venv")
@@ -175,7 +179,7 @@ def main() -> int:
     ap.add_argument("--docs", dest="docs", action="store_true", default=None, help="regenerate the docs")
     ap.add_argument("--no-docs", dest="docs", action="store_false")
     args = ap.parse_args()
-    args.rounds = args.rounds or (3 if args.quick else 7)
+    args.rounds = args.rounds or (3 if args.quick else 5)
     args.steps = args.steps or (4 if args.quick else 9)
     docs = (not args.quick) if args.docs is None else args.docs
     phases = args.phases.split(",") if args.phases else [

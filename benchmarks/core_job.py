@@ -29,31 +29,15 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gradient_sets import bench_gloo, bench_mpi_chunked, bench_perseus, bert_large_shapes, make_grads, \
-    resnet50_shapes  # noqa: E402
+from gradient_sets import bench_gloo, bench_mpi_chunked, bench_perseus, bert_large_shapes, interleaved, \
+    make_grads, resnet50_shapes  # noqa: E402
 from small_tensors import gloo as gloo_small, perseus_like, raw_mpi  # noqa: E402
 
 CHUNK = 6 << 20
-
-
-def interleaved(fns: dict, warmup: int, steps: int, comm, MPI) -> dict:
-    """Run every method once per step, rotating the order; returns per-method seconds (slowest rank's)."""
-    times = {name: [] for name in fns}
-    names = list(fns)
-    for i in range(warmup + steps):
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            comm.Barrier()
-            t0 = time.perf_counter()
-            fns[name]()
-            elapsed = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-            if i >= warmup:
-                times[name].append(elapsed)
-    return times
 
 
 def mpi_flat(nbytes: int, comm, MPI):
@@ -154,17 +138,17 @@ def main() -> int:
         grads = make_grads({"resnet50": resnet50_shapes, "bert_large": bert_large_shapes}[set_name](), torch)
         steps = args.bert_steps if set_name == "bert_large" else args.steps
         times = interleaved(gradient_set_methods(args.lib, hvd, dist, grads, comm, MPI), args.warmup, steps,
-                            comm, MPI)
+                            comm)  # milliseconds per step
         rows.append(dict(base, workload=set_name, unit="ms", tensors=len(grads),
                          bytes=sum(g.numel() * 4 for g in grads),
-                         samples={k: [round(t * 1e3, 3) for t in v] for k, v in times.items()}))
+                         samples={k: [round(t, 3) for t in v] for k, v in times.items()}))
         del grads
     if args.small_rounds:
         many, one = small_methods(args.lib, hvd, dist, comm, MPI, args.tensors, args.calls)
         for workload, fns, per in (("many", many, args.tensors), ("one", one, args.calls)):
-            times = interleaved(fns, 2, args.small_rounds, comm, MPI)
+            times = interleaved(fns, 2, args.small_rounds, comm)
             rows.append(dict(base, workload=workload, unit="us", tensors=per,
-                             samples={k: [round(t * 1e6 / per, 3) for t in v] for k, v in times.items()}))
+                             samples={k: [round(t * 1e3 / per, 3) for t in v] for k, v in times.items()}))
     if rank == 0:
         with open(args.out, "a") as f:
             for row in rows:

@@ -29,6 +29,7 @@ from perseus.common.process_sets import ProcessSet, global_process_set
 from perseus.common.reduce_ops import ReduceOp
 from perseus.common.state import runtime
 from perseus.common import collectives as c
+from perseus.compression.local_step import LocalStep, apply_local_step, optional_spec
 
 __all__ = ["Reducer", "Pending", "KeyState", "signature", "CHECK_LEN", "put_check", "verify_check",
            "key_hash"]
@@ -173,9 +174,17 @@ class Reducer:
     collective = "allgather"
     #: the compressor is biased and keeps residuals unless told not to
     default_error_feedback = True
+    #: the compressor takes a :class:`perseus.compression.local_step.LocalStep` (momentum correction, local
+    #: clipping): a sparsifier whose residual accumulates what the rank owes
+    supports_local_step = False
 
-    def __init__(self, error_feedback: Optional[bool] = None):
+    def __init__(self, error_feedback: Optional[bool] = None, momentum_correction: bool = True,
+                 momentum_masking: bool = True):
         self.error_feedback = self.default_error_feedback if error_feedback is None else bool(error_feedback)
+        #: apply the optimizer's momentum locally, before compressing (when the adapter finds momentum SGD)
+        self.momentum_correction = bool(momentum_correction) and self.supports_local_step
+        #: zero the velocity of the entries sent (momentum factor masking)
+        self.momentum_masking = bool(momentum_masking)
         self._states: dict = {}
         self._lock = threading.Lock()
         #: payload bytes this rank submitted, cumulative (the transport's own counters give wire bytes)
@@ -192,6 +201,15 @@ class Reducer:
 
     def _describe(self) -> str:
         return f"error_feedback={self.error_feedback}"
+
+    def takes_momentum(self) -> bool:
+        """Whether an adapter should move the wrapped optimizer's momentum into this compressor (momentum
+        correction): the compressor supports it, keeps residuals, and was not told otherwise."""
+        return self.momentum_correction and self.error_feedback
+
+    def takes_local_step(self) -> bool:
+        """Whether :meth:`reduce_async` accepts ``local=`` (momentum correction or local clipping)."""
+        return self.supports_local_step and self.error_feedback
 
     # -- state -----------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -233,18 +251,24 @@ class Reducer:
     # -- the work --------------------------------------------------------------------------------------
     def reduce_async(self, key: str, arrays: Sequence[np.ndarray], outputs: Optional[Sequence[np.ndarray]] = None,
                      op=ReduceOp.AVERAGE, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                     process_set: ProcessSet = global_process_set) -> Pending:
+                     process_set: ProcessSet = global_process_set, local: Optional[LocalStep] = None) -> Pending:
         """Compress ``arrays`` (one gradient, or a fused group compressed as one vector) and start the
         collective; the returned :class:`Pending` gives the dense sum or average, one array per input.
 
         ``outputs``, when given, receive the results (they may be the inputs themselves); else new arrays
         of the inputs' shapes and dtypes are made. Floating-point inputs only; they are compressed in float32.
 
+        ``local`` (a :class:`perseus.compression.local_step.LocalStep`): momentum correction and/or local
+        clipping before compression (perseus/compression/local_step.py); the result is then the averaged
+        *update* (velocity), to be applied without momentum. Only for compressors where
+        :meth:`takes_local_step` is true.
+
         Collective: every rank of ``process_set`` calls it with the same ``key``, the same number of arrays
         and the same sizes, in any order relative to other keys.
 
         Raises:
-            ValueError: no key, a non-float input, an op other than Sum/Average.
+            ValueError: no key, a non-float input, an op other than Sum/Average, ``local`` given to a
+                compressor that does not take it (or a momentum outside [0, 1)).
             MismatchError (a HorovodInternalError), from :meth:`Pending.wait` on every rank: the ranks
                 disagree about the sizes (or shapes, or the compressor's parameters) under ``key``; the
                 key's residual is dropped.
@@ -259,12 +283,16 @@ class Reducer:
             if not isinstance(a, np.ndarray) or a.dtype.kind != "f" and a.dtype != np.uint16:
                 raise ValueError(f"perseus: {type(self).__name__} compresses floating-point gradients only; "
                                  f"{key!r} is {getattr(a, 'dtype', type(a).__name__)}")
+        local = optional_spec(local)
+        if local is not None and not self.takes_local_step():
+            raise ValueError(f"perseus: {self!r} does not take a local step (momentum correction, local "
+                             "clipping): only top-k, hierarchical top-k and random-k with error feedback do")
 
         _, set_size, rank = runtime().process_set_info(process_set)
         n = _flat_len(arrays)
         st = self._state(key, n, tuple(tuple(a.shape) for a in arrays))
         st.set_size, st.rank = set_size, rank
-        acc = self._accumulate(st, arrays, prescale_factor)
+        acc = self._accumulate(st, arrays, prescale_factor, local)
         scale = postscale_factor / set_size if op == ReduceOp.AVERAGE else postscale_factor
         self.dense_bytes += 4 * n
         try:
@@ -282,10 +310,17 @@ class Reducer:
             return self._scatter(dense, arrays, outputs, scale)
         return Pending(finish)
 
-    def _accumulate(self, st: KeyState, arrays, prescale: float) -> np.ndarray:
+    def _accumulate(self, st: KeyState, arrays, prescale: float, local: Optional[LocalStep] = None) -> np.ndarray:
         """The flat float32 vector to compress: the (prescaled) inputs plus the residual. With error feedback
-        it *is* the residual buffer, which :meth:`_encode` leaves holding what was not sent."""
+        it *is* the residual buffer, which :meth:`_encode` leaves holding what was not sent. With ``local``,
+        the inputs go through the local step (clipping, velocity) before they are added."""
         n = st.size
+        if local is not None:
+            if st.residual is None:
+                st.residual = np.zeros(n, np.float32)
+            grad = self._gather(st, arrays, prescale)
+            apply_local_step(st, grad, st.residual, local)
+            return st.residual
         if self.error_feedback:
             if st.residual is None:
                 st.residual = np.zeros(n, np.float32)
@@ -299,8 +334,13 @@ class Reducer:
                     acc[off:off + flat.size] += flat
                 off += flat.size
             return acc
+        return self._gather(st, arrays, prescale)
+
+    @staticmethod
+    def _gather(st: KeyState, arrays, prescale: float) -> np.ndarray:
+        """The (prescaled) inputs copied into the key's flat float32 scratch buffer."""
         if st.scratch is None:
-            st.scratch = np.empty(n, np.float32)
+            st.scratch = np.empty(st.size, np.float32)
         acc = st.scratch
         off = 0
         for a in arrays:
@@ -310,6 +350,34 @@ class Reducer:
         if prescale != 1.0:
             acc *= np.float32(prescale)
         return acc
+
+    def _submit_whole(self, key: str, st: KeyState, acc: np.ndarray, process_set: ProcessSet):
+        """Send ``acc`` whole through one all-reduce (a sparsifier's dense step: during a density warm-up, or
+        when the sparse payload would not be smaller); the residual is then empty. Returns the collect
+        function, as :meth:`_submit` does. The payload carries a size check."""
+        n = acc.size
+        ex = st.extra
+        payload = ex.get("dense_payload")
+        if payload is None:
+            payload = ex["dense_payload"] = np.empty(n + CHECK_LEN, np.float32)
+            ex["dense_out"] = np.empty(n + CHECK_LEN, np.float32)
+            ex["dense_sig"] = signature("dense", n)
+        out = ex["dense_out"]
+        payload[:n] = acc
+        put_check(payload[n:], ex["dense_sig"])
+        if self.error_feedback:
+            acc.fill(0.0)
+        st.step += 1
+        self.payload_bytes += payload.nbytes
+        handle = c.allreduce_async(payload, out, name=f"{self.kind}.dense.{key}", op=ReduceOp.SUM,
+                                   process_set=process_set)
+
+        def collect():
+            c.synchronize(handle)
+            if not verify_check(out[n:], ex["dense_sig"], st.set_size):
+                raise self._mismatch(st, "the size (or the density schedule)")
+            return out[:n]
+        return collect
 
     def _submit(self, key: str, st: KeyState, acc: np.ndarray, process_set: ProcessSet, set_size: int):
         """Encode ``acc`` and start the collective; return a function that waits and gives the dense sum

@@ -179,10 +179,13 @@ def merge_residuals(reducer: Reducer, new_key: str, old_keys: Sequence[str], siz
         own(new_key, list(old_keys), list(sizes), list(shapes))
         return
     total = int(sum(sizes))
-    parts = []
+    parts, velocity_parts = [], []
     for key, n in zip(old_keys, sizes):
         r = reducer.residual(key)
         parts.append(r if r is not None and r.size == n else np.zeros(int(n), np.float32))
+        old = reducer._states.get(key)
+        v = None if old is None else old.extra.get("velocity")
+        velocity_parts.append(v if v is not None and v.size == n else None)
     with reducer._lock:
         for key in old_keys:
             reducer._states.pop(key, None)
@@ -194,6 +197,11 @@ def merge_residuals(reducer: Reducer, new_key: str, old_keys: Sequence[str], siz
     if reducer.error_feedback:
         st.residual = np.concatenate(parts).astype(np.float32, copy=False) if parts else \
             np.zeros(0, np.float32)
+    velocities = [v for v in velocity_parts if v is not None]
+    if velocities:  # momentum correction's velocities travel with the residuals
+        st.extra["velocity"] = np.concatenate([v if v is not None else np.zeros(int(n), np.float32)
+                                               for v, n in zip(velocity_parts, sizes)]).astype(np.float32,
+                                                                                            copy=False)
 
 
 # -- the wrapper ------------------------------------------------------------------------------------------------
@@ -424,10 +432,20 @@ class Cupcake(Reducer):
         self._plan = [list(g) for g in plan]
 
     # -- the work --------------------------------------------------------------------------------------
+    def takes_momentum(self) -> bool:
+        """As the inner compressor's (momentum correction acts on each group's vector)."""
+        return self.inner.takes_momentum()
+
+    def takes_local_step(self) -> bool:
+        """As the inner compressor's."""
+        return self.inner.takes_local_step()
+
     def reduce_async(self, key: str, arrays: Sequence[np.ndarray], outputs: Optional[Sequence[np.ndarray]] = None,
                      op=ReduceOp.AVERAGE, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                     process_set: ProcessSet = global_process_set) -> Pending:
-        """As :meth:`Reducer.reduce_async`; see the class docstring for when gradients are fused."""
+                     process_set: ProcessSet = global_process_set, local=None) -> Pending:
+        """As :meth:`Reducer.reduce_async`; see the class docstring for when gradients are fused. Gradients
+        with different ``local`` steps (optimizer parameter groups with different momentum) are not fused
+        together: a group is then submitted in parts."""
         if not key:
             raise ValueError("perseus: Cupcake keeps state per tensor and needs a name; pass name= "
                              "(DistributedOptimizer names gradients after their parameters)")
@@ -451,21 +469,21 @@ class Cupcake(Reducer):
                 t0 = time.perf_counter()
                 before = self.inner.payload_bytes
                 pending = self.inner.reduce_async(key, arrays, outputs, op, prescale_factor, postscale_factor,
-                                                  process_set)
+                                                  process_set, **({} if local is None else {"local": local}))
                 self.profiler.record(key, sum(a.size for a in arrays), t0, time.perf_counter() - t0,
                                      self.inner.payload_bytes - before, tuple(tuple(a.shape) for a in arrays))
                 return pending
             group = self._groups.get(key)
             if group is None:
                 return self.inner.reduce_async(key, arrays, outputs, op, prescale_factor, postscale_factor,
-                                               process_set)
+                                               process_set, **({} if local is None else {"local": local}))
             if group.sizes[group.keys.index(key)] == 0:  # an explicit plan learns sizes as keys arrive
                 sizes = list(group.sizes)
                 sizes[group.keys.index(key)] = sum(a.size for a in arrays)
                 group.sizes = tuple(sizes)
             if outputs is None:
                 outputs = [np.empty(a.shape, a.dtype) for a in arrays]
-            params = (ReduceOp(op), float(prescale_factor), float(postscale_factor), process_set)
+            params = (ReduceOp(op), float(prescale_factor), float(postscale_factor), process_set, local)
             batch = group.batch
             if batch is not None and (key in batch.entries or batch.params != params):
                 self._submit(batch)  # a key came again before its group completed, or other parameters
@@ -499,5 +517,6 @@ class Cupcake(Reducer):
             batch.offsets[k] = (len(arrays), len(a))
             arrays.extend(a)
             outputs.extend(o)
-        op, pre, post, ps = batch.params
-        batch.pending = self.inner.reduce_async(name, arrays, outputs, op, pre, post, ps)
+        op, pre, post, ps, local = batch.params
+        batch.pending = self.inner.reduce_async(name, arrays, outputs, op, pre, post, ps,
+                                                **({} if local is None else {"local": local}))

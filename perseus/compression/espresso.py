@@ -170,7 +170,7 @@ def measure_codec(reducer: Reducer, p: int, sizes: Sequence[int] = (1 << 10, 1 <
     """Affine fits in the dense bytes ``x`` of ``reducer``'s encode (accumulate + encode) and decode seconds
     (the decode of ``p`` ranks' payloads) and of its payload bytes, from random data of ``sizes`` elements
     (best of ``repeats`` after one warm-up call). Cached per process by (type, parameters, p). None for a
-    compressor that does not encode in one step (one that overrides ``_submit``, such as PowerSGD).
+    compressor that does not encode in one step (one without an ``_encode`` of its own, such as PowerSGD).
 
     Local: no collective; touches no state of ``reducer`` (a scratch per-key state is used).
     """
@@ -178,7 +178,7 @@ def measure_codec(reducer: Reducer, p: int, sizes: Sequence[int] = (1 << 10, 1 <
     with _codec_lock:
         if cache_key in _codec_cache:
             return _codec_cache[cache_key]
-    if type(reducer)._submit is not Reducer._submit:
+    if type(reducer)._encode is Reducer._encode:  # multi-round compressors have no single encode
         return None
     rng = np.random.default_rng(1234)
     xs, enc_t, dec_t, pay = [], [], [], []

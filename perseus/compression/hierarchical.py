@@ -38,6 +38,7 @@ from perseus.common.process_sets import ProcessSet, global_process_set
 from perseus.common.reduce_ops import ReduceOp
 from perseus.compression import selectors
 from perseus.compression.base import KeyState, Reducer, signature
+from perseus.compression.local_step import check_warmup, density_at
 from perseus.compression.topk import sparse_sum
 from perseus.common.state import runtime
 from perseus.common import collectives as c
@@ -105,6 +106,9 @@ class HiTopK(Reducer):
         density: fraction of each host's shard sent between hosts, in (0, 1].
         error_feedback: keep what was not sent (default True).
         selector: as for :class:`perseus.compression.TopK`.
+        warmup_steps, warmup_start: a density warm-up, as for :class:`perseus.compression.TopK`.
+        momentum_correction: as for :class:`perseus.compression.TopK`. There is no momentum factor masking:
+            a rank does not learn which of its entries left the host (its host's owner of each slice chose).
 
     Raises:
         ValueError: density outside (0, 1]; a process set other than the global one.
@@ -112,9 +116,11 @@ class HiTopK(Reducer):
     """
 
     kind = "hitopk"
+    supports_local_step = True
 
-    def __init__(self, density: float, error_feedback: Optional[bool] = None, selector: Optional[str] = None):
-        super().__init__(error_feedback)
+    def __init__(self, density: float, error_feedback: Optional[bool] = None, selector: Optional[str] = None,
+                 warmup_steps: int = 0, warmup_start: float = 0.25, momentum_correction: bool = True):
+        super().__init__(error_feedback, momentum_correction, momentum_masking=False)
         density = float(density)
         if not 0.0 < density <= 1.0:
             raise ValueError(f"perseus: Compression.hitopk(density): density must be in (0, 1], got {density}")
@@ -122,15 +128,19 @@ class HiTopK(Reducer):
         self.selector = selector or read_knob("topk_selector")[0]
         if self.selector != "auto" and self.selector not in selectors.SELECTORS:
             raise ValueError(f"perseus: unknown top-k selector {self.selector!r}")
+        self.warmup_steps, self.warmup_start = check_warmup(warmup_steps, warmup_start, "Compression.hitopk")
 
     def _describe(self) -> str:
-        return f"density={self.density}, error_feedback={self.error_feedback}"
+        warmup = f", warmup_steps={self.warmup_steps}, warmup_start={self.warmup_start}" if self.warmup_steps else ""
+        return (f"density={self.density}, error_feedback={self.error_feedback}{warmup}, "
+                f"momentum_correction={self.momentum_correction}")
 
     def _submit(self, key: str, st: KeyState, acc: np.ndarray, process_set: ProcessSet, set_size: int):
         if process_set is not global_process_set:
             raise ValueError("perseus: Compression.hitopk works on the global process set only")
         local, cross, hosts, per_host = _sets()
         n = acc.size
+        st.extra["density"] = density_at(self.density, st.step, self.warmup_steps, self.warmup_start)
         st.step += 1
         name = f"{self.kind}.{key}"
         if hosts == 1:  # nothing crosses a host: an exact dense all-reduce
@@ -181,7 +191,7 @@ class HiTopK(Reducer):
             self._finish_reduce_scatter(st, h1, name, sig, cross)
         else:
             shard[:] = acc
-        k = max(1, min(cnt, math.ceil(self.density * cnt))) if cnt else 0
+        k = max(1, min(cnt, math.ceil(st.extra["density"] * cnt))) if cnt else 0
         mag = st.extra["mag"]
         np.abs(shard, out=mag)
         idx = selectors.select(mag, k, st.extra["selector"]) if k else np.empty(0, np.int64)

@@ -20,6 +20,7 @@ from typing import Optional
 import numpy as np
 
 from perseus.compression.base import CHECK_LEN, KeyState, Reducer, key_hash, put_check, signature, verify_check
+from perseus.compression.local_step import check_warmup, density_at, mask_sent
 
 __all__ = ["RandomK"]
 
@@ -32,6 +33,10 @@ class RandomK(Reducer):
         seed: a non-negative int; with the key's name and the step number it seeds the choice of coordinates.
             Every rank must use the same seed.
         error_feedback: keep what was not sent and add it to the next step's gradient (default True).
+        warmup_steps, warmup_start: a density warm-up, as for :class:`perseus.compression.TopK`.
+        momentum_correction, momentum_masking: as for :class:`perseus.compression.TopK`.
+
+    A step at density 1 (all coordinates) is an ordinary all-reduce of the gradient.
 
     Collective: every rank reduces the same keys, in the same number of steps, with the same sizes, density
     and seed, and the same NumPy version (the choice comes from ``numpy.random.Generator.choice``).
@@ -46,9 +51,12 @@ class RandomK(Reducer):
 
     kind = "randomk"
     collective = "allreduce"
+    supports_local_step = True
 
-    def __init__(self, density: float, seed: int = 0, error_feedback: Optional[bool] = None):
-        super().__init__(error_feedback)
+    def __init__(self, density: float, seed: int = 0, error_feedback: Optional[bool] = None,
+                 warmup_steps: int = 0, warmup_start: float = 0.25, momentum_correction: bool = True,
+                 momentum_masking: bool = True):
+        super().__init__(error_feedback, momentum_correction, momentum_masking)
         density = float(density)
         if not 0.0 < density <= 1.0:
             raise ValueError(f"perseus: Compression.randomk(density): density must be in (0, 1], got {density}")
@@ -56,18 +64,23 @@ class RandomK(Reducer):
             raise ValueError(f"perseus: Compression.randomk(seed=): a non-negative int, got {seed!r}")
         self.density = density
         self.seed = int(seed)
+        self.warmup_steps, self.warmup_start = check_warmup(warmup_steps, warmup_start, "Compression.randomk")
 
     def _describe(self) -> str:
-        return f"density={self.density}, seed={self.seed}, error_feedback={self.error_feedback}"
+        warmup = f", warmup_steps={self.warmup_steps}, warmup_start={self.warmup_start}" if self.warmup_steps else ""
+        return (f"density={self.density}, seed={self.seed}, error_feedback={self.error_feedback}{warmup}, "
+                f"momentum_correction={self.momentum_correction}, momentum_masking={self.momentum_masking}")
 
-    def k_of(self, n: int) -> int:
-        """How many entries of an ``n``-entry gradient are sent."""
-        return 0 if n == 0 else max(1, min(n, math.ceil(self.density * n)))
+    def k_of(self, n: int, step: Optional[int] = None) -> int:
+        """How many entries of an ``n``-entry gradient are sent (at ``step`` of a warm-up; None: after it)."""
+        density = self.density if step is None else density_at(self.density, step, self.warmup_steps,
+                                                                 self.warmup_start)
+        return 0 if n == 0 else max(1, min(n, math.ceil(density * n)))
 
     def indices(self, key: str, n: int, step: int) -> np.ndarray:
-        """The coordinates sent for ``key`` (``n`` entries) at ``step`` (0 for the first call): ``k_of(n)``
+        """The coordinates sent for ``key`` (``n`` entries) at ``step`` (0 for the first call): ``k_of(n, step)``
         distinct int64 indices in increasing order, the same on every rank."""
-        k = self.k_of(n)
+        k = self.k_of(n, step)
         rng = np.random.default_rng([self.seed, key_hash(key), int(step)])
         if k == n:
             return np.arange(n, dtype=np.int64)
@@ -75,12 +88,17 @@ class RandomK(Reducer):
         idx.sort()
         return idx
 
+    def _submit(self, key, st: KeyState, acc: np.ndarray, process_set, set_size: int):
+        if acc.size and self.k_of(acc.size, st.step) == acc.size:  # every coordinate: a plain all-reduce
+            return self._submit_whole(key, st, acc, process_set)
+        return super()._submit(key, st, acc, process_set, set_size)
+
     def _encode(self, acc: np.ndarray, st: KeyState):
         n = acc.size
-        k = self.k_of(n)
+        k = self.k_of(n, st.step)
         ex = st.extra
         payload = ex.get("payload")
-        if payload is None:
+        if payload is None or payload.size != k + CHECK_LEN:  # (k changes during a warm-up)
             payload = ex["payload"] = np.empty(k + CHECK_LEN, np.float32)
             ex["dense"] = np.empty(n, np.float32)
             ex["sig"] = signature("randomk", n, k, self.seed)
@@ -89,6 +107,7 @@ class RandomK(Reducer):
         put_check(payload[k:], ex["sig"])
         if self.error_feedback:
             acc[idx] = 0.0
+            mask_sent(st, idx)
         return payload, idx
 
     def _decode(self, data: np.ndarray, splits, ctx, st: KeyState) -> np.ndarray:

@@ -32,20 +32,23 @@ def _op(op, average, name="allreduce"):
 
 
 def _reduce_compressed(compression, name, tensors, outputs, op, prescale_factor, postscale_factor,
-                       process_set):
+                       process_set, local=None):
     """Start a communicating compressor's reduction of ``tensors`` into ``outputs`` (same shapes; may be the
     same tensors); return its :class:`perseus.compression.Pending`, whose ``wait()`` returns ``outputs``.
 
     Device tensors (and CPU tensors under ``PERSEUS_STAGE_CPU_TENSORS=1``) are staged: the compressor works
-    on host copies, and ``wait()`` copies the results back to ``outputs``.
+    on host copies, and ``wait()`` copies the results back to ``outputs``. ``local``: the compressor's local
+    step (momentum correction, local clipping; None for none).
     """
+    extra = {} if local is None else {"local": local}
     if not any(_staging.wanted(t) for t in tensors):
         pending = compression.reduce_async(name, [_np(t) for t in tensors], [_np(o) for o in outputs], op,
-                                           prescale_factor, postscale_factor, process_set)
+                                           prescale_factor, postscale_factor, process_set, **extra)
         return Pending(lambda: (pending.wait(), outputs)[1])
     hosts = [_staging.to_host(t) for t in tensors]
     bufs = [_np(h) for h in hosts]
-    pending = compression.reduce_async(name, bufs, bufs, op, prescale_factor, postscale_factor, process_set)
+    pending = compression.reduce_async(name, bufs, bufs, op, prescale_factor, postscale_factor, process_set,
+                                       **extra)
 
     def finish():
         pending.wait()

@@ -17,6 +17,7 @@ from perseus.common.api import _basics, size
 from perseus.common.partition import split_list
 from perseus.common.reduce_ops import Average, Sum
 from perseus.compression import Reducer
+from perseus.torch._local_step import LocalSteps
 from perseus.torch._allreduce_ops import (_reduce_compressed, allreduce, allreduce_async_, grouped_allreduce_async_,
                                           sparse_allreduce_async)
 from perseus.torch._schedule import TOO_MANY_PASSES, PendingReduction, Schedule, check_op
@@ -94,6 +95,8 @@ class DefaultSchedule(Schedule):
         #: PERSEUS_NONFINITE_GRADIENTS: each gradient checked as it is submitted, the verdict after the step's
         #: reduction (perseus.common.guard); None when off
         self.guard = _guard.for_optimizer(opt.process_set)
+        #: momentum correction and local clipping, when the compressor is a sparsifier (torch/_local_step.py)
+        self.local = LocalSteps(opt)
 
     # -- set-up ----------------------------------------------------------------------------------------
     def start(self):
@@ -183,7 +186,7 @@ class DefaultSchedule(Schedule):
             if not grad.is_contiguous() or sparse:
                 grad = p.grad = grad.contiguous()
             return PendingReduction(_reduce_compressed(compression, name, [grad], [grad], opt.op, pre, post,
-                                                       opt.process_set).wait)
+                                                       opt.process_set, self.local.spec(p, grad)).wait)
         compressed, ctx = compression.compress(grad)
         handle = allreduce_async_(compressed, name=name, op=opt.op, prescale_factor=pre, postscale_factor=post,
                                   process_set=opt.process_set)
@@ -214,8 +217,14 @@ class DefaultSchedule(Schedule):
             grads = [g.contiguous() for g in grads]
             for p, g in zip(group, grads):
                 p.grad = g
+            specs = {self.local.spec(p, g) for p, g in zip(group, grads)}
+            if len(specs) > 1:
+                raise NotImplementedError(
+                    f"DistributedOptimizer: the gradients of group {name!r} belong to parameter groups with "
+                    "different momentum settings, which the compressor applies per group; put parameters of "
+                    "one optimizer parameter group in each of groups=")
             return PendingReduction(_reduce_compressed(compression, name, grads, grads, opt.op, pre, post,
-                                                       opt.process_set).wait)
+                                                       opt.process_set, specs.pop()).wait)
         pairs = [compression.compress(g) for g in grads]
         handle = grouped_allreduce_async_([c for c, _ in pairs], name=name, op=opt.op, prescale_factor=pre,
                                           postscale_factor=post, process_set=opt.process_set)
@@ -272,12 +281,23 @@ class DefaultSchedule(Schedule):
         if self.skip_step:  # non-finite gradients on some rank (every rank skips this step)
             self.skip_step = False
             return None
-        return opt._perseus_local_step(closure)
+        with self.local.plain_step():
+            return opt._perseus_local_step(closure)
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
-        """Wait for the reductions, clip, and let the next ``step()`` skip synchronizing. Collective."""
-        self.opt.synchronize()
+        """Wait for the reductions, clip, and let the next ``step()`` skip synchronizing. Collective.
+
+        With a compressor that takes local steps (a sparsifier with error feedback), the 2-norm bound is
+        applied on each rank before accumulation from the next gradients on (perseus/torch/_local_step.py);
+        the averaged result is then left as it is and its norm returned."""
+        opt = self.opt
+        opt.synchronize()
         self.presynchronized = True
+        if float(norm_type) == 2.0 and opt.process_set.included():
+            entries = sum(p.numel() for p in self.requires_update)
+            members = opt.process_set.size() or size()
+            if self.local.clip_locally(max_norm, members, entries):
+                return super().clip_grad_norm_(float("inf"), norm_type, error_if_nonfinite)
         return super().clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
     def forget(self):
@@ -301,7 +321,8 @@ class DefaultSchedule(Schedule):
             opt.synchronize()  # the gradients of this evaluation, averaged, before the optimizer reads them
             return self._average_loss(loss)
 
-        loss = opt._perseus_local_step(evaluate)
+        with self.local.plain_step():
+            loss = opt._perseus_local_step(evaluate)
         self._closure_rendezvous(evaluating=False)
         self.synchronized = False
         return loss

@@ -283,7 +283,7 @@ class Espresso(Reducer):
             elif c == "dense":
                 continue
             elif isinstance(c, Reducer) and not isinstance(c, (Espresso,)):
-                if type(c)._submit is not Reducer._submit:
+                if type(c)._encode is Reducer._encode:
                     log.warning("espresso: %r runs several collectives per gradient and cannot be modelled; "
                                 "it is not a candidate", c)
                     continue

@@ -62,280 +62,66 @@ import time
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 DEFAULT_VARIANTS = "dense,topk:0.01,topk:0.01:noef,powersgd:4"
 
 
 # -- variants --------------------------------------------------------------------------------------------
 
-def variant_label(spec: str) -> str:
+def _parse(spec: str):
+    """``name[:arg...][:noef][:nomc][:nomask][:key=value...]`` -> (name, args, kwargs)."""
     name, *rest = spec.split(":")
+    args, kwargs = [], {}
+    flags = {"noef": ("error_feedback", False), "nomc": ("momentum_correction", False),
+             "nomask": ("momentum_masking", False)}
+    for r in rest:
+        if r in flags:
+            kwargs[flags[r][0]] = flags[r][1]
+        elif "=" in r:
+            k, v = r.split("=", 1)
+            kwargs[k] = float(v) if any(c in v for c in ".e") else int(v)
+        else:
+            args.append(float(r) if any(c in r for c in ".e") else int(r))
+    return name, args, kwargs
+
+
+def variant_label(spec: str) -> str:
+    name, args, kwargs = _parse(spec)
     if name == "dense":
         return "dense"
-    noef = "noef" in rest
-    args = [r for r in rest if r != "noef"]
-    label = f"{name}({', '.join(args)})"
-    return label + (" no EF" if noef else "")
+    label = f"{name}({', '.join(str(a) for a in args)})"
+    words = {"error_feedback": "no EF", "momentum_correction": "no MC", "momentum_masking": "no mask"}
+    for k, v in kwargs.items():
+        if k in words:
+            label += " " + words[k]
+        elif k == "warmup_steps":
+            label += f" wu{v}"
+        elif k == "warmup_start":
+            label += f"@{v:g}"
+        else:
+            label += f" {k}={v}"
+    return label
 
 
 def make_compression(hvd, spec: str):
     """The compression object of ``spec``, or None when this perseus does not have that compressor."""
-    name, *rest = spec.split(":")
+    name, args, kwargs = _parse(spec)
     if name == "dense":
         return hvd.Compression.none
     factory = getattr(hvd.Compression, name, None)
     if factory is None:
         return None
-    args = []
-    kwargs = {}
-    for r in rest:
-        if r == "noef":
-            kwargs["error_feedback"] = False
-        else:
-            args.append(float(r) if any(c in r for c in ".e") else int(r))
-    return factory(*args, **kwargs)
+    late = {k: kwargs.pop(k) for k in list(kwargs) if k == "adam_dense_steps"}
+    comp = factory(*args, **kwargs)
+    for k, v in late.items():
+        setattr(comp, k, v)
+    return comp
 
 
 # -- tasks -----------------------------------------------------------------------------------------------
 
-class DigitsNet(nn.Module):
-    """The CNN of examples/pytorch_digits.py."""
+from convergence_tasks import TASKS, Task  # noqa: E402  (benchmarks/ is the script directory)
 
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
-        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
-        self.fc1 = nn.Linear(32 * 2 * 2, 64)
-        self.fc2 = nn.Linear(64, 10)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
-
-
-class Task:
-    """A training problem: data, model, loss and the final metric.
-
-    ``shard(rank, size)`` is a rank's part of the training data; ``batch(shard, step, per_rank, gen, cache)``
-    this rank's part of global batch ``step`` (``gen`` and ``cache`` belong to one run);
-    ``evaluate(model, rank, size)`` this rank's partial sums over the test data, summed over the ranks and
-    turned into metrics by ``finish``.
-    """
-
-    name = ""
-    metric = ""            # "accuracy" (higher is better) or "loss" (lower is better)
-    steps = 0
-    global_batch = 0
-    lr = 0.0
-    clip = 0.0
-
-    def model(self) -> nn.Module:
-        raise NotImplementedError
-
-
-class Digits(Task):
-    name = "digits"
-    metric = "accuracy"
-
-    def __init__(self, args):
-        from sklearn.datasets import load_digits
-
-        digits = load_digits()
-        x = torch.tensor(digits.images / 16.0, dtype=torch.float32).unsqueeze(1)
-        y = torch.tensor(digits.target, dtype=torch.long)
-        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-        n_test = args.digits_test
-        self.x_train, self.y_train = x[perm[n_test:]], y[perm[n_test:]]
-        self.x_test, self.y_test = x[perm[:n_test]], y[perm[:n_test]]
-        self.global_batch = args.digits_batch
-        self.steps = args.digits_epochs * (len(self.x_train) // self.global_batch)
-        self.lr = args.digits_lr
-        self.clip = 0.0
-        self.recipe = {"train": len(self.x_train), "test": n_test, "epochs": args.digits_epochs,
-                       "global_batch": self.global_batch, "steps": self.steps, "lr": self.lr}
-
-    def model(self):
-        return DigitsNet()
-
-    def shard(self, rank, size):
-        return torch.arange(rank, len(self.x_train), size)
-
-    def batch(self, shard, step, per_rank, gen, cache):
-        return _epoch_batch(shard, step, per_rank, gen, cache, lambda idx: (self.x_train[idx], self.y_train[idx]))
-
-    def loss(self, model, batch):
-        x, y = batch
-        return F.cross_entropy(model(x), y)
-
-    def evaluate(self, model, rank, size):
-        idx = torch.arange(rank, len(self.x_test), size)
-        with torch.no_grad():
-            out = model(self.x_test[idx])
-        correct = (out.argmax(1) == self.y_test[idx]).sum().item()
-        loss = F.cross_entropy(out, self.y_test[idx], reduction="sum").item()
-        return [correct, loss, len(idx)]
-
-    @staticmethod
-    def finish(sums):
-        correct, loss, count = sums
-        return {"accuracy": correct / count, "test_loss": loss / count}
-
-
-def _epoch_batch(shard, step, per_rank, gen, cache, fetch):
-    """Batch ``step`` of a rank: its shard reshuffled every epoch (the same permutation stream for every
-    variant of a seed), drop-last batches. ``cache`` belongs to one run."""
-    per_epoch = len(shard) // per_rank
-    epoch, pos = divmod(step, per_epoch)
-    if cache.get("epoch") != epoch:
-        cache["epoch"], cache["order"] = epoch, shard[torch.randperm(len(shard), generator=gen)]
-    order = cache["order"]
-    return fetch(order[pos * per_rank:(pos + 1) * per_rank])
-
-
-class ZipfMarkov:
-    """A first-order Markov chain over ``vocab`` tokens: from token ``i`` the next token is ``perm[i][r]``
-    with probability proportional to ``1 / (r + 1) ** exponent`` (a Zipf law over a per-token random
-    permutation). Every row has the same entropy, so the chain's entropy rate is that of the Zipf law."""
-
-    def __init__(self, vocab=500, exponent=1.1, seed=1234):
-        rng = np.random.default_rng(seed)
-        p = 1.0 / np.arange(1, vocab + 1) ** exponent
-        self.p = p / p.sum()
-        self.perm = np.stack([rng.permutation(vocab) for _ in range(vocab)]).astype(np.int64)
-        self.vocab = vocab
-
-    def entropy_rate(self) -> float:
-        return float(-(self.p * np.log(self.p)).sum())
-
-    def generate(self, n, seed) -> np.ndarray:
-        rng = np.random.default_rng(seed)
-        ranks = np.searchsorted(np.cumsum(self.p), rng.random(n), side="right").clip(0, self.vocab - 1)
-        out = np.empty(n, np.int64)
-        tok = int(rng.integers(self.vocab))
-        perm = self.perm
-        for i in range(n):
-            tok = perm[tok, ranks[i]]
-            out[i] = tok
-        return out
-
-
-class GRULM(nn.Module):
-    def __init__(self, vocab, emb, hidden):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, emb)
-        self.rnn = nn.GRU(emb, hidden, batch_first=True)
-        self.out = nn.Linear(hidden, vocab)
-
-    def forward(self, x):
-        h, _ = self.rnn(self.embed(x))
-        return self.out(h)
-
-
-class ZipfLM(Task):
-    name = "lm"
-    metric = "loss"
-
-    def __init__(self, args):
-        self.chain = ZipfMarkov(args.lm_vocab, args.lm_zipf, seed=1234)
-        self.train = torch.from_numpy(self.chain.generate(args.lm_train_tokens, seed=1))
-        self.test = torch.from_numpy(self.chain.generate(args.lm_test_tokens, seed=2))
-        self.seq = args.lm_seq
-        self.global_batch = args.lm_batch
-        self.steps = args.lm_steps
-        self.lr = args.lm_lr
-        self.clip = args.lm_clip
-        self.args = args
-        self.recipe = {"vocab": args.lm_vocab, "zipf": args.lm_zipf, "train_tokens": args.lm_train_tokens,
-                       "test_tokens": args.lm_test_tokens, "seq": self.seq, "global_batch": self.global_batch,
-                       "steps": self.steps, "lr": self.lr, "clip": self.clip, "emb": args.lm_emb,
-                       "hidden": args.lm_hidden, "entropy_rate": self.chain.entropy_rate()}
-
-    def model(self):
-        return GRULM(self.args.lm_vocab, self.args.lm_emb, self.args.lm_hidden)
-
-    def shard(self, rank, size):
-        n = len(self.train) // size
-        return self.train[rank * n:(rank + 1) * n]
-
-    def batch(self, shard, step, per_rank, gen, cache):
-        starts = torch.randint(0, len(shard) - self.seq - 1, (per_rank,), generator=gen)
-        windows = torch.stack([shard[s:s + self.seq + 1] for s in starts.tolist()])
-        return windows[:, :-1], windows[:, 1:]
-
-    def loss(self, model, batch):
-        x, y = batch
-        return F.cross_entropy(model(x).reshape(-1, self.chain.vocab), y.reshape(-1))
-
-    def evaluate(self, model, rank, size):
-        seq = 64
-        windows = self.test[:len(self.test) // (seq + 1) * (seq + 1)].view(-1, seq + 1)[rank::size]
-        with torch.no_grad():
-            out = model(windows[:, :-1])
-            loss = F.cross_entropy(out.reshape(-1, self.chain.vocab), windows[:, 1:].reshape(-1),
-                                   reduction="sum").item()
-        return [loss, windows[:, 1:].numel()]
-
-    @staticmethod
-    def finish(sums):
-        loss, count = sums
-        return {"loss": loss / count}
-
-
-class SparseLinear(Task):
-    """Least squares where the signal lives in small-gradient coordinates (see the module docstring)."""
-
-    name = "linear"
-    metric = "loss"
-
-    def __init__(self, args):
-        rng = np.random.default_rng(7)
-        self.d, self.loud = 1000, 20
-        n_train, n_test = 24000, 4000
-        scale = np.ones(self.d, np.float32)
-        scale[:self.loud] = 10.0
-        w = rng.standard_normal(self.d).astype(np.float32)
-        w[:self.loud] = 0.0
-        x = rng.standard_normal((n_train + n_test, self.d)).astype(np.float32) * scale
-        y = x @ w + 0.1 * rng.standard_normal(n_train + n_test).astype(np.float32)
-        self.x_train, self.y_train = torch.from_numpy(x[:n_train]), torch.from_numpy(y[:n_train])
-        self.x_test, self.y_test = torch.from_numpy(x[n_train:]), torch.from_numpy(y[n_train:])
-        self.var = float(self.y_test.var())
-        self.global_batch = args.linear_batch
-        self.steps = args.linear_steps
-        self.lr = args.linear_lr
-        self.clip = 0.0
-        self.recipe = {"features": self.d, "loud": self.loud, "train": n_train, "test": n_test,
-                       "global_batch": self.global_batch, "steps": self.steps, "lr": self.lr}
-
-    def model(self):
-        m = nn.Linear(self.d, 1, bias=False)
-        nn.init.zeros_(m.weight)
-        return m
-
-    def shard(self, rank, size):
-        return torch.arange(rank, len(self.x_train), size)
-
-    def batch(self, shard, step, per_rank, gen, cache):
-        return _epoch_batch(shard, step, per_rank, gen, cache, lambda idx: (self.x_train[idx], self.y_train[idx]))
-
-    def loss(self, model, batch):
-        x, y = batch
-        return 0.5 * F.mse_loss(model(x).squeeze(1), y)
-
-    def evaluate(self, model, rank, size):
-        idx = torch.arange(rank, len(self.x_test), size)
-        with torch.no_grad():
-            err = model(self.x_test[idx]).squeeze(1) - self.y_test[idx]
-        return [float((err ** 2).sum()), len(idx)]
-
-    def finish(self, sums):
-        sq, count = sums
-        return {"loss": sq / count / self.var}
-
-
-TASKS = {"digits": Digits, "lm": ZipfLM, "linear": SparseLinear}
 
 
 # -- training --------------------------------------------------------------------------------------------
@@ -348,9 +134,9 @@ def train_once(hvd, task: Task, compression, seed: int, args) -> dict:
     torch.manual_seed(seed)
     model = task.model()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = torch.optim.SGD(model.parameters(), lr=task.lr, momentum=args.momentum)
+    opt = task.make_optimizer(model.parameters())
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1.0 + math.cos(math.pi * s / task.steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, task.schedule)
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
     shard, cache = task.shard(rank, size), {}
     hvd.allreduce(torch.zeros(1), name="cc.start")  # start the clocks together
@@ -372,12 +158,15 @@ def train_once(hvd, task: Task, compression, seed: int, args) -> dict:
         losses.append(loss.item())
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < task.steps:
             paused = time.perf_counter()
-            curve.append((step + 1, evaluate(hvd, task, model)[task.metric]))
+            point = evaluate(hvd, task, model)
+            point["train_loss"] = _recent_loss(hvd, losses, args.eval_every)
+            curve.append((step + 1, point))
             t0 += time.perf_counter() - paused
     wall = time.perf_counter() - t0
     result = evaluate(hvd, task, model)
-    curve.append((task.steps, result[task.metric]))
-    result["curve"] = curve
+    curve.append((task.steps, dict(result, train_loss=_recent_loss(hvd, losses, args.eval_every or 10))))
+    result["curve"] = [(s, p[task.metric]) for s, p in curve]
+    result["curves"] = curve
     tail = max(1, len(losses) // 10)
     result["train_loss"] = hvd.allreduce(torch.tensor(sum(losses[-tail:]) / tail), name="cc.train_loss").item()
     result["wall_s"] = hvd.allreduce(torch.tensor(wall), op=hvd.Max, name="cc.wall").item()
@@ -387,6 +176,12 @@ def train_once(hvd, task: Task, compression, seed: int, args) -> dict:
     gathered = hvd.allgather(params.unsqueeze(0), name="cc.params")
     result["ranks_agree"] = all(torch.equal(gathered[0], gathered[r]) for r in range(size))
     return result
+
+
+def _recent_loss(hvd, losses: list, window: int) -> float:
+    """The training loss over the last ``window`` steps, averaged over steps and ranks (collective)."""
+    tail = losses[-max(1, window):]
+    return hvd.allreduce(torch.tensor(sum(tail) / len(tail)), name="cc.recent_loss").item()
 
 
 def evaluate(hvd, task: Task, model: nn.Module) -> dict:
@@ -415,6 +210,8 @@ def summarize(task: Task, spec: str, runs: list, dense_runs: list | None) -> dic
            "ranks_agree": all(r["ranks_agree"] for r in runs)}
     if metric == "accuracy":
         row["test_loss"] = float(np.mean([r["test_loss"] for r in runs]))
+    elif "accuracy" in runs[0]:
+        row["accuracy"] = float(np.mean([r["accuracy"] for r in runs]))
     if dense_runs is not None:
         diffs = []
         for r, d in zip(runs, dense_runs):
@@ -464,6 +261,10 @@ def print_table(task: Task, size: int, rows: list, extra: str) -> None:
             diff = f"{r['diff']:+.2f}{se} {dunit}"
         per_seed = " ".join(f"{100 * v:.1f}" if task.metric == "accuracy" else f"{v:.4f}" for v in r["per_seed"])
         note = verdict(task, r["variant"], r, by_spec)
+        if "accuracy" in r and task.metric == "loss":
+            dense = by_spec.get("dense")
+            acc_diff = f", {100 * (r['accuracy'] - dense['accuracy']):+.2f} pp" if dense and r is not dense else ""
+            note = f"acc {100 * r['accuracy']:.2f}%{acc_diff} " + note
         print(f"{r['label']:<20}{size:>6}{val:>15}{diff:>20}{r['sent']:>9.4f}{r['wall_s']:>9.1f}  [{per_seed}] {note}",
               flush=True)
 
@@ -474,7 +275,19 @@ def main() -> int:
     ap.add_argument("--variants", default=DEFAULT_VARIANTS)
     ap.add_argument("--seeds", type=int, default=0, help="seeds 1..N per (task, variant), for every task "
                     "(default: --digits-seeds, --lm-seeds, --linear-seeds)")
-    ap.add_argument("--momentum", type=float, default=0.0, help="SGD momentum, applied after aggregation")
+    ap.add_argument("--momentum", type=float, default=None,
+                    help="SGD momentum for digits, lm and linear (default 0; mlp has its own, --mlp-momentum)")
+    ap.add_argument("--mlp-steps", type=int, default=500)
+    ap.add_argument("--mlp-batch", type=int, default=64, help="global batch")
+    ap.add_argument("--mlp-lr", type=float, default=0.05)
+    ap.add_argument("--mlp-momentum", type=float, default=0.9)
+    ap.add_argument("--mlp-hidden", type=int, default=512)
+    ap.add_argument("--mlp-seeds", type=int, default=3)
+    ap.add_argument("--tf-vocab", type=int, default=200)
+    ap.add_argument("--tf-steps", type=int, default=600)
+    ap.add_argument("--tf-batch", type=int, default=32, help="global batch (windows)")
+    ap.add_argument("--tf-lr", type=float, default=3e-3)
+    ap.add_argument("--transformer-seeds", type=int, default=2)
     ap.add_argument("--digits-seeds", type=int, default=5)
     ap.add_argument("--digits-epochs", type=int, default=40)
     ap.add_argument("--digits-batch", type=int, default=48, help="global batch")
@@ -509,6 +322,8 @@ def main() -> int:
     commit = git_commit() if rank == 0 else ""
     for tname in [t for t in args.tasks.split(",") if t]:
         task = TASKS[tname](args)
+        if args.momentum is not None and tname in ("digits", "lm", "linear"):
+            task.momentum = args.momentum
         seeds = args.seeds or getattr(args, f"{tname}_seeds")
         rows, dense_runs = [], None
         for spec in specs:
@@ -532,14 +347,15 @@ def main() -> int:
             row = summarize(task, spec, runs, dense_runs)
             rows.append(row)
             if rank == 0 and args.json:
-                record = dict(row, ranks=size, seeds=seeds, momentum=args.momentum, recipe=task.recipe,
+                record = dict(row, ranks=size, seeds=seeds, momentum=task.momentum, optimizer=task.optimizer, recipe=task.recipe,
                               compressor="none" if spec == "dense" else repr(make_compression(hvd, spec)),
                               runs=runs, commit=commit, host=platform.node(),
                               date=datetime.datetime.now().isoformat(timespec="seconds"))
                 with open(args.json, "a") as f:
                     f.write(json.dumps(record) + "\n")
         if rank == 0:
-            extra = f"{task.steps} steps, global batch {task.global_batch}, lr {task.lr}, momentum {args.momentum}"
+            extra = (f"{task.steps} steps, global batch {task.global_batch}, lr {task.lr}, {task.optimizer}"
+                     + (f" momentum {task.momentum}" if task.optimizer == "sgd" else ""))
             if tname == "lm":
                 extra += f"; entropy rate (best possible loss) {task.chain.entropy_rate():.4f}"
             print_table(task, size, rows, extra)

@@ -179,12 +179,13 @@ class Reducer:
     supports_local_step = False
 
     def __init__(self, error_feedback: Optional[bool] = None, momentum_correction: bool = True,
-                 momentum_masking: bool = True):
+                 momentum_masking: Optional[bool] = None):
         self.error_feedback = self.default_error_feedback if error_feedback is None else bool(error_feedback)
         #: apply the optimizer's momentum locally, before compressing (when the adapter finds momentum SGD)
         self.momentum_correction = bool(momentum_correction) and self.supports_local_step
-        #: zero the velocity of the entries sent (momentum factor masking)
-        self.momentum_masking = bool(momentum_masking)
+        #: zero the velocity of the entries sent (momentum factor masking); None: the adapter decides (on
+        #: for SGD, off for Adam, as measured in docs/compression.md)
+        self.momentum_masking = None if momentum_masking is None else bool(momentum_masking)
         self._states: dict = {}
         self._lock = threading.Lock()
         #: payload bytes this rank submitted, cumulative (the transport's own counters give wire bytes)
@@ -210,6 +211,16 @@ class Reducer:
     def takes_local_step(self) -> bool:
         """Whether :meth:`reduce_async` accepts ``local=`` (momentum correction or local clipping)."""
         return self.supports_local_step and self.error_feedback
+
+    def warmup(self) -> int:
+        """The warm-up the user asked for, in steps (0: none); with Adam the adapters make it dense."""
+        return int(getattr(self, "warmup_steps", 0))
+
+    def note_dense(self, nbytes: int) -> None:
+        """Count ``nbytes`` sent uncompressed by an adapter on this compressor's behalf (Adam's dense
+        steps), in both byte counters."""
+        self.payload_bytes += nbytes
+        self.dense_bytes += nbytes
 
     # -- state -----------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -292,6 +303,7 @@ class Reducer:
         n = _flat_len(arrays)
         st = self._state(key, n, tuple(tuple(a.shape) for a in arrays))
         st.set_size, st.rank = set_size, rank
+        st.extra["ramp"] = local is None or local.ramp
         acc = self._accumulate(st, arrays, prescale_factor, local)
         scale = postscale_factor / set_size if op == ReduceOp.AVERAGE else postscale_factor
         self.dense_bytes += 4 * n

@@ -440,6 +440,23 @@ class Cupcake(Reducer):
         """As the inner compressor's."""
         return self.inner.takes_local_step()
 
+    def warmup(self) -> int:
+        """The inner compressor's density warm-up (Cupcake's own ``warmup_steps`` is its profiling delay)."""
+        return self.inner.warmup()
+
+    def note_dense(self, nbytes: int) -> None:
+        """Counted by the inner compressor, whose counters are Cupcake's."""
+        self.inner.note_dense(nbytes)
+
+    @property
+    def momentum_masking(self):
+        """The inner compressor's masking choice."""
+        return self.inner.momentum_masking
+
+    @momentum_masking.setter
+    def momentum_masking(self, value):
+        pass
+
     def reduce_async(self, key: str, arrays: Sequence[np.ndarray], outputs: Optional[Sequence[np.ndarray]] = None,
                      op=ReduceOp.AVERAGE, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set, local=None) -> Pending:

@@ -140,7 +140,8 @@ class HiTopK(Reducer):
             raise ValueError("perseus: Compression.hitopk works on the global process set only")
         local, cross, hosts, per_host = _sets()
         n = acc.size
-        st.extra["density"] = density_at(self.density, st.step, self.warmup_steps, self.warmup_start)
+        st.extra["density"] = density_at(self.density, st.step, self.warmup_steps, self.warmup_start) \
+            if st.extra.get("ramp", True) else self.density
         st.step += 1
         name = f"{self.kind}.{key}"
         if hosts == 1:  # nothing crosses a host: an exact dense all-reduce

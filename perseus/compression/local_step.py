@@ -41,6 +41,8 @@ class LocalStep(NamedTuple):
         clip_rms: local clipping: a gradient of ``n`` entries is scaled down to norm ``clip_rms * sqrt(n)``
             when its norm is larger; 0 turns it off. The adapters derive it from the global bound the user
             clips to, so that the whole model's local gradient stays within ``max_norm / sqrt(ranks)``.
+        ramp: the compressor's density warm-up applies (False: the adapter ran its warm-up already, dense,
+            as for Adam).
     """
 
     momentum: float
@@ -48,6 +50,7 @@ class LocalStep(NamedTuple):
     dampening: float = 0.0
     masking: bool = True
     clip_rms: float = 0.0
+    ramp: bool = True
 
 
 def apply_local_step(st, grad: np.ndarray, residual: np.ndarray, spec: LocalStep) -> None:

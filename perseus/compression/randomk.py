@@ -55,7 +55,7 @@ class RandomK(Reducer):
 
     def __init__(self, density: float, seed: int = 0, error_feedback: Optional[bool] = None,
                  warmup_steps: int = 0, warmup_start: float = 0.25, momentum_correction: bool = True,
-                 momentum_masking: bool = True):
+                 momentum_masking: Optional[bool] = None):
         super().__init__(error_feedback, momentum_correction, momentum_masking)
         density = float(density)
         if not 0.0 < density <= 1.0:
@@ -77,10 +77,11 @@ class RandomK(Reducer):
                                                                  self.warmup_start)
         return 0 if n == 0 else max(1, min(n, math.ceil(density * n)))
 
-    def indices(self, key: str, n: int, step: int) -> np.ndarray:
-        """The coordinates sent for ``key`` (``n`` entries) at ``step`` (0 for the first call): ``k_of(n, step)``
-        distinct int64 indices in increasing order, the same on every rank."""
-        k = self.k_of(n, step)
+    def indices(self, key: str, n: int, step: int, k: Optional[int] = None) -> np.ndarray:
+        """The coordinates sent for ``key`` (``n`` entries) at ``step`` (0 for the first call): ``k`` (default
+        ``k_of(n, step)``) distinct int64 indices in increasing order, the same on every rank."""
+        if k is None:
+            k = self.k_of(n, step)
         rng = np.random.default_rng([self.seed, key_hash(key), int(step)])
         if k == n:
             return np.arange(n, dtype=np.int64)
@@ -88,21 +89,25 @@ class RandomK(Reducer):
         idx.sort()
         return idx
 
+    def _k_now(self, n: int, st: KeyState) -> int:
+        """k at the key's current step (its warm-up, unless an adapter ran it already)."""
+        return self.k_of(n, st.step if st.extra.get("ramp", True) else None)
+
     def _submit(self, key, st: KeyState, acc: np.ndarray, process_set, set_size: int):
-        if acc.size and self.k_of(acc.size, st.step) == acc.size:  # every coordinate: a plain all-reduce
+        if acc.size and self._k_now(acc.size, st) == acc.size:  # every coordinate: a plain all-reduce
             return self._submit_whole(key, st, acc, process_set)
         return super()._submit(key, st, acc, process_set, set_size)
 
     def _encode(self, acc: np.ndarray, st: KeyState):
         n = acc.size
-        k = self.k_of(n, st.step)
+        k = self._k_now(n, st)
         ex = st.extra
         payload = ex.get("payload")
         if payload is None or payload.size != k + CHECK_LEN:  # (k changes during a warm-up)
             payload = ex["payload"] = np.empty(k + CHECK_LEN, np.float32)
             ex["dense"] = np.empty(n, np.float32)
             ex["sig"] = signature("randomk", n, k, self.seed)
-        idx = self.indices(st.key, n, st.step)
+        idx = self.indices(st.key, n, st.step, k)
         np.take(acc, idx, out=payload[:k])
         put_check(payload[k:], ex["sig"])
         if self.error_feedback:

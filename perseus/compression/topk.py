@@ -49,11 +49,13 @@ class TopK(Reducer):
             default comes from PERSEUS_TOPK_SELECTOR.
         warmup_steps: the density falls exponentially from ``warmup_start`` to ``density`` over a gradient's
             first ``warmup_steps`` reductions (0: no warm-up). Every rank is at the same density at every
-            step.
+            step. Under a DistributedOptimizer wrapping Adam or AdamW the warm-up is dense instead (the
+            variance is estimated, then frozen; default 100 steps; docs/compression.md).
         warmup_start: the density of the first step (default 0.25; 1.0 starts dense).
         momentum_correction: when the wrapped optimizer is SGD with momentum, apply the momentum on each
             rank before compressing (the optimizer then takes plain steps; docs/compression.md). Default on.
-        momentum_masking: with momentum correction, zero the velocity of the entries a rank sent.
+        momentum_masking: with momentum correction, zero the velocity of the entries a rank sent (None, the
+            default: on for SGD, off for Adam, as measured; docs/compression.md).
 
     A step whose sparse payload would be at least as large as the dense gradient (a density of 0.5 or more:
     the start of a warm-up, a tiny gradient) sends the gradient whole through one all-reduce instead.
@@ -70,7 +72,7 @@ class TopK(Reducer):
 
     def __init__(self, density: float, error_feedback: Optional[bool] = None, selector: Optional[str] = None,
                  warmup_steps: int = 0, warmup_start: float = 0.25, momentum_correction: bool = True,
-                 momentum_masking: bool = True):
+                 momentum_masking: Optional[bool] = None):
         super().__init__(error_feedback, momentum_correction, momentum_masking)
         density = float(density)
         if not 0.0 < density <= 1.0:
@@ -98,7 +100,7 @@ class TopK(Reducer):
 
     def _submit(self, key, st: KeyState, acc: np.ndarray, process_set, set_size: int):
         n = acc.size
-        k = self.k_of(n, st.step)
+        k = self.k_of(n, st.step if st.extra.get("ramp", True) else None)
         if k == n or 2 * k + 1 >= n + CHECK_LEN:  # every entry, or a payload no smaller than the gradient
             return self._submit_whole(key, st, acc, process_set)
         st.extra["k"] = k

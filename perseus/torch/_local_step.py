@@ -27,8 +27,17 @@ from perseus.compression.local_step import LocalStep
 
 __all__ = ["LocalSteps"]
 
+#: Adam's dense steps (variance estimation) when the compressor names no warm-up
+ADAM_DENSE_STEPS = 100
+
 #: the SGD settings the compressor takes over, and the value the optimizer's own step then sees
 _MOVED = (("momentum", 0.0), ("nesterov", False), ("dampening", 0.0), ("weight_decay", 0.0))
+
+
+def _adam_like(opt) -> bool:
+    """Adam or AdamW whose groups all use the plain algorithm (no amsgrad, no maximize)."""
+    return isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)) and not any(
+        g.get("amsgrad") or g.get("maximize") for g in opt.param_groups)
 
 
 class LocalSteps:
@@ -42,9 +51,24 @@ class LocalSteps:
         self.active = takes
         #: SGD's momentum is applied by the compressor
         self.momentum = takes and compression.takes_momentum() and isinstance(opt, torch.optim.SGD)
+        #: Adam's first moment is applied by the compressor once the variance is frozen (see AdamFreeze)
+        self.adam = AdamFreeze(opt, compression.warmup() or ADAM_DENSE_STEPS) if (
+            takes and compression.takes_momentum() and _adam_like(opt)) else None
         self.group_of = {p: i for i, g in enumerate(opt.param_groups) for p in g["params"]}
         self.specs: dict = {}     # group index -> LocalStep in force
         self.clip_rms = 0.0       # local clipping bound per entry (0: off)
+
+    def dense_now(self) -> bool:
+        """Whether gradients go dense (uncompressed) this step: Adam's steps before its variance is frozen."""
+        return self.adam is not None and self.adam.dense_now()
+
+    def step(self, local_step, closure=None):
+        """The wrapped optimizer's step (``local_step(closure)``) as the compressor needs it: without the
+        settings it applied (SGD), or Adam's frozen-variance update."""
+        if self.adam is not None:
+            return self.adam.step(local_step, closure)
+        with self.plain_step():
+            return local_step(closure)
 
     def moves_momentum(self) -> bool:
         """Whether any parameter group's momentum is applied by the compressor now."""
@@ -59,6 +83,9 @@ class LocalSteps:
         if gi is None:
             return None
         group = self.opt.param_groups[gi]
+        masking = self.opt._compression.momentum_masking
+        if self.adam is not None and self.adam.frozen:
+            return self.adam.spec(p, grad, group, bool(masking), self.clip_rms)
         m = float(group.get("momentum", 0.0)) if self.momentum else 0.0
         if not m and not self.clip_rms:
             return None
@@ -69,7 +96,7 @@ class LocalSteps:
                 or spec.dampening != float(group.get("dampening", 0.0)) or spec.clip_rms != self.clip_rms:
             spec = self.specs[gi] = LocalStep(m, bool(group.get("nesterov", False)),
                                               float(group.get("dampening", 0.0)),
-                                              self.opt._compression.momentum_masking, self.clip_rms)
+                                              masking is None or bool(masking), self.clip_rms)
         return spec
 
     @contextmanager
@@ -99,3 +126,84 @@ class LocalSteps:
         first = self.clip_rms == 0.0
         self.clip_rms = float(max_norm) / math.sqrt(max(1, set_size) * max(1, entries))
         return not first
+
+
+class AdamFreeze:
+    """Adam or AdamW under a sparsifier (1-bit Adam's scheme, with top-k in place of 1-bit compression).
+
+    Adam normalises each entry by its running variance, which breaks error feedback: an entry that waited
+    in the residual arrives as one burst and is normalised like one ordinary step. So the first
+    ``dense_steps`` optimizer steps are ordinary Adam on dense gradients; then every rank freezes the
+    variance ``v`` (identical on every rank: it was computed from the same averaged gradients) and Adam
+    becomes momentum SGD with a fixed per-entry scale ``P = 1 / (sqrt(v / (1 - beta2^t)) + eps)``, which
+    is linear in the gradients: each rank scales its gradient by ``P`` and the compressor applies the first
+    moment locally (momentum correction with ``m = beta1``, dampening ``beta1``); the optimizer's step is
+    then ``p -= lr * update`` (AdamW first decays ``p`` by ``lr * weight_decay``; Adam's L2 weight decay is
+    added to the gradient before the scaling). The optimizer's own state (``exp_avg``, ``exp_avg_sq``,
+    ``step``) stays as it was at the freeze.
+    """
+
+    def __init__(self, opt, dense_steps: int):
+        self.opt = opt
+        self.dense_steps = int(dense_steps)
+        self.steps_done = 0
+        self.frozen = False
+        self.scale: dict = {}    # parameter -> P (a tensor like the parameter)
+        self.specs: dict = {}
+
+    def dense_now(self) -> bool:
+        return not self.frozen
+
+    def freeze(self) -> None:
+        """Compute every parameter's ``P`` from the optimizer's state (the same on every rank)."""
+        for group in self.opt.param_groups:
+            beta2, eps = group["betas"][1], group["eps"]
+            for p in group["params"]:
+                state = self.opt.state.get(p)
+                if not state or "exp_avg_sq" not in state:
+                    continue
+                t = float(state["step"])
+                v_hat = state["exp_avg_sq"] / (1.0 - beta2 ** t)
+                self.scale[p] = 1.0 / (v_hat.sqrt() + eps)
+        self.frozen = True
+
+    def spec(self, p, grad, group, masking: bool, clip_rms: float):
+        """Scale ``grad`` in place (L2 weight decay first, for Adam) and return the momentum correction's
+        :class:`LocalStep`; None for a parameter with no frozen variance (it goes uncorrected)."""
+        scale = self.scale.get(p)
+        if scale is None:
+            return None
+        if not isinstance(self.opt, torch.optim.AdamW) and group.get("weight_decay", 0):
+            grad.add_(p.detach(), alpha=group["weight_decay"])
+        grad.mul_(scale)
+        beta1 = float(group["betas"][0])
+        key = (beta1, masking, clip_rms)
+        spec = self.specs.get(key)
+        if spec is None:
+            spec = self.specs[key] = LocalStep(beta1, False, beta1, masking, clip_rms, ramp=False)
+        return spec
+
+    def step(self, local_step, closure=None):
+        """Adam's own step while dense (freezing the variance after the last one), then the plain update."""
+        if not self.frozen:
+            loss = local_step(closure)
+            self.steps_done += 1
+            if self.steps_done >= self.dense_steps:
+                self.freeze()
+            return loss
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        decoupled = isinstance(self.opt, torch.optim.AdamW)
+        with torch.no_grad():
+            for group in self.opt.param_groups:
+                lr, wd = group["lr"], group.get("weight_decay", 0)
+                for p in group["params"]:
+                    if p.grad is None or p not in self.scale:
+                        continue
+                    if decoupled and wd:
+                        p.mul_(1.0 - lr * wd)
+                    p.add_(p.grad, alpha=-lr)
+        self.steps_done += 1
+        return loss

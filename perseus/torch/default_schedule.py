@@ -22,6 +22,7 @@ from perseus.torch._allreduce_ops import (_reduce_compressed, allreduce, allredu
                                           sparse_allreduce_async)
 from perseus.torch._schedule import TOO_MANY_PASSES, PendingReduction, Schedule, check_op
 from perseus.torch._tensors import synchronize
+from perseus.torch.compression import Compression
 from perseus.torch.functions import broadcast_object
 
 __all__ = ["DefaultSchedule", "check_groups"]
@@ -182,6 +183,9 @@ class DefaultSchedule(Schedule):
             grad = grad.to_dense()
         pre, post = self.scales()
         compression = opt._compression
+        if isinstance(compression, Reducer) and self.local.dense_now():
+            compression.note_dense(4 * grad.numel())
+            compression = Compression.none  # Adam's dense steps before its variance is frozen
         if isinstance(compression, Reducer):  # the compressor writes the result into the gradient
             if not grad.is_contiguous() or sparse:
                 grad = p.grad = grad.contiguous()
@@ -213,6 +217,9 @@ class DefaultSchedule(Schedule):
         pre, post = self.scales()
         name = f"grad.group.{opt._parameter_names[group[0]]}"
         compression = opt._compression
+        if isinstance(compression, Reducer) and self.local.dense_now():
+            compression.note_dense(4 * sum(g.numel() for g in grads))
+            compression = Compression.none
         if isinstance(compression, Reducer):
             grads = [g.contiguous() for g in grads]
             for p, g in zip(group, grads):
@@ -281,8 +288,7 @@ class DefaultSchedule(Schedule):
         if self.skip_step:  # non-finite gradients on some rank (every rank skips this step)
             self.skip_step = False
             return None
-        with self.local.plain_step():
-            return opt._perseus_local_step(closure)
+        return self.local.step(opt._perseus_local_step, closure)
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
         """Wait for the reductions, clip, and let the next ``step()`` skip synchronizing. Collective.
@@ -321,8 +327,7 @@ class DefaultSchedule(Schedule):
             opt.synchronize()  # the gradients of this evaluation, averaged, before the optimizer reads them
             return self._average_loss(loss)
 
-        with self.local.plain_step():
-            loss = opt._perseus_local_step(evaluate)
+        loss = self.local.step(opt._perseus_local_step, evaluate)
         self._closure_rendezvous(evaluating=False)
         self.synchronized = False
         return loss

@@ -86,14 +86,17 @@ def _start_allreduce(tensors, inplace, op, name, priority, prescale_factor, post
     return Pending(what, submit)
 
 
-def reduce_with(reducer, groups, keys, inplace, op, prescale_factor, postscale_factor, process_set, what):
+def reduce_with(reducer, groups, keys, inplace, op, prescale_factor, postscale_factor, process_set, what,
+                local=None):
     """Reduce with a communicating compressor (a :class:`perseus.compression.Reducer`): each of ``groups`` (a
     list of NDArrays) is compressed as one vector under its key in ``keys``. Every group is submitted before
     the first is awaited. Returns one list of NDArrays per group: the inputs themselves when ``inplace``,
-    else new ones.
+    else new ones. ``local`` (a :class:`perseus.compression.local_step.LocalStep`, the same for every group)
+    is the compressor's momentum correction: the results are then averaged updates.
 
     Raises:
-        PerseusMXNetValueError: a missing key, a non-floating-point NDArray, an op other than Sum/Average.
+        PerseusMXNetValueError: a missing key, a non-floating-point NDArray, an op other than Sum/Average,
+            ``local`` given to a compressor that does not take it.
         PerseusMXNetMismatchError, PerseusMXNetInternalError: the collective failed.
     """
     for key, group in zip(keys, groups):
@@ -110,6 +113,7 @@ def reduce_with(reducer, groups, keys, inplace, op, prescale_factor, postscale_f
         raise PerseusMXNetValueError(f"perseus.mxnet.{what}: {type(reducer).__name__} reduces with Sum or Average "
                                      f"only, not {ReduceOp(op).name}")
     ps_info(process_set)
+    extra = {} if local is None else {"local": local}
     started = []
     try:
         for key, group in zip(keys, groups):
@@ -124,7 +128,7 @@ def reduce_with(reducer, groups, keys, inplace, op, prescale_factor, postscale_f
                            for t in group]
                 inputs, outputs = [read_view(t) for t in group], [t.array for t in targets]
             started.append((reducer.reduce_async(key, inputs, outputs, op, prescale_factor, postscale_factor,
-                                                 process_set), targets))
+                                                 process_set, **extra), targets))
         results = []
         for pending, targets in started:
             if pending is not None:

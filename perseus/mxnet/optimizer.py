@@ -13,7 +13,8 @@ late layers overlaps the backward pass of early ones.
 Compression: ``Compression.fp16`` sends floating-point gradients as float16; a communicating compressor
 (``Compression.topk(0.01)``..., docs/compression.md) reduces each gradient (each group with ``num_groups``)
 through its own collective, keyed by the gradient's name (the parameter's index), under which it keeps the
-gradient's residual.
+gradient's residual. With SGD or NAG and a sparsifying compressor (top-k, random-k, hierarchical top-k), the
+momentum moves into the compressor (momentum correction, :mod:`perseus.mxnet.momentum`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from perseus.common.reduce_ops import Average
 from perseus.common.util import split_list
 from perseus.compression import Reducer
 from perseus.mxnet.compression import Compression
+from perseus.mxnet.momentum import MomentumMover
 from perseus.mxnet.mpi_ops import _start_allreduce, reduce_with
 
 __all__ = ["DistributedOptimizer", "DistributedTrainer"]
@@ -61,18 +63,22 @@ class _GradientAverager:
         return _start_allreduce(list(grads), True, Average, name, priority, 1.0 / self.factor, self.factor,
                                 self.process_set, what, len(grads) == 1 and not self.num_groups)
 
-    def reduce(self, names, grads, what: str) -> None:
-        """Average ``grads`` (NDArrays, in parameter order) in place; ``names`` identify them across ranks."""
+    def reduce(self, names, grads, what: str, local=None) -> None:
+        """Average ``grads`` (NDArrays, in parameter order) in place; ``names`` identify them across ranks.
+        ``local``: the compressor's momentum correction (a LocalStep), for a communicating compressor only."""
         if isinstance(self.compression, Reducer):
-            self._reduce_compressed(names, grads, what)
+            self._reduce_compressed(names, grads, what, local)
             return
+        if local is not None:
+            raise ValueError(f"perseus.mxnet: momentum correction needs a communicating compressor, not "
+                             f"{self.compression!r}")
         pairs = [self.compression.compress(g) for g in grads]
         self._reduce([c for c, _ in pairs], names, what)
         for grad, (compressed, ctx) in zip(grads, pairs):
             if compressed is not grad:
                 grad[:] = self.compression.decompress(compressed, ctx)
 
-    def _reduce_compressed(self, names, grads, what: str) -> None:
+    def _reduce_compressed(self, names, grads, what: str, local=None) -> None:
         if self.num_groups > 0:
             groups = [(ns, gs) for ns, gs in zip(split_list(list(names), self.num_groups),
                                                  split_list(list(grads), self.num_groups)) if ns]
@@ -83,7 +89,7 @@ class _GradientAverager:
             parts = [[g] for g in grads]
         # From the last parameter to the first, as backward produces them.
         reduce_with(self.compression, parts[::-1], keys[::-1], True, Average, 1.0 / self.factor, self.factor,
-                    self.process_set, what)
+                    self.process_set, what, local)
 
     def _reduce(self, grads, names, what: str) -> None:
         pending = []
@@ -125,10 +131,18 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
             ``Compression.topk(0.01)`` (docs/compression.md), which keeps a residual per gradient (give each
             optimizer its own instance).
 
+    Momentum correction: when ``optimizer`` is SGD or NAG with momentum in (0, 1) and the compressor takes
+    the momentum (``topk``, ``randomk``, ``hitopk``, or ``cupcake`` of one of them, with error feedback),
+    ``update`` turns each gradient into ``clip(rescale_grad * grad) + wd * weight``, the compressor applies
+    the momentum on each rank before compressing, and the wrapped update applies the averaged result without
+    momentum, weight decay, rescaling or clipping (the attributes are restored after each update).
+    ``Compression.topk(0.01, momentum_correction=False)`` keeps the momentum in the optimizer. Details:
+    perseus/mxnet/momentum.py.
+
     Collective: every rank of the set makes the same updates in the same order.
     """
 
-    _OWN = ("_optimizer", "_averager")
+    _OWN = ("_optimizer", "_averager", "_mover")
 
     def __init__(self, optimizer, gradient_predivide_factor=1.0, num_groups=0, process_set=global_process_set,
                  compression=None):
@@ -138,6 +152,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         object.__setattr__(self, "_optimizer", optimizer)
         object.__setattr__(self, "_averager", _GradientAverager(gradient_predivide_factor, num_groups,
                                                                 process_set, compression))
+        object.__setattr__(self, "_mover", MomentumMover(compression))
 
     def __getattr__(self, item):
         if item in DistributedOptimizer._OWN or item.startswith("__"):
@@ -151,11 +166,13 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
             setattr(self._optimizer, key, value)
 
     def __getstate__(self):
-        return {"_optimizer": self._optimizer, "_averager": self._averager}
+        return {"_optimizer": self._optimizer, "_averager": self._averager, "_mover": self._mover}
 
     def __setstate__(self, state):
         for key, value in state.items():
             object.__setattr__(self, key, value)
+        if "_mover" not in state:  # pickled before momentum correction
+            object.__setattr__(self, "_mover", MomentumMover(self._averager.compression))
 
     @property
     def learning_rate(self):
@@ -165,24 +182,37 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
     def learning_rate(self, value):
         self._optimizer.learning_rate = value
 
-    def _allreduce(self, index, grad) -> None:
+    def _allreduce(self, index, weight, grad) -> bool:
+        """Average ``grad`` (one NDArray, or a list with ``index`` a list) in place; True when the result is a
+        momentum-corrected update, to be applied without momentum."""
         averager = self._averager
         if not averager.active():
-            return
-        if isinstance(index, (list, tuple)):
-            averager.reduce([str(i) for i in index], list(grad), "DistributedOptimizer")
-        else:
-            averager.reduce([str(index)], [grad], "DistributedOptimizer")
+            return False
+        indices, weights, grads = (list(index), list(weight), list(grad)) if isinstance(index, (list, tuple)) \
+            else ([index], [weight], [grad])
+        local = self._mover.spec(self._optimizer)
+        if local is not None:
+            self._mover.prepare(self._optimizer, indices, weights, grads)
+        averager.reduce([str(i) for i in indices], grads, "DistributedOptimizer", local)
+        return local is not None
 
     def update(self, index, weight, grad, state):
-        """Average ``grad`` over the process set in place, then apply the wrapped optimizer's update."""
-        self._allreduce(index, grad)
-        self._optimizer.update(index, weight, grad, state)
+        """Average ``grad`` over the process set in place, then apply the wrapped optimizer's update (a plain
+        step with momentum correction, see the class docstring)."""
+        if self._allreduce(index, weight, grad):
+            with self._mover.plain(self._optimizer):
+                self._optimizer.update(index, weight, grad, state)
+        else:
+            self._optimizer.update(index, weight, grad, state)
 
     def update_multi_precision(self, index, weight, grad, state):
-        """Average ``grad`` in place, then apply the wrapped optimizer's multi-precision update."""
-        self._allreduce(index, grad)
-        self._optimizer.update_multi_precision(index, weight, grad, state)
+        """Average ``grad`` in place, then apply the wrapped optimizer's multi-precision update (a plain step
+        with momentum correction)."""
+        if self._allreduce(index, weight, grad):
+            with self._mover.plain(self._optimizer):
+                self._optimizer.update_multi_precision(index, weight, grad, state)
+        else:
+            self._optimizer.update_multi_precision(index, weight, grad, state)
 
     # Forwarded explicitly: the base class defines these, so attribute lookup would not reach __getattr__.
     def create_state(self, index, weight):
@@ -241,6 +271,15 @@ class DistributedTrainer(mx.gluon.Trainer):
             N grouped allreduces (split by dtype).
         process_set: the ranks to average over; ranks outside it train on their local gradients.
 
+    Momentum correction: with ``'sgd'``/``'nag'`` and a momentum in (0, 1), and a compressor that takes the
+    momentum (``topk``, ``randomk``, ``hitopk``, or ``cupcake`` of one of them, with error feedback), each rank
+    reduces ``clip(rescale_grad * grad) + wd * weight`` through the compressor, which applies the momentum
+    before compressing, and the update applies the averaged result without momentum, weight decay,
+    rescaling or clipping (perseus/mxnet/momentum.py). The rescaling needs the batch size, so
+    ``allreduce_grads()`` then leaves the gradients local and ``update(batch_size)`` reduces them before
+    updating (``step`` is unchanged). ``Compression.topk(0.01, momentum_correction=False)`` keeps the momentum
+    in the optimizer.
+
     Collective: every rank of the set calls ``step``/``allreduce_grads`` with the same parameters. Each
     parameter must live on one context (one device per process).
     """
@@ -260,11 +299,48 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._process_set = process_set
         self._prefix = prefix or ""
         self._averager = averager
+        self._mover = MomentumMover(compression)
+        self._split_reduce = False      # inside allreduce_grads(): the batch size is not known yet
+        self._reduce_in_update = False  # allreduce_grads() left the momentum-corrected reduction to update()
+        self._corrected = False         # the gradients hold momentum-corrected updates (apply them plainly)
+
+    def allreduce_grads(self):
+        """Average the gradients over the process set (Gluon's split API: then ``update(batch_size)``). With
+        momentum correction the reduction waits for ``update``, which knows the batch size. Collective."""
+        self._split_reduce = True
+        try:
+            super().allreduce_grads()
+        finally:
+            self._split_reduce = False
 
     def _allreduce_grads(self):
+        """Average every gradient over the process set (``step`` and ``allreduce_grads``); a momentum-corrected
+        reduction asked for by ``allreduce_grads`` is left to ``update``. Collective: every rank of the set.
+        Raises NotImplementedError for a parameter on several contexts, and the collective's errors."""
         if not self._averager.active():
             return
-        names, grads = [], []
+        local = self._mover.spec(self._optimizer)
+        if local is not None and self._split_reduce:
+            self._reduce_in_update = True
+            return
+        self._reduce_in_update = False
+        self._reduce(local)
+
+    def _update(self, ignore_stale_grad=False):
+        """Run a reduction left by ``allreduce_grads`` (collective), then Gluon's update: a plain SGD step
+        (no momentum, weight decay, rescaling, clipping) when the gradients are momentum-corrected updates."""
+        if self._reduce_in_update:
+            self._reduce_in_update = False
+            self._reduce(self._mover.spec(self._optimizer))
+        corrected, self._corrected = self._corrected, False
+        if not corrected:
+            return super()._update(ignore_stale_grad)
+        with self._mover.plain(self._optimizer):
+            return super()._update(ignore_stale_grad)
+
+    def _reduce(self, local):
+        """Average every gradient in place; with ``local`` (a LocalStep) momentum-corrected updates."""
+        names, grads, indices, weights = [], [], [], []
         for i, param in enumerate(self._params):
             if param.grad_req == "null":
                 continue
@@ -274,6 +350,11 @@ class DistributedTrainer(mx.gluon.Trainer):
                                           "contexts; perseus.mxnet supports one context per process")
             names.append(self._prefix + str(i))
             grads.append(grad_list[0])
+            indices.append(i)
+            weights.append(param.list_data()[0])
         if not grads:
             return
-        self._averager.reduce(names, grads, "DistributedTrainer")
+        if local is not None:
+            self._mover.prepare(self._optimizer, indices, weights, grads)
+        self._averager.reduce(names, grads, "DistributedTrainer", local)
+        self._corrected = local is not None

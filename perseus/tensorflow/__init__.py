@@ -77,7 +77,9 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
     A Keras optimizer (Keras 3 or tf-keras 2) gets what :func:`perseus.tensorflow.keras.DistributedOptimizer`
     returns; unlike Horovod, ``op`` and ``groups`` are passed on rather than dropped. A TF1
     ``tf.compat.v1.train.Optimizer`` gets a TF1 optimizer whose ``compute_gradients`` reduces the gradients
-    (:class:`perseus.tensorflow.legacy_optimizer.DistributedLegacyOptimizer`), for graph and session code.
+    (:class:`perseus.tensorflow.legacy_optimizer.DistributedLegacyOptimizer`), for graph and session code;
+    momentum correction with a sparsifying compressor is done for Keras' SGD only (a TF1 momentum optimizer
+    applies its momentum to the averaged gradients).
 
     Raises:
         ValueError: ``op=Adasum``, or ``gradient_predivide_factor`` with an op other than Average.

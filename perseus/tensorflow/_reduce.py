@@ -69,16 +69,20 @@ def _dense(t):
 
 
 def reduce_with(reducer, groups, keys, op=Average, prescale_factor=1.0, postscale_factor=1.0,
-                process_set=global_process_set):
+                process_set=global_process_set, local=None):
     """Reduce with a communicating compressor: each of ``groups`` (a list of tensors, tf.IndexedSlices
     densified) is compressed as one vector under its key in ``keys``; returns one list of dense tensors per
     group, in the inputs' shapes and dtypes. Works eagerly and in a graph (one op for all the groups, whose
     collectives are all started before the first is awaited). Not differentiable.
 
+    ``local`` (a :class:`perseus.compression.local_step.LocalStep`, the same for every group) is passed to
+    the compressor's ``reduce_async``: its momentum correction; the results are then averaged updates.
+
     Collective: every rank of ``process_set`` passes the same keys with tensors of the same sizes.
 
     Raises:
-        ValueError: a missing key, a non-floating-point tensor, or an op other than Sum/Average.
+        ValueError: a missing key, a non-floating-point tensor, an op other than Sum/Average, or ``local``
+            given to a compressor that does not take it (from the op, when it runs).
     """
     op = ReduceOp(op)
     groups = [[_dense(t) for t in g] for g in groups]
@@ -103,12 +107,14 @@ def reduce_with(reducer, groups, keys, op=Average, prescale_factor=1.0, postscal
         return [[] for _ in groups]
     sizes = [len(g) for g in groups]
     pre, post = float(prescale_factor), float(postscale_factor)
+    extra = {} if local is None else {"local": local}
 
     def fn(arrays):
         pendings, off = [], 0
         for key, n in zip(keys, sizes):
             if n:
-                pendings.append(reducer.reduce_async(key, arrays[off:off + n], None, op, pre, post, process_set))
+                pendings.append(reducer.reduce_async(key, arrays[off:off + n], None, op, pre, post, process_set,
+                                                     **extra))
             off += n
         return _ReducerResults(pendings)
 

@@ -63,12 +63,15 @@ class LocalGradientAggregationHelper:
     def _at_cycle_end(self):
         return tf.equal(self.counter, self.backward_passes_per_step)
 
-    def compute_gradients(self, grads, variables):
+    def compute_gradients(self, grads, variables, local=None):
         """Add this pass's gradients to the accumulators; return the gradients the optimizer should apply.
 
         At the end of a cycle these are the reduced accumulated gradients; on other passes the local sums
-        (which :meth:`apply_gradients` does not apply). None gradients stay None.
+        (which :meth:`apply_gradients` does not apply). None gradients stay None. ``local`` (a compressor's
+        momentum correction, :class:`perseus.compression.local_step.LocalStep`) is passed to the reduction
+        as ``local=`` when given.
         """
+        extra = {} if local is None else {"local": local}
         grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
         variables = list(variables)
         self._build(variables, grads)
@@ -87,7 +90,8 @@ class LocalGradientAggregationHelper:
             glob = [k for k, i in enumerate(present) if var_key(variables[i]) not in self._local_vars
                     and not is_model_parallel(variables[i])]
             out = list(vals)
-            for k, r in zip(glob, self._allreduce([vals[k] for k in glob], [variables[present[k]] for k in glob])):
+            for k, r in zip(glob, self._allreduce([vals[k] for k in glob], [variables[present[k]] for k in glob],
+                                                  **extra)):
                 out[k] = r
             if self._scale_local and self._local_vars:
                 size = tf.cast(self._size_fn(), vals[0].dtype) if vals else None

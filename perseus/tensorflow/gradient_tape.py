@@ -74,9 +74,10 @@ def _partition(grads, variables, groups):
 
 
 def _reduce_compressed(reducer, name, grads, variables, use_generic_names, groups, op, prescale, postscale,
-                       process_set):
+                       process_set, local=None):
     """Reduce ``grads`` with a communicating compressor: each gradient on its own (each group as one vector
-    with ``groups``), keyed ``<name>.<variable name>``; tf.IndexedSlices are densified first."""
+    with ``groups``), keyed ``<name>.<variable name>``; tf.IndexedSlices are densified first. ``local``: the
+    compressor's local step (momentum correction) for every gradient, or None."""
     grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
     present = [i for i, g in enumerate(grads) if g is not None]
     parts = [[i] for i in present] if groups is None else _partition(grads, variables, groups)
@@ -85,7 +86,7 @@ def _reduce_compressed(reducer, name, grads, variables, use_generic_names, group
                   for gi, p in enumerate(parts)]
     out = list(grads)
     reduced = reduce_with(reducer, [[grads[i] for i in p] for p in parts], group_keys, op, prescale, postscale,
-                          process_set)
+                          process_set, local)
     for part, rs in zip(parts, reduced):
         for i, r in zip(part, rs):
             out[i] = r
@@ -94,14 +95,17 @@ def _reduce_compressed(reducer, name, grads, variables, use_generic_names, group
 
 def _make_allreduce_grads_fn(name, device_dense, device_sparse, compression, sparse_as_dense, op,
                              gradient_predivide_factor, groups, process_set):
-    """Return ``allreduce_grads(grads, vars=None, use_generic_names=False)`` reducing a list of gradients.
+    """Return ``allreduce_grads(grads, vars=None, use_generic_names=False, local=None)`` reducing a list of
+    gradients.
 
     None gradients stay None. With op=Average, ``gradient_predivide_factor`` f scales by 1/f before the sum
     and by f/size after it. The reduction is skipped when the process set has one rank.
 
     A communicating ``compression`` (a :class:`perseus.compression.Reducer`) compresses each gradient on its
     own (each group as one vector when ``groups`` is given), keyed ``<name>.<variable name>``; sparse
-    gradients are densified for it.
+    gradients are densified for it. ``local`` (a :class:`perseus.compression.local_step.LocalStep`, for such
+    a compressor only: ValueError otherwise) is its momentum correction: the results are then the averaged
+    updates, to be applied without momentum.
     """
     op = ReduceOp(op)
     if op == Average:
@@ -109,7 +113,10 @@ def _make_allreduce_grads_fn(name, device_dense, device_sparse, compression, spa
     else:
         prescale = postscale = 1.0
 
-    def allreduce_grads(grads, vars=None, use_generic_names=False):
+    def allreduce_grads(grads, vars=None, use_generic_names=False, local=None):
+        if local is not None and not isinstance(compression, Reducer):
+            raise ValueError(f"perseus: a local step (momentum correction) needs a communicating compressor, "
+                             f"not {compression!r}")
         grads = list(grads)
         if sparse_as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
@@ -117,7 +124,7 @@ def _make_allreduce_grads_fn(name, device_dense, device_sparse, compression, spa
             return grads
         if isinstance(compression, Reducer):
             return _reduce_compressed(compression, name, grads, vars, use_generic_names, groups, op, prescale,
-                                      postscale, process_set)
+                                      postscale, process_set, local)
         out = list(grads)
         with tf.name_scope(name + "_Allreduce"):
             for gi, part in enumerate(_partition(grads, vars, groups)):
@@ -185,7 +192,9 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compres
     compressor such as ``Compression.topk(0.01)`` (docs/compression.md), which keeps a residual per gradient
     keyed by its variable's name: create it once and pass the same instance at every step (a new instance
     starts without residuals). With one, tf.IndexedSlices gradients are densified, and the reduction is not
-    differentiable.
+    differentiable. The tape does not know the optimizer: nothing moves an optimizer's momentum into the
+    compressor here (no momentum correction; the Keras ``DistributedOptimizer`` does it for Keras' SGD), so
+    the optimizer applies its momentum to the averaged gradients.
     """
     _guard.refuse("DistributedGradientTape")
     op = ReduceOp(op)

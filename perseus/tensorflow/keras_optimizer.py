@@ -15,6 +15,9 @@ are reduced across the ranks before they are applied:
 
 With ``backward_passes_per_step > 1`` gradients are summed locally and reduced every that many passes
 (:mod:`perseus.tensorflow.gradient_aggregation`).
+
+With Keras' SGD and a sparsifying compressor (``Compression.topk``...), the momentum moves into the compressor
+(momentum correction, :mod:`perseus.tensorflow.keras_momentum`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from perseus.common.reduce_ops import Average, ReduceOp, Sum
 from perseus.tensorflow.compression import Compression
 from perseus.tensorflow.gradient_aggregation import LocalGradientAggregationHelper, is_model_parallel, var_key
 from perseus.tensorflow.gradient_tape import _make_allreduce_grads_fn
+from perseus.tensorflow.keras_momentum import local_step_for, plain_sgd_mixin, plain_step, sgd_kind
 
 __all__ = ["distributed_optimizer", "create_distributed_optimizer", "distributed_class", "is_keras3_optimizer",
            "CallableList", "load_model", "check_keras_op"]
@@ -77,6 +81,7 @@ class _DistributedBase:
 
     _HAS_AGGREGATE_GRAD = True
     _perseus = None  # a _Settings, set on the dynamic class
+    _perseus_sgd = None  # the Keras SGD generation (keras_momentum.sgd_kind) when the class is an SGD
 
     def _perseus_setup(self):
         s = self._perseus
@@ -90,8 +95,22 @@ class _DistributedBase:
         self._agg_helper = None
         if s.backward_passes_per_step > 1:
             self._agg_helper = LocalGradientAggregationHelper(
-                s.backward_passes_per_step, self._allreduce_grads, s.average_aggregated_gradients,
+                s.backward_passes_per_step, self._reduce_global, s.average_aggregated_gradients,
                 s.process_set.size, s.scale_local_gradients)
+
+    def _reduce_global(self, grads, variables, local=None):
+        """Reduce the global gradients ``grads``; ``local``: the compressor's momentum correction (a LocalStep)
+        or None."""
+        return self._allreduce_grads(grads, variables, local=local)
+
+    def _momentum_step(self, variables):
+        """The momentum correction for a step applying gradients of ``variables`` (None: the optimizer
+        applies its own momentum); see perseus/tensorflow/keras_momentum.py."""
+        helper_locals = self._agg_helper._local_vars if self._agg_helper else ()
+        if self._local_vars or helper_locals or any(is_model_parallel(v) for v in variables):
+            return None
+        s = self._perseus
+        return local_step_for(self, self._perseus_sgd, s.compression, s.process_set)
 
     def register_local_var(self, var):
         """Keep ``var``'s gradient local to this rank (divided by the set size when ``scale_local_gradients``)."""
@@ -100,15 +119,16 @@ class _DistributedBase:
         else:
             self._local_vars.add(var_key(var))
 
-    def _allreduce(self, grads, variables):
-        """Reduce ``grads`` (one per variable, None allowed) across the process set; local ones stay local."""
+    def _allreduce(self, grads, variables, local=None):
+        """Reduce ``grads`` (one per variable, None allowed) across the process set; local ones stay local.
+        ``local``: the compressor's momentum correction (a LocalStep), or None."""
         grads, variables = list(grads), list(variables)
         if self._agg_helper:
-            return self._agg_helper.compute_gradients(grads, variables)
+            return self._agg_helper.compute_gradients(grads, variables, local)
         glob = [i for i, v in enumerate(variables)
                 if var_key(v) not in self._local_vars and not is_model_parallel(v)]
         out = list(grads)
-        for i, r in zip(glob, self._allreduce_grads([grads[i] for i in glob], [variables[i] for i in glob])):
+        for i, r in zip(glob, self._reduce_global([grads[i] for i in glob], [variables[i] for i in glob], local)):
             out[i] = r
         if self.scale_local_gradients and self._local_vars:
             n = float(self.process_set.size())
@@ -148,15 +168,17 @@ class _Keras3Distributed(_DistributedBase):
             if not self.built:
                 self.build(variables)
                 self.built = True
-        reduced = self._allreduce(grads, variables)
-        if self._agg_helper is None:
-            return super().apply(reduced, trainable_variables)
-        parent = super()
+        local = self._momentum_step(variables)
+        reduced = self._allreduce(grads, variables, local)
+        with plain_step(self, local is not None):
+            if self._agg_helper is None:
+                return super().apply(reduced, trainable_variables)
+            parent = super()
 
-        def apply_now():
-            parent.apply(reduced, trainable_variables)
-            return tf.constant(True)
-        return self._agg_helper.apply_gradients(apply_now, self)
+            def apply_now():
+                parent.apply(reduced, trainable_variables)
+                return tf.constant(True)
+            return self._agg_helper.apply_gradients(apply_now, self)
 
 
 class _Keras2Distributed(_DistributedBase):
@@ -165,6 +187,15 @@ class _Keras2Distributed(_DistributedBase):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._perseus_setup()
+        #: the gradients last computed here went through the momentum correction (apply them plainly)
+        self._perseus_corrected = False
+
+    def _reduce_computed(self, grads, variables):
+        """Reduce gradients this optimizer computed, with the momentum correction when it applies."""
+        variables = list(variables)
+        local = self._momentum_step(variables)
+        self._perseus_corrected = local is not None
+        return self._allreduce(grads, variables, local)
 
     def compute_gradients(self, loss, var_list, tape=None):
         """Compute the gradients of ``loss`` and reduce them across the ranks; a list of (grad, var)."""
@@ -178,24 +209,27 @@ class _Keras2Distributed(_DistributedBase):
         else:
             grads_and_vars = parent.compute_gradients(loss, var_list, tape=tape)
         grads, variables = zip(*grads_and_vars)
-        return list(zip(self._allreduce(grads, variables), variables))
+        return list(zip(self._reduce_computed(grads, variables), variables))
 
     def get_gradients(self, loss, params):
         """Legacy-optimizer gradients of ``loss``, reduced across the ranks."""
-        return self._allreduce(super().get_gradients(loss, params), params)
+        return self._reduce_computed(super().get_gradients(loss, params), params)
 
     def apply_gradients(self, *args, **kwargs):
-        """Apply (already reduced) gradients; with local aggregation only at the end of a cycle."""
-        if self._agg_helper is None:
-            return super().apply_gradients(*args, **kwargs)
-        if args and not isinstance(args[0], (list, tuple)):
-            args = (list(args[0]),) + tuple(args[1:])
-        parent = super()
+        """Apply (already reduced) gradients; with local aggregation only at the end of a cycle. Gradients
+        computed by this optimizer with momentum correction are applied by a momentum-free SGD step."""
+        corrected, self._perseus_corrected = self._perseus_corrected, False
+        with plain_step(self, corrected):
+            if self._agg_helper is None:
+                return super().apply_gradients(*args, **kwargs)
+            if args and not isinstance(args[0], (list, tuple)):
+                args = (list(args[0]),) + tuple(args[1:])
+            parent = super()
 
-        def apply_now():
-            parent.apply_gradients(*args, **kwargs)
-            return tf.constant(True)
-        return self._agg_helper.apply_gradients(apply_now, self)
+            def apply_now():
+                parent.apply_gradients(*args, **kwargs)
+                return tf.constant(True)
+            return self._agg_helper.apply_gradients(apply_now, self)
 
 
 def _variables_is_property(cls) -> bool:
@@ -207,7 +241,9 @@ def _variables_is_property(cls) -> bool:
 
 def distributed_class(cls, settings: _Settings):
     """The distributed subclass of optimizer class ``cls`` (same ``__name__`` and ``__module__``)."""
-    if is_keras3_optimizer(cls):
+    keras3 = is_keras3_optimizer(cls)
+    kind = sgd_kind(cls, keras3)
+    if keras3:
         mixin = _Keras3Distributed
         body = {}
     else:
@@ -216,8 +252,9 @@ def distributed_class(cls, settings: _Settings):
             body = {"variables": property(lambda self: CallableList(super(mixin, self).variables))}
         else:
             body = {"variables": property(lambda self: CallableList(super(mixin, self).variables()))}
-    body.update(_perseus=settings, __module__=cls.__module__, __qualname__=cls.__qualname__)
-    return type(cls.__name__, (mixin, cls), body)
+    body.update(_perseus=settings, _perseus_sgd=kind, __module__=cls.__module__, __qualname__=cls.__qualname__)
+    plain = plain_sgd_mixin(kind)
+    return type(cls.__name__, (mixin, plain, cls) if plain else (mixin, cls), body)
 
 
 def create_distributed_optimizer(optimizer, name=None, device_dense='', device_sparse='', compression=None,

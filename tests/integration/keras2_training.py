@@ -1,6 +1,7 @@
 """tf-keras 2 training on every rank (run under mpirun with TF_USE_LEGACY_KERAS=1): model.fit with the
-DistributedOptimizer over new and legacy tf-keras optimizers, and with local aggregation; every check compares
-against single-process training on the global batch and prints one line per check."""
+DistributedOptimizer over new and legacy tf-keras optimizers, with local aggregation, and SGD's momentum
+correction with top-k; the checks compare against single-process training on the global batch (momentum
+correction: against dense distributed training) and print one line per check."""
 
 import os
 import sys
@@ -57,6 +58,44 @@ for name, make_opt in CASES.items():
     ok = same and diff < 1e-4
     failed |= not ok
     print(f"rank {R} {name}: identical={same} max_diff_vs_global_batch={diff:.2e} {'OK' if ok else 'FAIL'}")
+
+# Momentum correction: SGD's momentum moves into top-k. At density 1 it trains as dense momentum SGD, and the
+# optimizer's own momentum slots stay zero; at density 0.1 the ranks stay identical.
+MOMENTUM_CASES = {
+    "sgd": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "sgd-nesterov": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+    "legacy-sgd": lambda: keras.optimizers.legacy.SGD(0.05, momentum=0.9),
+    "legacy-sgd-nesterov": lambda: keras.optimizers.legacy.SGD(0.05, momentum=0.9, nesterov=True),
+}
+
+
+def momentum_slots(opt, model):
+    if hasattr(opt, "momentums"):
+        return [m.numpy() for m in opt.momentums]
+    return [opt.get_slot(v, "momentum").numpy() for v in model.trainable_weights]
+
+
+def fit_with(make_opt, compression):
+    model = make_model()
+    opt = hvd.DistributedOptimizer(make_opt(), compression=compression)
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(X[R * PER:(R + 1) * PER], Y[R * PER:(R + 1) * PER], batch_size=BS, epochs=2, shuffle=False,
+              verbose=0)
+    return flat(model), momentum_slots(opt, model)
+
+
+for name, make_opt in MOMENTUM_CASES.items():
+    full, full_slots = fit_with(make_opt, hvd.Compression.topk(1.0))
+    dense, dense_slots = fit_with(make_opt, hvd.Compression.none)
+    sparse, sparse_slots = fit_with(make_opt, hvd.Compression.topk(0.1))
+    gathered = hvd.allgather(np.concatenate([full, sparse])[None])
+    same = bool(all(np.array_equal(g, gathered[0]) for g in gathered))
+    diff = float(np.abs(full - dense).max())
+    untouched = not any(np.any(s) for s in full_slots + sparse_slots) and any(np.any(s) for s in dense_slots)
+    ok = same and diff < 1e-5 and untouched and not np.allclose(sparse, dense)
+    failed |= not ok
+    print(f"rank {R} momentum correction {name}: identical={same} max_diff_vs_dense={diff:.2e} "
+          f"slots_untouched={untouched} {'OK' if ok else 'FAIL'}")
 
 # Local aggregation over 2 passes with averaging equals one step on the mean of the two passes' gradients.
 var = tf.Variable([0.0, 0.0])

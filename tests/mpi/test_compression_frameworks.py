@@ -249,3 +249,131 @@ def test_keras_fit_with_topk_keeps_ranks_identical(passes):
     assert not np.array_equal(weights, start)
     assert len(comp._states) == len(model.trainable_weights)
     assert all(k.startswith("DistributedSGD.") for k in comp._states)
+    # momentum correction engaged (the default for SGD with top-k): the optimizer's own momentum stays unused
+    opt = model.optimizer
+    assert opt.momentum == 0.9
+    assert all(not np.any(m.numpy()) for m in opt.momentums)
+
+
+# -- Keras: momentum correction ------------------------------------------------------------------------------
+MC_FEATURES, MC_BATCH, MC_LR, MC_MOMENTUM = 40, 8, 0.05, 0.9
+
+
+def _linear_data(steps):
+    """Every rank's batches (rank, step, batch, feature) of a linear regression, and the initial weights."""
+    rng = np.random.default_rng(55)
+    X = rng.standard_normal((hvd.size(), steps, MC_BATCH, MC_FEATURES)).astype(np.float32)
+    Y = rng.standard_normal((hvd.size(), steps, MC_BATCH, 1)).astype(np.float32)
+    return X, Y, rng.uniform(-0.3, 0.3, (MC_FEATURES, 1)).astype(np.float32), np.array([0.1], np.float32)
+
+
+def _keras_linear(compression, steps, nesterov=False, eager=False):
+    """This rank's training of ``Dense(1)`` under the mean squared error, SGD(MC_LR, MC_MOMENTUM), one batch
+    per step; returns the flat weights and the optimizer."""
+    import keras
+    import perseus.tensorflow.keras as hvd_keras
+
+    X, Y, W0, b0 = _linear_data(steps)
+    model = keras.Sequential([keras.Input((MC_FEATURES,)), keras.layers.Dense(1)])
+    model.set_weights([W0, b0])
+    opt = hvd_keras.DistributedOptimizer(keras.optimizers.SGD(MC_LR, momentum=MC_MOMENTUM, nesterov=nesterov),
+                                         compression=compression)
+    model.compile(optimizer=opt, loss="mse", run_eagerly=eager)
+    for t in range(steps):
+        model.train_on_batch(X[hvd.rank(), t], Y[hvd.rank(), t])
+    return np.concatenate([w.ravel() for w in model.get_weights()]), model.optimizer
+
+
+def _sparsify(v, density):
+    """What top-k sends of ``v`` (flat; the residual keeps the rest) and the indices sent; every entry (None)
+    when top-k sends the vector whole (every entry, or a payload no smaller than the vector)."""
+    from perseus.compression.base import CHECK_LEN
+    n = v.size
+    k = max(1, min(n, math.ceil(density * n)))
+    if k == n or 2 * k + 1 >= n + CHECK_LEN:
+        return v.copy(), None
+    idx = np.argsort(-np.abs(v), kind="stable")[:k]
+    sent = np.zeros_like(v)
+    sent[idx] = v[idx]
+    return sent, idx
+
+
+def _linear_reference(steps, density, nesterov, corrected):
+    """NumPy (float64) training of :func:`_keras_linear` with top-k at ``density``: with momentum correction
+    (velocity per rank before the compression, masked where sent, plain SGD on the average) or without (top-k
+    of the gradient, Keras' momentum on the average)."""
+    X, Y, W0, b0 = _linear_data(steps)
+    m, n_ranks = MC_MOMENTUM, hvd.size()
+    params = {"W": W0.astype(np.float64).ravel(), "b": b0.astype(np.float64)}
+    velocity = {(r, k): None for r in ranks() for k in params}
+    residual = {(r, k): np.zeros_like(p) for r in ranks() for k, p in params.items()}
+    keras_velocity = {k: np.zeros_like(p) for k, p in params.items()}
+    for t in range(steps):
+        grads = {}
+        for r in ranks():
+            x, y = X[r, t].astype(np.float64), Y[r, t, :, 0].astype(np.float64)
+            err = 2.0 * (x @ params["W"] + params["b"][0] - y) / MC_BATCH
+            grads[r] = {"W": x.T @ err, "b": np.array([err.sum()])}
+        for k in params:
+            total = np.zeros_like(params[k])
+            for r in ranks():
+                g, u = grads[r][k], velocity[r, k]
+                if corrected:
+                    u = velocity[r, k] = g.copy() if u is None else m * u + g
+                    residual[r, k] += g + m * u if nesterov else u
+                else:
+                    residual[r, k] += g
+                sent, idx = _sparsify(residual[r, k], density)
+                residual[r, k] = residual[r, k] - sent
+                if corrected and idx is not None:
+                    u[idx] = 0.0
+                total += sent
+            avg = total / n_ranks
+            if corrected:
+                params[k] -= MC_LR * avg
+            else:
+                keras_velocity[k] = m * keras_velocity[k] - MC_LR * avg
+                params[k] += m * keras_velocity[k] - MC_LR * avg if nesterov else keras_velocity[k]
+    return np.concatenate([params["W"], params["b"]])
+
+
+def _momentum_slots_untouched(opt):
+    return all(not np.any(v.numpy()) for v in opt.momentums)
+
+
+@pytest.mark.parametrize("nesterov", [False, True], ids=["momentum", "nesterov"])
+def test_keras_momentum_correction_at_full_density_is_momentum_sgd(nesterov):
+    pytest.importorskip("keras")
+    steps = 4
+    full, opt = _keras_linear(hvd.Compression.topk(1.0), steps, nesterov)
+    dense, dense_opt = _keras_linear(hvd.Compression.none, steps, nesterov)
+    assert_same_on_all_ranks(full, f"keras.mc.full.{nesterov}")
+    np.testing.assert_allclose(full, dense, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(full, _linear_reference(steps, 1.0, nesterov, True), rtol=1e-4, atol=1e-5)
+    # the compressor applied the momentum: the optimizer's own slots were never written
+    assert _momentum_slots_untouched(opt) and not _momentum_slots_untouched(dense_opt)
+    assert opt.momentum == MC_MOMENTUM and opt.nesterov == nesterov
+
+
+@pytest.mark.parametrize("nesterov,eager", [(False, False), (True, True)], ids=["function", "eager_nesterov"])
+def test_keras_momentum_correction_matches_reference(nesterov, eager):
+    pytest.importorskip("keras")
+    steps, density = 3, 0.1
+    comp = hvd.Compression.topk(density)
+    got, opt = _keras_linear(comp, steps, nesterov, eager)
+    assert_same_on_all_ranks(got, f"keras.mc.sparse.{nesterov}.{eager}")
+    np.testing.assert_allclose(got, _linear_reference(steps, density, nesterov, True), rtol=1e-4, atol=1e-5)
+    assert not np.allclose(got, _linear_reference(steps, density, nesterov, False), rtol=1e-4, atol=1e-5)
+    assert _momentum_slots_untouched(opt)
+
+
+def test_keras_momentum_correction_off_keeps_the_optimizers_momentum():
+    pytest.importorskip("keras")
+    steps, density = 3, 0.1
+    comp = hvd.Compression.topk(density, momentum_correction=False)
+    got, opt = _keras_linear(comp, steps)
+    assert_same_on_all_ranks(got, "keras.mc.off")
+    np.testing.assert_allclose(got, _linear_reference(steps, density, False, False), rtol=1e-4, atol=1e-5)
+    assert not np.allclose(got, _linear_reference(steps, density, False, True), rtol=1e-4, atol=1e-5)
+    assert not _momentum_slots_untouched(opt)
+    assert all("velocity" not in st.extra for st in comp._states.values())

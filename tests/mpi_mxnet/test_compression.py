@@ -176,3 +176,151 @@ def test_distributed_trainer_every_compressor_keeps_ranks_identical(hvd, name):
                                                           compression=comp, prefix=f"every.{name}."), seed=30)
     assert all(np.isfinite(v).all() for v in got.values())
     assert_same_everywhere(hvd, got, f"every.{name}")
+
+
+# -- momentum correction -------------------------------------------------------------------------------------
+MC_FEATURES, MC_BATCH, MC_LR, MC_MOMENTUM, MC_WD = 40, 8, 0.05, 0.9, 0.01
+
+
+def _mc_data(hvd, steps):
+    """Every rank's batches (rank, step, batch, feature) of a linear regression, and the initial weights."""
+    rng = np.random.default_rng(66)
+    X = rng.standard_normal((hvd.size(), steps, MC_BATCH, MC_FEATURES)).astype(np.float32)
+    Y = rng.standard_normal((hvd.size(), steps, MC_BATCH, 1)).astype(np.float32)
+    return X, Y, rng.uniform(-0.3, 0.3, (1, MC_FEATURES)).astype(np.float32), np.array([0.1], np.float32)
+
+
+def _mc_params(kind):
+    """SGD's or NAG's parameters. NAG without weight decay: MXNet's nag_mom_update decays its momentum state
+    with the weight it has just updated, which Nesterov momentum on ``grad + wd * weight`` does not."""
+    return {"learning_rate": MC_LR, "momentum": MC_MOMENTUM, "wd": MC_WD if kind == "sgd" else 0.0}
+
+
+def _mc_trainer(hvd, how, compression, tag, kind="sgd"):
+    """A factory of the trainer under test: 'trainer' (DistributedTrainer), 'split' (the same, driven by
+    allreduce_grads() and update()) or 'optimizer' (gluon.Trainer over a DistributedOptimizer)."""
+    if how == "optimizer":
+        opt_cls = {"sgd": mx.optimizer.SGD, "nag": mx.optimizer.NAG}[kind]
+        return lambda net: gluon.Trainer(net.collect_params(),
+                                         hvd.DistributedOptimizer(opt_cls(**_mc_params(kind)), compression=compression),
+                                         kvstore=None)
+    return lambda net: hvd.DistributedTrainer(net.collect_params(), kind, _mc_params(kind), compression=compression,
+                                              prefix=f"mc.{tag}.")
+
+
+def _mc_train(hvd, make_trainer, steps, split=False):
+    """This rank's training of ``Dense(1)`` under the L2 loss, one batch per step (``step(batch)``, or
+    ``allreduce_grads()`` and ``update(batch)`` when ``split``); the flat weights and the trainer."""
+    X, Y, W0, b0 = _mc_data(hvd, steps)
+    net = gluon.nn.Dense(1, in_units=MC_FEATURES)
+    net.initialize()
+    net.weight.set_data(mx.nd.array(W0))
+    net.bias.set_data(mx.nd.array(b0))
+    trainer = make_trainer(net)
+    loss_fn = gluon.loss.L2Loss()
+    for t in range(steps):
+        with mx.autograd.record():
+            loss = loss_fn(net(mx.nd.array(X[hvd.rank(), t])), mx.nd.array(Y[hvd.rank(), t]))
+        loss.backward()
+        if split:
+            trainer.allreduce_grads()
+            trainer.update(MC_BATCH)
+        else:
+            trainer.step(MC_BATCH)
+    return np.concatenate([net.weight.data().asnumpy().ravel(), net.bias.data().asnumpy()]), trainer
+
+
+def _mc_sparsify(v, density):
+    """What top-k sends of ``v`` and the indices sent (None: the whole vector, as top-k sends it when every
+    entry goes or the sparse payload would be no smaller)."""
+    from perseus.compression.base import CHECK_LEN
+    n = v.size
+    k = max(1, min(n, math.ceil(density * n)))
+    if k == n or 2 * k + 1 >= n + CHECK_LEN:
+        return v.copy(), None
+    idx = np.argsort(-np.abs(v), kind="stable")[:k]
+    sent = np.zeros_like(v)
+    sent[idx] = v[idx]
+    return sent, idx
+
+
+def _mc_reference(hvd, steps, density, corrected):
+    """NumPy (float64) SGD training of :func:`_mc_train` with top-k at ``density``: with momentum correction
+    (each rank's ``grad / batch + wd * w`` through its velocity before top-k, masked where sent, plain SGD on
+    the average) or without (top-k of the raw gradient, MXNet's momentum SGD on the average)."""
+    X, Y, W0, b0 = _mc_data(hvd, steps)
+    params = {"w": W0.astype(np.float64).ravel(), "b": b0.astype(np.float64)}
+    velocity = {(r, k): None for r in range(hvd.size()) for k in params}
+    residual = {(r, k): np.zeros_like(p) for r in range(hvd.size()) for k, p in params.items()}
+    momentum = {k: np.zeros_like(p) for k, p in params.items()}
+    for t in range(steps):
+        grads = {}
+        for r in range(hvd.size()):
+            x, y = X[r, t].astype(np.float64), Y[r, t, :, 0].astype(np.float64)
+            err = x @ params["w"] + params["b"][0] - y
+            grads[r] = {"w": x.T @ err, "b": np.array([err.sum()])}
+        for k, p in params.items():
+            total = np.zeros_like(p)
+            for r in range(hvd.size()):
+                g = grads[r][k]
+                if corrected:
+                    g = g / MC_BATCH + MC_WD * p
+                    u = velocity[r, k] = g.copy() if velocity[r, k] is None else MC_MOMENTUM * velocity[r, k] + g
+                    residual[r, k] += u
+                else:
+                    residual[r, k] += g
+                sent, idx = _mc_sparsify(residual[r, k], density)
+                residual[r, k] -= sent
+                if corrected and idx is not None:
+                    u[idx] = 0.0
+                total += sent
+            avg = total / hvd.size()
+            if corrected:
+                params[k] = p - MC_LR * avg
+            else:
+                momentum[k] = MC_MOMENTUM * momentum[k] - MC_LR * (avg / MC_BATCH + MC_WD * p)
+                params[k] = p + momentum[k]
+    return np.concatenate([params["w"], params["b"]])
+
+
+def _has_velocities(comp):
+    return bool(comp._states) and all("velocity" in st.extra for st in comp._states.values())
+
+
+@pytest.mark.parametrize("how,kind", [("trainer", "sgd"), ("trainer", "nag"), ("split", "sgd"), ("optimizer", "sgd"),
+                                      ("optimizer", "nag")])
+def test_momentum_correction_at_full_density_is_momentum_sgd(hvd, how, kind):
+    steps, tag = 4, f"full.{how}.{kind}"
+    comp = hvd.Compression.topk(1.0)
+    full, trainer = _mc_train(hvd, _mc_trainer(hvd, how, comp, tag, kind), steps, how == "split")
+    dense, _ = _mc_train(hvd, _mc_trainer(hvd, how, hvd.Compression.none, f"{tag}.dense", kind), steps,
+                         how == "split")
+    assert_same_everywhere(hvd, {"w": full}, tag)
+    np.testing.assert_allclose(full, dense, rtol=1e-5, atol=1e-6)
+    if kind == "sgd":
+        np.testing.assert_allclose(full, _mc_reference(hvd, steps, 1.0, True), rtol=1e-4, atol=1e-5)
+    assert _has_velocities(comp)  # the compressor applied the momentum
+    opt = trainer._optimizer
+    assert (opt.momentum, opt.wd, opt.rescale_grad) == (MC_MOMENTUM, _mc_params(kind)["wd"], 1.0 / MC_BATCH)
+
+
+@pytest.mark.parametrize("how", ["trainer", "split", "optimizer"])
+def test_momentum_correction_matches_reference(hvd, how):
+    steps, density = 3, 0.1
+    comp = hvd.Compression.topk(density)
+    got, _ = _mc_train(hvd, _mc_trainer(hvd, how, comp, f"sparse.{how}"), steps, how == "split")
+    assert_same_everywhere(hvd, {"w": got}, f"mc.sparse.{how}")
+    np.testing.assert_allclose(got, _mc_reference(hvd, steps, density, True), rtol=1e-4, atol=1e-5)
+    assert not np.allclose(got, _mc_reference(hvd, steps, density, False), rtol=1e-4, atol=1e-5)
+    assert _has_velocities(comp)
+
+
+@pytest.mark.parametrize("how", ["trainer", "optimizer"])
+def test_momentum_correction_off_keeps_the_optimizers_momentum(hvd, how):
+    steps, density = 3, 0.1
+    comp = hvd.Compression.topk(density, momentum_correction=False)
+    got, _ = _mc_train(hvd, _mc_trainer(hvd, how, comp, f"off.{how}"), steps)
+    assert_same_everywhere(hvd, {"w": got}, f"mc.off.{how}")
+    np.testing.assert_allclose(got, _mc_reference(hvd, steps, density, False), rtol=1e-4, atol=1e-5)
+    assert not np.allclose(got, _mc_reference(hvd, steps, density, True), rtol=1e-4, atol=1e-5)
+    assert comp._states and not any("velocity" in st.extra for st in comp._states.values())

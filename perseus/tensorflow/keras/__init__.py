@@ -52,6 +52,14 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     ``backward_passes_per_step`` > 1 sums gradients locally and reduces every that many passes (divided by
     the count when ``average_aggregated_gradients``); ``groups`` splits the reduction into several groups.
 
+    Momentum correction: with Keras' ``SGD`` (momentum in (0, 1), nesterov or not) and a compressor that takes
+    the momentum (``topk``, ``randomk``, ``hitopk``, or ``cupcake`` of one of them, with error feedback), each
+    rank applies the momentum to its gradient before compressing and the optimizer applies the averaged
+    update without momentum. ``optimizer.momentum`` keeps its value; the optimizer's momentum slots stay zero;
+    the velocities live in the compressor (not in checkpoints). ``Compression.topk(0.01,
+    momentum_correction=False)`` keeps the momentum in the optimizer (applied to the averaged gradients).
+    Details and exceptions: perseus/tensorflow/keras_momentum.py.
+
     Every rank of ``process_set`` must wrap the same optimizer and train the same model. Keras 3 with the
     TensorFlow backend, or tf-keras 2; XLA-compiled steps (``jit_compile=True``) raise NotImplementedError.
     """

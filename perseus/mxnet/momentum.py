@@ -53,7 +53,8 @@ def _sgd_base(opt):
 def _masking(compression) -> bool:
     """Whether the compressor that runs the local step masks the momentum (``cupcake``'s inner one works)."""
     inner = getattr(compression, "inner", None)
-    return bool(getattr(inner if isinstance(inner, Reducer) else compression, "momentum_masking", True))
+    masking = getattr(inner if isinstance(inner, Reducer) else compression, "momentum_masking", None)
+    return True if masking is None else bool(masking)  # None: the default for SGD, on
 
 
 class MomentumMover:

@@ -73,7 +73,8 @@ def masking_of(compression) -> bool:
     """Whether the compressor that runs the local step masks the momentum (``cupcake``'s inner compressor
     does the work)."""
     inner = getattr(compression, "inner", None)
-    return bool(getattr(inner if isinstance(inner, Reducer) else compression, "momentum_masking", True))
+    masking = getattr(inner if isinstance(inner, Reducer) else compression, "momentum_masking", None)
+    return True if masking is None else bool(masking)  # None: the default for SGD, on
 
 
 def local_step_for(opt, kind: Optional[str], compression, process_set) -> Optional[LocalStep]:

@@ -2,7 +2,7 @@
 
     python benchmarks/report.py benchmarks/results/run_all [--print]
 
-Rewrites, in docs/benchmarks.md and README.md, the text between ``<!-- BEGIN run_all:NAME -->`` and
+Rewrites, in docs/benchmarks.md, docs/compression.md and README.md, the text between ``<!-- BEGIN run_all:NAME -->`` and
 ``<!-- END run_all:NAME -->`` for every NAME whose phase has results in the folder (a phase without results
 leaves its section as it is), and draws docs/img/*.png with matplotlib. Every table names its result file.
 --print writes the tables to stdout instead of the docs (the plots are still drawn).
@@ -16,6 +16,9 @@ import os
 import re
 import statistics
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from convergence_report import convergence_plots, convergence_table  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -202,40 +205,6 @@ def training_plot(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def convergence_plot(rows: list[dict], path: str) -> None:
-    import matplotlib.pyplot as plt
-
-    tasks = sorted({r["task"] for r in rows if r.get("runs")})
-    if not tasks:
-        return
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 3.5), squeeze=False)
-    for ax, task in zip(axes[0], tasks):
-        for r in (r for r in rows if r.get("task") == task and r.get("runs")):
-            curves = [run["curve"] for run in r["runs"] if run.get("curve")]
-            steps = [s for s, _ in curves[0]]
-            values = [statistics.median(c[i][1] for c in curves) for i in range(len(steps))]
-            ax.plot(steps, values, marker=".", label=r.get("label", r.get("variant", "?")))
-            metric = r.get("metric", "metric")
-        ax.set_title(f"{task}: held-out {metric} (median over seeds)")
-        ax.set_xlabel("step")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def convergence_table(rows: list[dict], source: str) -> str:
-    lines = ["| task | variant | ranks | metric (median over seeds) | bytes sent vs dense |", "| --- | --- | --- | --- | --- |"]
-    for r in rows:
-        vals = [run[r["metric"]] for run in r.get("runs", []) if r.get("metric") in run]
-        sent = [run.get("sent", 1.0) for run in r.get("runs", [])]
-        if vals:
-            lines.append(f"| {r['task']} | {r.get('label', r.get('variant'))} | {r.get('ranks')} | {r['metric']} "
-                         f"{statistics.median(vals):.4f} | {statistics.median(sent):.3f} |")
-    lines += ["", f"Source: `{source}`."]
-    return "\n".join(lines)
-
-
 def multihost_table(rows: list[dict], source: str) -> str:
     lines = ["| method | median s per step | x link bound | Horovod's time / this |", "| --- | --- | --- | --- |"]
     for r in rows:
@@ -336,9 +305,13 @@ def sections(folder: str) -> dict:
     phases = {"profile": (profile_table, None, None),
               "training": (training_table, training_plot, "training.png"),
               "training_cluster": (training_table, None, None),
-              "convergence": (convergence_table, convergence_plot, "convergence.png"),
               "multihost": (multihost_table, multihost_plot, "multihost_channels.png"),
               "recovery": (recovery_table, recovery_plot, "recovery.png")}
+    rows = load(os.path.join(folder, "convergence.jsonl"))
+    if rows:
+        out["convergence"] = convergence_table(rows, f"{rel}/convergence.jsonl")
+        for img in convergence_plots(rows, IMG):
+            out["convergence"] += f"\n\n![{img[:-4]}](img/{img})"
     for name, (table, plot, img) in phases.items():
         rows = load(os.path.join(folder, f"{name}.jsonl"))
         if not rows:
@@ -363,7 +336,7 @@ def main() -> int:
         for name, body in found.items():
             print(f"## {name}\n\n{body}\n")
         return 0
-    for doc in ("docs/benchmarks.md", "README.md"):
+    for doc in ("docs/benchmarks.md", "docs/compression.md", "README.md"):
         path = os.path.join(ROOT, doc)
         text = open(path).read()
         for name, body in found.items():

@@ -13,13 +13,15 @@ Phases (``--phases``; each writes JSON lines into the results folder, one file p
   library against raw-MPI bounds in the same process, step by step, with the library initialised and idle.
 - ``profile``: benchmarks/single_host_profile.py, where the time goes on one host (pages, latency).
 - ``training``: benchmarks/training.py, end-to-end training throughput and scaling efficiency.
-- ``convergence``: benchmarks/compression_convergence.py with evaluation curves (dense vs top-k).
+- ``convergence``: benchmarks/compression_convergence.py with evaluation curves: an MLP and a CNN under
+  momentum SGD, a transformer encoder under AdamW, dense against top-k with and without momentum
+  correction, PowerSGD; at 2 and 3 ranks.
 - ``multihost``, ``recovery``, ``training_cluster`` (with --cluster): channel scaling across 2 emulated hosts
   (800 Mbit/s links, 200 Mbit/s per flow), elastic recovery, training across the hosts.
 
 The full run writes into benchmarks/results/run_all/ (committed; the docs are generated from it), --quick into
 benchmarks/results/run_all_quick/. After the phases, benchmarks/report.py rewrites the tables between the
-markers in docs/benchmarks.md and README.md and draws the plots into docs/img/ (--no-docs skips that; a quick
+markers in docs/benchmarks.md, docs/compression.md and README.md and draws the plots into docs/img/ (--no-docs skips that; a quick
 run never touches the docs unless --docs is given). Progress goes to stderr, one line per job.
 """
 
@@ -108,13 +110,34 @@ def phase_training(args, out: str, hvd_bin: str | None, cluster: bool = False) -
     run(cmd, timeout=5400)
 
 
+#: the convergence runs: (rank counts, arguments); variants "name:...:nomc" are the uncorrected baselines
+CONVERGENCE = (
+    ("mlp", ["--tasks", "mlp", "--mlp-seeds", "3", "--eval-every", "50", "--variants",
+             "dense,topk:0.01:nomc,topk:0.01,topk:0.001:nomc,topk:0.001,topk:0.001:warmup_steps=150,powersgd:4"]),
+    ("digits", ["--tasks", "digits", "--momentum", "0.9", "--digits-lr", "0.03", "--digits-seeds", "3",
+                "--eval-every", "90", "--variants",
+                "dense,topk:0.01:nomc,topk:0.01,topk:0.001:warmup_steps=270,powersgd:4"]),
+    ("transformer", ["--tasks", "transformer", "--transformer-seeds", "2", "--eval-every", "50", "--variants",
+                     "dense,topk:0.01:nomc,topk:0.01,topk:0.05,topk:0.001,powersgd:4"]),
+    ("linear", ["--tasks", "linear", "--eval-every", "60", "--variants", "dense,topk:0.01,topk:0.01:noef"]),
+)
+QUICK_CONVERGENCE = (
+    ("mlp", ["--tasks", "mlp", "--mlp-seeds", "1", "--mlp-steps", "300", "--eval-every", "50", "--variants",
+             "dense,topk:0.01:nomc,topk:0.01"]),
+    ("transformer", ["--tasks", "transformer", "--transformer-seeds", "1", "--tf-steps", "200", "--eval-every",
+                     "50", "--variants", "dense,topk:0.01:nomc,topk:0.01"]),
+)
+
+
 def phase_convergence(args, out: str, hvd_bin: str | None) -> None:
-    tasks = ["--tasks", "linear", "--linear-steps", "300"] if args.quick else \
-        ["--tasks", "digits,linear", "--digits-seeds", "2"]
-    run(mpirun(os.path.dirname(sys.executable)) + [
-        sys.executable, os.path.join(HERE, "compression_convergence.py"), *tasks,
-        "--variants", "dense,topk:0.01,topk:0.01:noef", "--eval-every", "30" if args.quick else "60",
-        "--json", out], timeout=3600)
+    """benchmarks/compression_convergence.py: every task of CONVERGENCE (QUICK_CONVERGENCE with --quick) at 2
+    and 3 ranks (2 only with --quick), appending to ``out``."""
+    bin_dir = os.path.dirname(sys.executable)
+    for np_ in ((2,) if args.quick else (2, 3)):
+        for task, task_args in (QUICK_CONVERGENCE if args.quick else CONVERGENCE):
+            say(f"convergence: {task} on {np_} ranks")
+            run(mpirun(bin_dir, np_) + [sys.executable, os.path.join(HERE, "compression_convergence.py"),
+                                        *task_args, "--json", out], timeout=3600)
 
 
 def phase_multihost(args, out: str, hvd_bin: str | None) -> None:

@@ -58,3 +58,38 @@ def test_sections_from_a_results_folder_draw_plots(tmp_path, monkeypatch):
     assert set(found) == {"core", "headline", "recovery"}
     assert (tmp_path / "img" / "core_vs_bound.png").stat().st_size > 1000
     assert (tmp_path / "img" / "recovery.png").stat().st_size > 1000
+
+
+def convergence_rows():
+    """Two variants of one task at 2 and 3 ranks, two seeds each, with curves (as compression_convergence
+    writes them)."""
+    rows = []
+    for ranks in (2, 3):
+        for variant, label, accs, sent in (("dense", "dense", (0.90, 0.92), 1.0),
+                                           ("topk:0.01", "topk(0.01)", (0.89, 0.90), 0.02)):
+            runs = [{"accuracy": a, "sent": sent,
+                     "curves": [[50, {"accuracy": a - 0.1, "train_loss": 1.0}], [100, {"accuracy": a, "train_loss": 0.5}]]}
+                    for a in accs]
+            row = {"task": "mlp", "variant": variant, "label": label, "metric": "accuracy", "ranks": ranks,
+                   "seeds": 2, "mean": sum(accs) / 2, "sent": sent, "runs": runs,
+                   "recipe": {"steps": 100, "global_batch": 96}}
+            if variant != "dense":
+                row.update(diff=-1.5, diff_se=0.5)
+            rows.append(row)
+    return rows
+
+
+def test_convergence_table_has_every_rank_count_and_the_paired_difference():
+    table = report.convergence_table(convergence_rows(), "x/convergence.jsonl")
+    assert "| variant | 2 ranks | vs dense | 3 ranks | vs dense | bytes sent vs dense |" in table
+    assert "| topk(0.01) | 89.50% | -1.50 ± 0.50 pp | 89.50% | -1.50 ± 0.50 pp | 0.020 |" in table
+    assert "100 steps, global batch 96, 2 seeds" in table and "`x/convergence.jsonl`" in table
+
+
+def test_convergence_plots_one_per_task(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    assert report.convergence_plots(convergence_rows(), str(tmp_path)) == ["convergence_mlp.png"]
+    assert (tmp_path / "convergence_mlp.png").stat().st_size > 1000

@@ -109,8 +109,14 @@ def job(args) -> int:
     params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
     targets = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(2)]
     names = [(f"p{i:03d}", p) for i, p in enumerate(params)]
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=1e-4), named_parameters=names,
-                                   compression=_compression(hvd, args.method, args.density))
+    compression = _compression(hvd, args.method, args.density)
+    if args.optimizer == "adamw":
+        base = torch.optim.AdamW(params, lr=1e-4)
+        if hasattr(compression, "warmup_steps"):  # Adam's dense steps end before the timed steps
+            compression.warmup_steps = max(1, args.warmup - 1)
+    else:
+        base = torch.optim.SGD(params, lr=1e-4, momentum=0.9 if args.optimizer == "momentum" else 0.0)
+    opt = hvd.DistributedOptimizer(base, named_parameters=names, compression=compression)
     wire = getattr(hvd, "wire_bytes", None)
 
     def step(i):
@@ -132,7 +138,8 @@ def job(args) -> int:
         times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
     sent = (wire()["sent_bytes"] - before) / args.steps if wire else None
     if rank == 0:
-        row = {"method": args.method, "ranks": comm.Get_size(), "compute_ms": args.compute_ms,
+        row = {"method": args.method, "optimizer": args.optimizer, "ranks": comm.Get_size(),
+               "compute_ms": args.compute_ms,
                "density": args.density, "params": int(sum(p.numel() for p in params)),
                "step_s": [round(t, 4) for t in times], "sent_bytes_per_step": sent, "round": args.round}
         with open(args.out, "a") as f:
@@ -158,7 +165,7 @@ def command(args, method: str, rnd: int, out: str) -> tuple[list[str], dict]:
     argv += shlex.split(args.mpi_args)
     argv += [os.path.join(venv_bin, "python"), os.path.abspath(__file__), "job", "--method", method,
              "--steps", str(args.steps), "--warmup", str(args.warmup), "--compute-ms", str(args.compute_ms),
-             "--density", str(args.density), "--round", str(rnd), "--out", out]
+             "--density", str(args.density), "--round", str(rnd), "--optimizer", args.optimizer, "--out", out]
     return argv, env
 
 
@@ -204,7 +211,8 @@ def driver(args) -> int:
     rows = [json.loads(line) for line in open(out)]
     os.unlink(out)
     table = summarize(rows, methods)
-    print(f"\n{args.hosts}, {args.ranks_per_host} rank(s) per host, compute {args.compute_ms} ms per step, density {args.density}")
+    print(f"\n{args.hosts}, {args.ranks_per_host} rank(s) per host, compute {args.compute_ms} ms per step, "
+          f"density {args.density}, optimizer {args.optimizer}")
     print(f"{'method':<14} {'median s':>9} {'x dense':>8} {'x hvd fp16':>11} {'sent MB/step':>13} {'x dense bytes':>14}")
     for r in table:
         def f(v, fmt):
@@ -215,7 +223,7 @@ def driver(args) -> int:
     if args.json:
         with open(args.json, "a") as fh:
             meta = {"bench": "compression", "hosts": args.hosts, "ranks_per_host": args.ranks_per_host,
-                    "compute_ms": args.compute_ms,
+                    "compute_ms": args.compute_ms, "optimizer": args.optimizer,
                     "density": args.density, "rounds": args.rounds}
             for r in rows:
                 fh.write(json.dumps({**meta, "raw": r}) + "\n")
@@ -234,6 +242,7 @@ def main() -> int:
     j.add_argument("--compute-ms", type=float, default=400)
     j.add_argument("--density", type=float, default=0.01)
     j.add_argument("--round", type=int, default=0)
+    j.add_argument("--optimizer", default="sgd", choices=("sgd", "momentum", "adamw"))
     j.add_argument("--out", required=True)
     ap.add_argument("--hosts", default="perseus-h0,perseus-h1")
     ap.add_argument("--ranks-per-host", type=int, default=1)
@@ -243,6 +252,9 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per job (selector timing, plans)")
     ap.add_argument("--compute-ms", type=float, default=400, help="CPU work per step standing in for the model")
     ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--optimizer", default="sgd", choices=("sgd", "momentum", "adamw"),
+                    help="sgd (plain), momentum (SGD, 0.9: momentum correction under top-k), adamw (top-k: "
+                         "dense for the untimed steps, then the variance frozen)")
     ap.add_argument("--horovod-venv", default="/work/hvd-venv")
     ap.add_argument("--iface", default="perseus0", help="interface inside the hosts for perseus's links")
     ap.add_argument("--mpi-args", default="", help="extra mpirun arguments")

@@ -270,7 +270,7 @@ def main() -> int:
     ap.add_argument("--tasks", default="mlp,digits,transformer", help="comma-separated: " + ", ".join(TASKS))
     ap.add_argument("--variants", default=DEFAULT_VARIANTS)
     ap.add_argument("--seeds", type=int, default=0, help="seeds 1..N per (task, variant), for every task "
-                    "(default: --digits-seeds, --lm-seeds, --linear-seeds)")
+                    "(default: --mlp-seeds, --digits-seeds, --transformer-seeds, --lm-seeds, --linear-seeds)")
     ap.add_argument("--momentum", type=float, default=None,
                     help="SGD momentum for digits, lm and linear (default 0; mlp has its own, --mlp-momentum)")
     ap.add_argument("--mlp-steps", type=int, default=500)
@@ -318,9 +318,9 @@ def main() -> int:
     commit = git_commit() if rank == 0 else ""
     for tname in [t for t in args.tasks.split(",") if t]:
         task = TASKS[tname](args)
-        if args.momentum is not None and tname in ("digits", "lm", "linear"):
+        if args.momentum is not None and tname in ("digits", "lm", "linear"):  # (the others have their own)
             task.momentum = args.momentum
-        seeds = args.seeds or getattr(args, f"{tname}_seeds")
+        seeds = args.seeds or getattr(args, f"{tname.split('_')[0]}_seeds")
         rows, dense_runs = [], None
         for spec in specs:
             if make_compression(hvd, spec) is None:

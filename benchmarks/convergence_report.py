@@ -12,6 +12,7 @@ import os
 import statistics
 
 TITLES = {"mlp": "MLP, SGD momentum 0.9 (test accuracy)",
+          "mlp_short": "Narrower MLP, 300 steps, SGD momentum 0.9 (test accuracy)",
           "digits": "CNN on digits, SGD momentum 0.9 (test accuracy)",
           "transformer": "Transformer encoder LM, AdamW (held-out loss, nats/token)",
           "lm": "GRU LM (held-out loss, nats/token)",

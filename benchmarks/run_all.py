@@ -114,6 +114,8 @@ def phase_training(args, out: str, hvd_bin: str | None, cluster: bool = False) -
 CONVERGENCE = (
     ("mlp", ["--tasks", "mlp", "--mlp-seeds", "3", "--eval-every", "50", "--variants",
              "dense,topk:0.01:nomc,topk:0.01,topk:0.001:nomc,topk:0.001,topk:0.001:warmup_steps=150,powersgd:4"]),
+    ("mlp_short", ["--tasks", "mlp_short", "--mlp-seeds", "3", "--eval-every", "25", "--variants",
+                   "dense,topk:0.01:nomc,topk:0.01,topk:0.001:nomc,topk:0.001,topk:0.001:warmup_steps=75"]),
     ("digits", ["--tasks", "digits", "--momentum", "0.9", "--digits-lr", "0.03", "--digits-seeds", "3",
                 "--eval-every", "90", "--variants",
                 "dense,topk:0.01:nomc,topk:0.01,topk:0.001:warmup_steps=270,powersgd:4"]),

@@ -200,10 +200,35 @@ class AdamFreeze:
             for group in self.opt.param_groups:
                 lr, wd = group["lr"], group.get("weight_decay", 0)
                 for p in group["params"]:
-                    if p.grad is None or p not in self.scale:
+                    if p.grad is None:
+                        continue
+                    if p not in self.scale:  # no Adam state at the freeze: plain Adam on its gradient
+                        self._adam_update(p, group, decoupled)
                         continue
                     if decoupled and wd:
                         p.mul_(1.0 - lr * wd)
                     p.add_(p.grad, alpha=-lr)
         self.steps_done += 1
         return loss
+
+    def _adam_update(self, p, group, decoupled: bool) -> None:
+        """One ordinary Adam(W) step of ``p`` on its ``.grad`` (a parameter that had no optimizer state when
+        the variance was frozen, e.g. one that started training later)."""
+        beta1, beta2 = group["betas"]
+        lr, wd, eps = group["lr"], group.get("weight_decay", 0), group["eps"]
+        state = self.opt.state[p]
+        if "exp_avg" not in state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = torch.zeros_like(p)
+        state["step"] += 1
+        t = float(state["step"])
+        grad = p.grad
+        if wd and decoupled:
+            p.mul_(1.0 - lr * wd)
+        elif wd:
+            grad = grad + wd * p
+        state["exp_avg"].mul_(beta1).add_(grad, alpha=1.0 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+        denom = (state["exp_avg_sq"] / (1.0 - beta2 ** t)).sqrt_().add_(eps)
+        p.addcdiv_(state["exp_avg"], denom, value=-lr / (1.0 - beta1 ** t))

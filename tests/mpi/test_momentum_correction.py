@@ -228,3 +228,20 @@ def test_local_step_refused_by_a_compressor_without_it(hvd):
         PowerSGD(2).reduce_async("x", [np.ones((4, 4), np.float32)], local=LocalStep(0.9))
     with pytest.raises(ValueError, match="momentum"):
         TopK(0.1).reduce_async("x", [np.ones(8, np.float32)], local=LocalStep(1.5))
+
+
+def test_adam_parameter_without_state_at_the_freeze_keeps_training(hvd):
+    """A parameter that joins training after the variance froze (requires_grad switched on) still moves:
+    it gets ordinary Adam on its gradient."""
+    model = _model()
+    late = model[2].bias
+    late.requires_grad_(False)
+    opt = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters(), compression=TopK(0.5, warmup_steps=2))
+    _train(hvd, model, opt, steps=3)
+    assert opt._schedule.local.adam.frozen and late not in opt._schedule.local.adam.scale
+    before = late.detach().clone()
+    late.requires_grad_(True)
+    _train(hvd, model, opt, steps=2, seed=5)
+    assert not torch.equal(before, late.detach())
+    assert "exp_avg" in opt.state[late]

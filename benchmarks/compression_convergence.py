@@ -83,10 +83,11 @@ def variant_label(spec: str) -> str:
     if name == "dense":
         return "dense"
     label = f"{name}({', '.join(str(a) for a in args)})"
-    words = {"error_feedback": "no EF", "momentum_correction": "no MC", "momentum_masking": "no mask"}
+    words = {"error_feedback": ("no EF", "EF"), "momentum_correction": ("no MC", "MC"),
+             "momentum_masking": ("no mask", "mask")}
     for k, v in kwargs.items():
         if k in words:
-            label += " " + words[k]
+            label += " " + words[k][1 if v else 0]
         elif k == "warmup_steps":
             label += f" wu{v}"
         elif k == "warmup_start":

@@ -45,7 +45,7 @@ def convergence_table(rows: list[dict], source: str) -> str:
         recipe = first.get("recipe", {})
         head = "| variant | " + " | ".join(f"{n} ranks | vs dense" for n in counts) + " | bytes sent vs dense |"
         out += [f"**{TITLES.get(task, task)}**: {recipe.get('steps', '?')} steps, global batch "
-                f"{recipe.get('global_batch', '?')}, {first.get('seeds', '?')} seeds.", "",
+                f"{recipe.get('global_batch', '?')}, {first.get('seeds', '?')} seed{'s' if first.get('seeds') != 1 else ''}.", "",
                 head, "| --- |" + " --- | --- |" * len(counts) + " --- |"]
         for variant in dict.fromkeys(r["variant"] for r in trows):
             by_n = {int(r["ranks"]): r for r in trows if r["variant"] == variant}

@@ -62,6 +62,11 @@ class LocalSteps:
         """Whether gradients go dense (uncompressed) this step: Adam's steps before its variance is frozen."""
         return self.adam is not None and self.adam.dense_now()
 
+    def forget(self) -> None:
+        """The optimizer's state is about to be replaced (``load_state_dict``): Adam decides again."""
+        if self.adam is not None:
+            self.adam.forget()
+
     def step(self, local_step, closure=None):
         """The wrapped optimizer's step (``local_step(closure)``) as the compressor needs it: without the
         settings it applied (SGD), or Adam's frozen-variance update."""
@@ -140,19 +145,38 @@ class AdamFreeze:
     moment locally (momentum correction with ``m = beta1``, dampening ``beta1``); the optimizer's step is
     then ``p -= lr * update`` (AdamW first decays ``p`` by ``lr * weight_decay``; Adam's L2 weight decay is
     added to the gradient before the scaling). The optimizer's own state (``exp_avg``, ``exp_avg_sq``,
-    ``step``) stays as it was at the freeze.
+    ``step``) stays as it was at the freeze, so the step count in that state tells every rank, after a
+    checkpoint is loaded or an elastic job synchronises its state, whether the variance is frozen.
     """
 
     def __init__(self, opt, dense_steps: int):
         self.opt = opt
         self.dense_steps = int(dense_steps)
-        self.steps_done = 0
         self.frozen = False
+        self.checked = False     # the optimizer's state was looked at since the last forget()
         self.scale: dict = {}    # parameter -> P (a tensor like the parameter)
         self.specs: dict = {}
 
+    def adam_steps(self) -> int:
+        """Adam's step count, from the optimizer's state (the same on every rank: it is part of what a
+        checkpoint or an elastic sync restores)."""
+        steps = [float(st["step"]) for st in self.opt.state.values() if "step" in st]
+        return int(max(steps)) if steps else 0
+
     def dense_now(self) -> bool:
+        """Whether gradients still go dense. The first call after construction or a state load freezes at
+        once when the optimizer's state is past the dense phase (a restored checkpoint, a rank joining an
+        elastic job), so every rank decides alike."""
+        if not self.frozen and not self.checked:
+            self.checked = True
+            if self.adam_steps() >= self.dense_steps:
+                self.freeze()
         return not self.frozen
+
+    def forget(self) -> None:
+        """After ``load_state_dict``: decide again from the loaded state."""
+        self.frozen, self.checked = False, False
+        self.scale.clear()
 
     def freeze(self) -> None:
         """Compute every parameter's ``P`` from the optimizer's state (the same on every rank)."""
@@ -187,8 +211,7 @@ class AdamFreeze:
         """Adam's own step while dense (freezing the variance after the last one), then the plain update."""
         if not self.frozen:
             loss = local_step(closure)
-            self.steps_done += 1
-            if self.steps_done >= self.dense_steps:
+            if self.adam_steps() >= self.dense_steps:
                 self.freeze()
             return loss
         loss = None
@@ -208,7 +231,6 @@ class AdamFreeze:
                     if decoupled and wd:
                         p.mul_(1.0 - lr * wd)
                     p.add_(p.grad, alpha=-lr)
-        self.steps_done += 1
         return loss
 
     def _adam_update(self, p, group, decoupled: bool) -> None:

@@ -308,6 +308,7 @@ class DefaultSchedule(Schedule):
 
     def forget(self):
         super().forget()
+        self.local.forget()
         for ready in self.group_ready.values():
             ready.clear()
 

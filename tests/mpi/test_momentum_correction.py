@@ -245,3 +245,20 @@ def test_adam_parameter_without_state_at_the_freeze_keeps_training(hvd):
     _train(hvd, model, opt, steps=2, seed=5)
     assert not torch.equal(before, late.detach())
     assert "exp_avg" in opt.state[late]
+
+
+def test_adam_restored_past_the_dense_phase_freezes_at_once(hvd):
+    """A checkpoint (or an elastic sync) past the dense phase: the new optimizer freezes from the loaded
+    state at its first gradient, on every rank alike, instead of running a second dense phase."""
+    params, opt = _adam_run(hvd, TopK(0.1, warmup_steps=3), steps=5)
+    saved = opt.state_dict()
+    model = _model()
+    fresh = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.05),
+                                     named_parameters=model.named_parameters(), compression=TopK(0.1, warmup_steps=3))
+    fresh.load_state_dict(saved)
+    adam = fresh._schedule.local.adam
+    assert not adam.frozen and adam.adam_steps() == 3
+    assert not fresh._schedule.local.dense_now() and adam.frozen
+    old = opt._schedule.local.adam.scale
+    for p_new, p_old in zip(model.parameters(), opt.param_groups[0]["params"]):
+        assert torch.equal(adam.scale[p_new], old[p_old])

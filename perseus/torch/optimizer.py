@@ -238,14 +238,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         named_parameters: ``model.named_parameters()``; names the gradients so every rank matches them.
         compression: ``Compression.none``, ``Compression.fp16`` or ``Compression.bf16`` for the wire, or a
             communicating compressor such as ``Compression.topk(0.01)`` (docs/compression.md); those keep
-            per-parameter state, so give each optimizer its own instance.
-            With a sparsifier (``topk``, ``hitopk``, ``randomk``, or ``cupcake`` of one) the optimizer's
-            state moves into the compressor: SGD's momentum is applied on each rank before compressing
-            (momentum correction; the groups' ``momentum``, ``nesterov``, ``dampening`` and
-            ``weight_decay`` read as 0 during ``step()`` only), and Adam/AdamW run dense for the
-            compressor's ``warmup_steps`` (default 100) and then with their variance frozen
-            (docs/compression.md, "Momentum SGD and Adam"); ``momentum_correction=False`` on the
-            compressor turns this off.
+            per-parameter state, so give each optimizer its own instance; sparsifiers take SGD's momentum
+            or Adam's moments over (docs/compression.md, "Momentum SGD and Adam").
         backward_passes_per_step: backward passes accumulated locally before gradients are reduced.
         op: ``Average`` (default), ``Sum``, or ``Adasum``: each rank runs the wrapped optimizer on each
             parameter as soon as its gradient is ready and the ranks' updates (not gradients) are combined

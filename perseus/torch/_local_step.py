@@ -1,4 +1,5 @@
-"""Momentum correction and local clipping for a DistributedOptimizer whose compressor is a sparsifier.
+"""Momentum correction, local clipping and Adam's frozen variance for a DistributedOptimizer whose
+compressor is a sparsifier.
 
 When the wrapped optimizer is ``torch.optim.SGD`` with momentum and the compressor takes it
 (``Compression.topk``, ``randomk``, ``hitopk``, or ``cupcake`` of one of them, with error feedback and
@@ -13,6 +14,9 @@ accumulated: every gradient of ``n`` entries to at most ``max_norm * sqrt(n / (N
 entries in all, ``N`` ranks), so the whole local gradient stays within ``max_norm / sqrt(N)``, the bound of
 Deep Gradient Compression. The first call cannot reach the gradients already sent and clips the averaged
 result of that step instead.
+
+Under ``torch.optim.Adam``/``AdamW`` the compressor takes Adam's first moment over once the variance is
+frozen, after a dense phase (:class:`AdamFreeze`).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch
 from perseus.compression import Reducer
 from perseus.compression.local_step import LocalStep
 
-__all__ = ["LocalSteps"]
+__all__ = ["LocalSteps", "AdamFreeze", "ADAM_DENSE_STEPS"]
 
 #: Adam's dense steps (variance estimation) when the compressor names no warm-up
 ADAM_DENSE_STEPS = 100
@@ -74,10 +78,6 @@ class LocalSteps:
             return self.adam.step(local_step, closure)
         with self.plain_step():
             return local_step(closure)
-
-    def moves_momentum(self) -> bool:
-        """Whether any parameter group's momentum is applied by the compressor now."""
-        return self.momentum and any(g.get("momentum", 0) for g in self.opt.param_groups)
 
     def spec(self, p, grad):
         """The :class:`LocalStep` for ``p``'s gradient ``grad`` (None: nothing to do); adds the group's

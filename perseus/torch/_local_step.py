@@ -21,15 +21,19 @@ frozen, after a dense phase (:class:`AdamFreeze`).
 
 from __future__ import annotations
 
+import logging
 import math
 from contextlib import contextmanager
 
 import torch
 
+from perseus.common.api import rank
 from perseus.compression import Reducer
 from perseus.compression.local_step import LocalStep
 
 __all__ = ["LocalSteps", "AdamFreeze", "ADAM_DENSE_STEPS"]
+
+log = logging.getLogger("perseus")
 
 #: Adam's dense steps (variance estimation) when the compressor names no warm-up
 ADAM_DENSE_STEPS = 100
@@ -61,6 +65,11 @@ class LocalSteps:
         self.group_of = {p: i for i, g in enumerate(opt.param_groups) for p in g["params"]}
         self.specs: dict = {}     # group index -> LocalStep in force
         self.clip_rms = 0.0       # local clipping bound per entry (0: off)
+        if (self.momentum or self.adam is not None) and rank() == 0:
+            log.info("perseus: %r takes %s over (docs/compression.md, 'Momentum SGD and Adam'; "
+                     "momentum_correction=False turns it off)", compression,
+                     "SGD's momentum" if self.momentum else
+                     f"Adam's first moment after {self.adam.dense_steps} dense steps")
 
     def dense_now(self) -> bool:
         """Whether gradients go dense (uncompressed) this step: Adam's steps before its variance is frozen."""

@@ -61,29 +61,11 @@ class Task:
         return 0.5 * (1.0 + math.cos(math.pi * step / self.steps))
 
 
-class Digits(Task):
-    name = "digits"
+class Classification(Task):
+    """A task over tensors ``x_train``/``y_train``/``x_test``/``y_test`` (class labels): each rank reads every
+    size-th training example, reshuffled every epoch; cross-entropy loss; metric: test accuracy."""
+
     metric = "accuracy"
-
-    def __init__(self, args):
-        from sklearn.datasets import load_digits
-
-        digits = load_digits()
-        x = torch.tensor(digits.images / 16.0, dtype=torch.float32).unsqueeze(1)
-        y = torch.tensor(digits.target, dtype=torch.long)
-        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-        n_test = args.digits_test
-        self.x_train, self.y_train = x[perm[n_test:]], y[perm[n_test:]]
-        self.x_test, self.y_test = x[perm[:n_test]], y[perm[:n_test]]
-        self.global_batch = args.digits_batch
-        self.steps = args.digits_epochs * (len(self.x_train) // self.global_batch)
-        self.lr = args.digits_lr
-        self.clip = 0.0
-        self.recipe = {"train": len(self.x_train), "test": n_test, "epochs": args.digits_epochs,
-                       "global_batch": self.global_batch, "steps": self.steps, "lr": self.lr}
-
-    def model(self):
-        return DigitsNet()
 
     def shard(self, rank, size):
         return torch.arange(rank, len(self.x_train), size)
@@ -107,6 +89,31 @@ class Digits(Task):
     def finish(sums):
         correct, loss, count = sums
         return {"accuracy": correct / count, "test_loss": loss / count}
+
+
+class Digits(Classification):
+    name = "digits"
+
+    def __init__(self, args):
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        x = torch.tensor(digits.images / 16.0, dtype=torch.float32).unsqueeze(1)
+        y = torch.tensor(digits.target, dtype=torch.long)
+        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+        n_test = args.digits_test
+        self.x_train, self.y_train = x[perm[n_test:]], y[perm[n_test:]]
+        self.x_test, self.y_test = x[perm[:n_test]], y[perm[:n_test]]
+        self.global_batch = args.digits_batch
+        self.steps = args.digits_epochs * (len(self.x_train) // self.global_batch)
+        self.lr = args.digits_lr
+        self.clip = 0.0
+        self.recipe = {"train": len(self.x_train), "test": n_test, "epochs": args.digits_epochs,
+                       "global_batch": self.global_batch, "steps": self.steps, "lr": self.lr}
+
+    def model(self):
+        return DigitsNet()
+
 
 
 def _epoch_batch(shard, step, per_rank, gen, cache, fetch):
@@ -263,7 +270,7 @@ class SparseLinear(Task):
 
 
 
-class TeacherMLP(Task):
+class TeacherMLP(Classification):
     """Classification of synthetic data by an MLP with momentum SGD: the setting in which top-k with momentum
     applied after aggregation falls behind dense.
 
@@ -274,7 +281,6 @@ class TeacherMLP(Task):
     """
 
     name = "mlp"
-    metric = "accuracy"
     optimizer = "sgd"
 
     def __init__(self, args):
@@ -307,28 +313,6 @@ class TeacherMLP(Task):
     def make_optimizer(self, params):
         return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
 
-    def shard(self, rank, size):
-        return torch.arange(rank, len(self.x_train), size)
-
-    def batch(self, shard, step, per_rank, gen, cache):
-        return _epoch_batch(shard, step, per_rank, gen, cache, lambda idx: (self.x_train[idx], self.y_train[idx]))
-
-    def loss(self, model, batch):
-        x, y = batch
-        return F.cross_entropy(model(x), y)
-
-    def evaluate(self, model, rank, size):
-        idx = torch.arange(rank, len(self.x_test), size)
-        with torch.no_grad():
-            out = model(self.x_test[idx])
-        correct = (out.argmax(1) == self.y_test[idx]).sum().item()
-        loss = F.cross_entropy(out, self.y_test[idx], reduction="sum").item()
-        return [correct, loss, len(idx)]
-
-    @staticmethod
-    def finish(sums):
-        correct, loss, count = sums
-        return {"accuracy": correct / count, "test_loss": loss / count}
 
 
 class TinyEncoder(nn.Module):

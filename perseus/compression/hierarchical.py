@@ -139,13 +139,13 @@ class HiTopK(Reducer):
         if process_set is not global_process_set:
             raise ValueError("perseus: Compression.hitopk works on the global process set only")
         local, cross, hosts, per_host = _sets()
+        if hosts == 1:  # nothing crosses a host: an exact dense all-reduce
+            return self._submit_whole(key, st, acc, process_set)
         n = acc.size
         st.extra["density"] = density_at(self.density, st.step, self.warmup_steps, self.warmup_start) \
             if st.extra.get("ramp", True) else self.density
         st.step += 1
         name = f"{self.kind}.{key}"
-        if hosts == 1:  # nothing crosses a host: an exact dense all-reduce
-            return self._submit_dense(st, acc, name)
         counts = even_counts(n, per_host)
         sig = st.extra.setdefault("sig", signature("hitopk", n, per_host))
         j = local.rank()
@@ -163,21 +163,6 @@ class HiTopK(Reducer):
                                        process_set=local)
             self.payload_bytes += acc.nbytes
         return functools.partial(self._collect, st, acc, name, h1, sig, (lo, cnt), (local, cross, per_host))
-
-    def _submit_dense(self, st: KeyState, acc: np.ndarray, name: str):
-        """One host: an exact dense all-reduce of ``acc``; returns its collect function."""
-        out = st.extra.get("dense")
-        if out is None:
-            out = st.extra["dense"] = np.empty(acc.size, np.float32)
-        h = c.allreduce_async(acc, out, name=name, op=ReduceOp.SUM)
-        self.payload_bytes += acc.nbytes
-
-        def collect_dense():
-            c.synchronize(h)
-            if self.error_feedback:
-                acc.fill(0.0)
-            return out
-        return collect_dense
 
     def _collect(self, st: KeyState, acc: np.ndarray, name: str, h1, sig: int, owned: tuple, sets: tuple):
         """Finish one step: this host's reduce-scatter, the top-k of the owned slice exchanged between hosts,

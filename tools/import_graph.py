@@ -45,9 +45,10 @@ LAYERS = [
     ("perseus.torch", 7), ("perseus.tensorflow", 7), ("perseus._keras", 7), ("perseus.keras", 7),
     ("perseus.mxnet", 7), ("perseus.compat", 7),
     ("perseus.runner", 0), ("perseus.convert", 0),
+    ("perseus.ray", 0), ("perseus.spark", 0),  # run jobs on Ray's and Spark's workers: launchers, like perseusrun
     ("perseus", 8),  # the package's own __init__: the version and perseus.run (the launcher's API)
 ]
-LAYER_NAMES = {0: "tools (runner, convert)", 1: "base", 2: "engine", 3: "runtime", 4: "features",
+LAYER_NAMES = {0: "tools (runner, convert, ray, spark)", 1: "base", 2: "engine", 3: "runtime", 4: "features",
                5: "services", 6: "lifecycle", 7: "adapters", 8: "package"}
 
 # Cycles kept on purpose; docs/architecture.md says why. Each entry is the set of files in the cycle.

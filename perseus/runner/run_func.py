@@ -9,7 +9,7 @@ the function calls ``hvd.init()`` itself, as in a script.
 
 Frames on the connection (:mod:`perseus.runner.run_frames`): 8-byte big-endian length, then the bytes.
 Worker -> caller: the token, then (after running) a pickled ``(rank, ok, value_or_error_text,
-exception_or_None)``; caller -> worker: the payload.
+exception_or_None)``, after any number of ``("log", value)`` (values rank 0 logs for the caller's callbacks); caller -> worker: the payload.
 """
 
 from __future__ import annotations
@@ -80,8 +80,9 @@ class _Server:
         OSError: ``bind`` cannot be bound.
     """
 
-    def __init__(self, bind: str, payload: bytes, token: str, num_proc: int, hello_deadline_s: float = 30.0):
-        self.payload, self.token, self.num_proc = payload, token, num_proc
+    def __init__(self, bind: str, payload: bytes, token: str, num_proc: int, hello_deadline_s: float = 30.0,
+                 on_log=None):
+        self.payload, self.token, self.num_proc, self.on_log = payload, token, num_proc, on_log
         self.results: dict[int, tuple] = {}
         self.arrival: list[int] = []  # ranks in the order their replies came
         self.problems: list[str] = []
@@ -100,7 +101,12 @@ class _Server:
         try:
             with conn:
                 send_frame(conn, self.payload)
-                reply = pickle.loads(recv_frame(conn))  # the function may run for a long time: no timeout
+                while True:
+                    reply = pickle.loads(recv_frame(conn))  # the function may run for a long time: no timeout
+                    if reply[0] != "log":
+                        break
+                    if self.on_log is not None:  # a value rank 0 logged (perseus.ray.ray_logger.log)
+                        self.on_log(reply[1])
                 with self._lock:
                     self.results[int(reply[0])] = tuple(reply[1:])
                     self.arrival.append(int(reply[0]))

@@ -15,6 +15,7 @@ import traceback
 
 from perseus.common.knobs import read_knob
 from perseus.runner.common.util.env import get_env_rank_and_size
+from perseus.runner.remote import rank as remote_rank
 from perseus.runner.run_frames import TOKEN_ENV, recv_frame, send_frame
 
 
@@ -63,16 +64,21 @@ def main(argv=None) -> int:
         sock.settimeout(None)
         import cloudpickle  # noqa: F401 - the payload may need its reducers
 
+        if rank == 0:
+            remote_rank._link = sock  # what rank 0 logs (perseus.ray.ray_logger.log) goes to the caller
+
         try:
             func, args, kwargs = pickle.loads(payload)
             value = func(*args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
             text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-            send_frame(sock, _reply(rank, False, text, exc))
+            with remote_rank._link_lock:
+                send_frame(sock, _reply(rank, False, text, exc))
             sys.stderr.write(text)
             sys.stderr.flush()
             return 1
-        send_frame(sock, _reply(rank, True, value, None))
+        with remote_rank._link_lock:
+            send_frame(sock, _reply(rank, True, value, None))
     return 0
 
 

@@ -108,12 +108,15 @@ class ElasticDriver:
         kill_remote: ``kill_remote(host, pid)`` kills a stray rank on a host (best effort).
         driver_address: the address ranks reach the driver at (default: see :func:`route_address`); the
             driver's server listens on it alone (127.0.0.1 when every host is this machine).
+        host_address: ``host_address(host)`` is the address the ranks reach ``host``'s keeper at (default: the
+            host's name; Ray and Spark jobs name their nodes ``perseus-node-<i>``, which do not resolve).
     """
 
     def __init__(self, *, start: Callable[[list[HostSlots], int, dict], subprocess.Popen],
                  discovery: HostDiscovery, np_: Optional[int], min_np: int, max_np: Optional[int],
                  reset_limit: Optional[int], blacklist: Blacklist, elastic_timeout: float, heartbeat_timeout: float,
-                 in_process: bool, start_keeper=None, kill_remote=None, driver_address: Optional[str] = None):
+                 in_process: bool, start_keeper=None, kill_remote=None, driver_address: Optional[str] = None,
+                 host_address: Optional[Callable[[str], str]] = None):
         self._start, self.discovery = start, discovery
         self.min_np, self.max_np = max(1, min_np), max_np
         self.np_ = max(self.min_np, np_ or self.min_np)
@@ -124,6 +127,7 @@ class ElasticDriver:
         self.in_process = in_process
         self._start_keeper, self._kill_remote = start_keeper, kill_remote
         self.driver_address = driver_address
+        self._host_address = host_address or (lambda host: host)
         self.token = secrets.token_hex(16)
         self.resets = 0
         self.keepers: dict[str, object] = {}
@@ -231,7 +235,8 @@ class ElasticDriver:
                 self.keepers[host] = keeper
 
     def _keeper_env(self) -> str:
-        return ",".join(f"{host}={host}:{k.port}" for host, k in self.keepers.items() if k.alive())
+        return ",".join(f"{host}={self._host_address(host)}:{k.port}" for host, k in self.keepers.items()
+                        if k.alive())
 
     # -- generations --------------------------------------------------------------------------------------------
 

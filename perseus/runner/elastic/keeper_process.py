@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 __all__ = ["KeeperProcess", "start_keeper", "PORT_LINE", "KEEPER_MODULE"]
 
@@ -68,9 +68,10 @@ def _drain_stderr(stream, tail: collections.deque) -> None:
 
 
 def start_keeper(host: str, token: str, *, python: str = sys.executable, ssh_args: Sequence[str] = (),
-                 local: bool, timeout: float = 20.0, bind: str = "", toward: str = "", port: int = 0) -> KeeperProcess:
+                 local: bool, timeout: float = 20.0, bind: str = "", toward: str = "", port: int = 0,
+                 remote_shell: Optional[Sequence[str]] = None) -> KeeperProcess:
     """Start the keeper of ``host``: a child process (``local``) or one reached with ``ssh -o BatchMode=yes
-    [ssh_args] host``. The token goes to its stdin, which stays open: closing it (:meth:`KeeperProcess.stop`,
+    [ssh_args] host`` (or ``remote_shell host``: Ray's and Spark's agent, :mod:`perseus.runner.remote.agent`). The token goes to its stdin, which stays open: closing it (:meth:`KeeperProcess.stop`,
     or this process ending) makes the keeper exit. It listens on ``bind`` (comma-separated addresses), else on
     the addresses of that machine that ``host`` resolves to there and on its address on the route to
     ``toward`` (the driver's address, which the ranks reach): the cluster network, never every interface.
@@ -93,7 +94,8 @@ def start_keeper(host: str, token: str, *, python: str = sys.executable, ssh_arg
         remote = ["exec"]
         if os.environ.get("PYTHONPATH"):
             remote += ["env", "PYTHONPATH=" + os.environ["PYTHONPATH"]]
-        cmd = ["ssh", "-o", "BatchMode=yes", *ssh_args, host, " ".join(shlex.quote(a) for a in remote + module)]
+        shell = list(remote_shell) if remote_shell else ["ssh", "-o", "BatchMode=yes", *ssh_args]
+        cmd = [*shell, host, " ".join(shlex.quote(a) for a in remote + module)]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                             start_new_session=True)
     tail: collections.deque = collections.deque(maxlen=20)

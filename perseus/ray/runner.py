@@ -20,11 +20,23 @@ from perseus.ray.elastic import ElasticRayExecutor
 from perseus.ray.settings import Settings, make_settings, place
 from perseus.ray.worker import BaseHorovodWorker, WorkerError
 from perseus.runner.remote import job as remote_job
-from perseus.runner.remote.rank import LINKS_ENV
+from perseus.runner.remote.rank import LINKS_ENV, dumps
 
 __all__ = ["RayExecutor", "gather"]
 
 _RANK_MODULE = "perseus.runner.remote.rank"
+
+
+def _pack(message: tuple) -> bytes:
+    """``message`` cloudpickled here, once for every rank.
+
+    Raises:
+        TypeError: the function or its arguments cannot be pickled.
+    """
+    try:
+        return dumps(message)
+    except Exception as exc:  # noqa: BLE001 - anything cloudpickle raises
+        raise TypeError(f"perseus.ray: the function or its arguments cannot be pickled: {exc}") from exc
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -60,11 +72,13 @@ def gather(refs: list, callbacks: Optional[List[Callable]] = None, queue=None, w
     first_rank, first = (raised or died or failures)[0]
     node = where[first_rank] if where else ""
     summary = ", ".join(str(r) for r, _ in failures)
+    text = str(first).strip().splitlines()[0] if str(first).strip() else ""
     if isinstance(first, WorkerError):
         message = str(first)
+    elif isinstance(first, ray.exceptions.RayActorError):
+        message = f"the actor of rank {first_rank}{f' on {node}' if node else ''} died ({type(first).__name__}: {text})"
     else:
-        message = (f"the actor of rank {first_rank}{f' on {node}' if node else ''} died "
-                   f"({type(first).__name__}: {str(first).strip().splitlines()[0] if str(first).strip() else ''})")
+        message = f"the call to rank {first_rank}{f' on {node}' if node else ''} failed in Ray ({type(first).__name__}: {text})"
     raise WorkerError(f"perseus.ray: {message}\n(ranks that failed: {summary}; the job has ended: call start() "
                       f"again to run more)", first_rank, node, gone=not raised,
                       traceback_text=getattr(first, "traceback_text", "")) from first
@@ -177,8 +191,8 @@ class RayExecutor:
         try:
             self._launch(token, extra_env_vars or {})
             self._alive = True
-            gather([w.call.remote(("init", executable_cls, tuple(executable_args or ()), dict(executable_kwargs or {})))
-                    for w in self.workers], where=self._where)
+            init = _pack(("init", executable_cls, tuple(executable_args or ()), dict(executable_kwargs or {})))
+            gather([w.call.remote(init) for w in self.workers], where=self._where)
         except BaseException:
             self.shutdown()
             raise
@@ -246,7 +260,8 @@ class RayExecutor:
     def _all(self, message: tuple, callbacks=None) -> list:
         self._check_alive()
         try:
-            return gather([w.call.remote(message) for w in self.workers], callbacks, self._queue, self._where)
+            payload = _pack(message)
+            return gather([w.call.remote(payload) for w in self.workers], callbacks, self._queue, self._where)
         except WorkerError:
             self._alive = False
             raise
@@ -280,14 +295,15 @@ class RayExecutor:
         if self._elastic is not None:
             raise NotImplementedError("run_remote() with an elastic executor: use run(fn)")
         self._check_alive()
-        return [w.call.remote(("call", fn, tuple(args or ()), dict(kwargs or {}), False)) for w in self.workers]
+        payload = _pack(("call", fn, tuple(args or ()), dict(kwargs or {}), False))
+        return [w.call.remote(payload) for w in self.workers]
 
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(executable)`` on rank 0 only and return its value (``fn`` must not use collectives)."""
         if self._elastic is not None:
             raise NotImplementedError("execute_single() with an elastic executor")
         self._check_alive()
-        return gather([self.workers[0].call.remote(("call", fn, (), {}, True))], where=self._where[:1])[0]
+        return gather([self.workers[0].call.remote(_pack(("call", fn, (), {}, True)))], where=self._where[:1])[0]
 
     def shutdown(self) -> None:
         """End the job (every rank leaves), remove the actors and the placement group. Idempotent."""

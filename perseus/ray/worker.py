@@ -108,8 +108,9 @@ class BaseHorovodWorker:
         """Whether this actor's rank connected within ``timeout`` seconds."""
         return self.endpoint.wait_connected(timeout)
 
-    def call(self, message: tuple) -> Any:
-        """Send ``message`` to the rank and return its value.
+    def call(self, message: bytes) -> Any:
+        """Send ``message`` (pickled by the driver: the actor never unpickles the user's function, which may live
+        in a module only the ranks import) to the rank and return its value.
 
         Raises:
             WorkerError: the function raised on this rank, or the rank ended before answering.

@@ -70,8 +70,9 @@ class RankEndpoint:
         """Whether the rank connected within ``timeout`` seconds."""
         return self._connected.wait(timeout)
 
-    def call(self, message: tuple, on_log: Optional[Callable[[Any], None]] = None) -> tuple:
-        """Send ``message`` and return the rank's ``("result", ok, value, text, exception)``.
+    def call(self, message, on_log: Optional[Callable[[Any], None]] = None) -> tuple:
+        """Send ``message`` (a tuple, or one already pickled: bytes) and return the rank's ``("result", ok, value,
+        text, exception)``.
 
         Raises:
             RankGone: the rank is not connected, or its connection dropped before it answered.
@@ -80,7 +81,7 @@ class RankEndpoint:
         if sock is None:
             raise RankGone("its rank is not connected")
         try:
-            send_frame(sock, dumps(message))
+            send_frame(sock, message if isinstance(message, bytes) else dumps(message))
             while True:
                 reply = pickle.loads(recv_frame(sock))
                 if reply[0] == "log":

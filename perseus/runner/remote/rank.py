@@ -123,4 +123,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as the imported module, so that log() (perseus.ray.ray_logger) finds the link this process opens.
+    from perseus.runner.remote import rank as _module
+
+    sys.exit(_module.main())

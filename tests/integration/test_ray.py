@@ -1,0 +1,214 @@
+"""perseus.ray on a local Ray instance (one machine): RayExecutor's calls, its errors, ElasticRayExecutor.
+
+Across machines (Ray started with ``ray start`` in emulated hosts, a killed worker survived) see
+test_ray_cluster.py.
+"""
+
+import os
+import sys
+import time
+
+import cloudpickle
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="perseus.ray needs ray (pip install perseus[ray])")
+
+from perseus.ray import ElasticRayExecutor, RayExecutor, WorkerError  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+# The ranks import perseus, not this test module: its functions travel by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    yield
+    ray.shutdown()
+
+
+def train(steps):
+    """Every rank: a few SGD steps of a tiny model from different seeds after a broadcast."""
+    import socket
+
+    import torch
+
+    import perseus.torch as hvd
+
+    hvd.init()
+    torch.manual_seed(hvd.rank())
+    model = torch.nn.Linear(8, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).pow(2).sum().backward()
+        opt.step()
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    return hvd.rank(), hvd.size(), socket.gethostname(), flat.tolist()
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_training_gives_identical_parameters_on_every_rank(workers):
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=workers)
+    executor.start()
+    try:
+        results = executor.run(train, args=[5])
+        again = executor.run(train, kwargs={"steps": 2})  # the same job serves many calls
+    finally:
+        executor.shutdown()
+    assert [r[:2] for r in results] == [(r, workers) for r in range(workers)]
+    assert all(r[3] == results[0][3] for r in results)
+    assert all(r[3] == again[0][3] for r in again) and again[0][3] != results[0][3]
+
+
+class Counter:
+    def __init__(self, start):
+        import perseus.torch as hvd
+
+        hvd.init()
+        self.value = start + hvd.rank()
+
+    def bump(self):
+        self.value += 1
+        return self.value
+
+
+def test_executable_objects_execute_single_run_remote_and_callbacks():
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_hosts=1, num_workers_per_host=2)
+    executor.start(executable_cls=Counter, executable_args=[10], extra_env_vars={"PERSEUS_TEST_MARK": "m1"})
+    try:
+        assert executor.execute(lambda c: c.bump()) == [11, 12]
+        assert executor.execute_single(lambda c: c.bump()) == 12
+        refs = executor.run_remote(lambda: os.environ.get("PERSEUS_TEST_MARK"))
+        assert ray.get(refs) == ["m1", "m1"]
+        seen = []
+
+        def logs():
+            from perseus.ray import ray_logger
+            import perseus.torch as hvd
+
+            for step in range(3):
+                ray_logger.log({"rank": hvd.rank(), "step": step})
+            return True
+
+        assert executor.run(logs, callbacks=[seen.append]) == [True, True]
+        assert seen == [{"rank": 0, "step": s} for s in range(3)]  # rank 0's values only
+    finally:
+        executor.shutdown()
+
+
+def raises_on_rank_one():
+    import torch
+
+    import perseus.torch as hvd
+
+    hvd.init()
+    if hvd.rank() == 1:
+        raise ValueError("bad batch on rank one")
+    hvd.allreduce(torch.ones(3), name="waits_for_rank_one")  # rank 0 would wait for ever without the job ending
+    return hvd.rank()
+
+
+def test_a_function_that_raises_on_one_rank_ends_the_call_naming_the_rank():
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=2)
+    executor.start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(WorkerError) as info:
+            executor.run(raises_on_rank_one)
+        assert time.monotonic() - started < 60
+        assert info.value.rank == 1 and not info.value.gone
+        assert "rank 1 on perseus-node-0" in str(info.value) and "ValueError: bad batch on rank one" in str(info.value)
+        with pytest.raises(RuntimeError, match="call start"):
+            executor.run(raises_on_rank_one)
+        executor.start()  # a new job on new actors
+        assert executor.run(lambda: 5) == [5, 5]
+    finally:
+        executor.shutdown()
+
+
+def test_a_killed_actor_fails_the_call_naming_its_rank():
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=2)
+    executor.start()
+    try:
+        refs = executor.run_remote(time.sleep, args=[4])
+        time.sleep(1)
+        ray.kill(executor.workers[1])
+        from perseus.ray.runner import gather
+
+        with pytest.raises(WorkerError, match="rank 1 on perseus-node-0"):
+            gather(refs, where=executor._where)
+    finally:
+        executor.shutdown()
+
+
+def test_an_impossible_placement_times_out_saying_what_the_cluster_has():
+    executor = RayExecutor(RayExecutor.create_settings(placement_group_timeout_s=2), num_workers=2, cpus_per_worker=64)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"could not place 2 worker\(s\) \(64 CPU per worker\).*CPU: .* free of 4"):
+        executor.start()
+    assert time.monotonic() - started < 30
+    assert ray.available_resources().get("CPU") == 4  # the placement group was removed
+
+
+def test_bad_sizes_are_refused():
+    settings = RayExecutor.create_settings()
+    with pytest.raises(ValueError, match="num_workers"):
+        RayExecutor(settings)
+    with pytest.raises(ValueError, match="exclude each other"):
+        RayExecutor(settings, num_workers=2, min_workers=1)
+    with pytest.raises(ValueError, match="min_workers"):
+        RayExecutor(settings, max_workers=2)
+
+
+def elastic_train():
+    import torch
+
+    import perseus.torch as hvd
+
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    state = hvd.elastic.TorchState(model, opt, step=0)
+
+    @hvd.elastic.run
+    def loop(state):
+        while state.step < 12:
+            opt.zero_grad()
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            state.step += 1
+            if state.step % 4 == 0:
+                state.commit()
+        return hvd.rank(), hvd.size(), state.step, [float(p.sum()) for p in model.parameters()]
+
+    return loop(state)
+
+
+def test_elastic_executor_runs_an_elastic_function():
+    settings = ElasticRayExecutor.create_settings(min_np=2, max_np=2, elastic_timeout=60)
+    executor = ElasticRayExecutor(settings, cpus_per_slot=2)
+    executor.start()
+    try:
+        results = executor.run(elastic_train)
+    finally:
+        executor.shutdown()
+    assert [r[:3] for r in results] == [(0, 2, 12), (1, 2, 12)]
+    assert results[0][3] == results[1][3]
+
+
+def test_horovod_ray_is_perseus_ray_through_the_alias():
+    import perseus.compat.horovod_alias  # noqa: F401
+
+    from horovod.ray import ElasticRayExecutor as E, RayExecutor as R
+    from horovod.ray.elastic import TestDiscovery  # noqa: F401 - Horovod's examples import it
+    from horovod.ray import ray_logger  # noqa: F401
+
+    assert R is RayExecutor and E is ElasticRayExecutor

@@ -16,6 +16,7 @@ import traceback
 from perseus.common.knobs import read_knob
 from perseus.runner.common.util.env import get_env_rank_and_size
 from perseus.runner.remote import rank as remote_rank
+from perseus.runner.remote.service import die_with_parent
 from perseus.runner.run_frames import TOKEN_ENV, recv_frame, send_frame
 
 
@@ -46,6 +47,7 @@ def main(argv=None) -> int:
         print("usage: python -m perseus.runner.run_task ADDRESS PORT (started by perseus.run)", file=sys.stderr)
         return 2
     address, port = argv[0], int(argv[1])
+    die_with_parent()  # the MPI daemon that started this rank: a rank never outlives it
     rank = _rank()
     try:
         sock = socket.create_connection((address, port), timeout=60.0)

@@ -81,12 +81,53 @@ def test_the_command_ends_when_the_agent_is_killed(service, tmp_path):
     pid = int(marker.read_text())
     proc.kill()
     proc.wait()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}") and \
-            open(f"/proc/{pid}/stat").read().split()[2] != "Z":
+    assert _ends(pid), "the command outlived its agent"
+
+
+def _ends(pid, within=10.0):
+    """Whether process ``pid`` is gone (or a zombie) within ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split()[2] == "Z":
+                    return True
+        except OSError:
+            return True
         time.sleep(0.05)
-    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z", \
-        "the command outlived its agent"
+    return False
+
+
+def test_the_command_and_its_children_end_when_the_worker_is_killed(tmp_path):
+    """A worker killed with SIGKILL (a Ray actor killed, a Spark task's executor lost): the guard ends the
+    command's session, children included, and the agent ends with status 0 (the command ran)."""
+    ready = tmp_path / "service.json"
+    worker = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import json, time
+        from perseus.runner.remote.service import NodeService
+        from perseus.runner.remote.agent import write_job_file
+        svc = NodeService("tok", "127.0.0.1")
+        write_job_file({str(ready)!r}, "tok", {{"n": "127.0.0.1:%d" % svc.port}})
+        time.sleep(120)
+    """)], env={**os.environ, "PYTHONPATH": REPO})
+    try:
+        deadline = time.monotonic() + 20
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        marker = tmp_path / "pids"
+        agent_proc = subprocess.Popen([sys.executable, "-m", "perseus.runner.remote.agent", "--job", str(ready), "n",
+                                       f"sleep 60 & echo $! > {marker}; wait"], env={**os.environ, "PYTHONPATH": REPO},
+                                      stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        while not (marker.exists() and marker.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child = int(marker.read_text())
+        worker.kill()
+        assert _ends(child), "a child of the command outlived its worker"
+        assert agent_proc.wait(timeout=15) == 0
+        assert b"lost the connection to its worker" in agent_proc.stderr.read()
+    finally:
+        worker.kill()
+        worker.wait()
 
 
 def test_closing_the_service_ends_its_commands_and_tells_the_agent(service):

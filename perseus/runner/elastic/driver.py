@@ -53,6 +53,7 @@ DISCOVERY_INTERVAL_S = 1.0
 _STARTUP_TIMEOUT_S = 300.0      # a generation's ranks must say hello (from init()) within this
 _RECOVERY_TIMEOUT_S = 30.0      # in-process recovery must be reported within this, else relaunch
 _EXIT_GRACE_S = 5.0             # mpirun may take this long to end once every rank has left
+_FAILED_STARTS = 3               # later generations whose ranks never reported, in a row, before the job fails
 _LEAVE_TIMEOUT_S = 20.0         # ranks asked to leave must be gone within this, else they are killed
 
 
@@ -130,6 +131,7 @@ class ElasticDriver:
         self._host_address = host_address or (lambda host: host)
         self.token = secrets.token_hex(16)
         self.resets = 0
+        self.failed_starts = 0                # consecutive generations whose ranks never reported
         self.keepers: dict[str, object] = {}
         self._hosts_lock = threading.Lock()
         self._discovered: Optional[list[HostSlots]] = None
@@ -350,6 +352,7 @@ class ElasticDriver:
             return
         if event.kind == "hello":
             gen.links.append(link)
+            self.failed_starts = 0
             return
         if event.kind == "drop":
             if link.exit_reason is None and not link.bye:
@@ -496,9 +499,20 @@ class ElasticDriver:
         if "reset" in exits or "died" in [l.exit_reason for l in gen.links]:
             return "hosts changed" if any("hosts changed" in l.exit_detail for l in gen.links) \
                 else "a rank failed"
+        if "terminated" in exits:
+            # Not asked by this driver (it was not stopped): mpirun ended the job, e.g. after losing a host's
+            # daemon (Open MPI ends the whole job then, even with ULFM). The job re-forms on the hosts still
+            # usable, as after a rank's death.
+            say(f"generation {gen.number}'s ranks were terminated by mpirun (status {code}; a daemon or host lost?)")
+            return "ranks terminated"
         if not gen.links:
-            raise JobFailed(f"mpirun exited with status {code} before any rank of generation {gen.number} "
-                            f"reported; see its output above")
+            self.failed_starts += 1
+            if gen.number == 0 or self.failed_starts > _FAILED_STARTS:
+                raise JobFailed(f"mpirun exited with status {code} before any rank of generation {gen.number} "
+                                f"reported; see its output above")
+            # A later generation: a host may have gone between discovery and launch; try again, a few times.
+            say(f"generation {gen.number} did not start (mpirun status {code}); trying again")
+            return "a generation did not start"
         raise JobFailed(f"generation {gen.number} ended (mpirun status {code}) without its ranks reporting why; "
                         f"see the output above")
 

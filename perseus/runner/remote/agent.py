@@ -9,7 +9,8 @@ only: ``{"token": "...", "nodes": {"perseus-node-0": "10.0.0.5:41234", ...}}``, 
 run ``COMMAND`` (the words joined by spaces and run by ``/bin/sh -c``, as
 ssh runs them), copies this process's stdin to it and its stdout and stderr back, and exits with its exit
 status. ssh's options before ``NODE`` (``-o X``, ``-p N``, ``-x``, ...) are accepted and ignored. Status 255,
-with one line on stderr, means the node's worker could not be reached (ssh's convention).
+with one line on stderr, means the node's worker could not be reached (ssh's convention); a connection lost
+after the command started ends the agent with status 0 and that line (the command died with its worker).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 import threading
 from typing import Optional, Sequence
 
-from perseus.runner.remote.service import STATUS, STDERR, STDIN, STDOUT
+from perseus.runner.remote.service import STARTED, STATUS, STDERR, STDIN, STDOUT
 from perseus.runner.run_frames import recv_frame, send_frame
 
 __all__ = ["TOKEN_ENV", "main", "split_ssh_argv", "write_job_file"]
@@ -99,15 +100,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (OSError, ValueError) as exc:
         return _fail(node, f"cannot reach its worker's service at {nodes[node]} ({exc}); did the worker die?")
     threading.Thread(target=_copy_stdin, args=(sock,), daemon=True, name="perseus-agent-stdin").start()
+    started = False
     with sock:
         while True:
             try:
                 frame = recv_frame(sock)
             except (OSError, ConnectionError, ValueError) as exc:
-                return _fail(node, f"lost the connection to its worker ({exc or 'closed'}); the worker or its "
-                                   f"node is gone")
+                code = _fail(node, f"lost the connection to its worker ({exc or 'closed'}); the worker or its "
+                                   f"node is gone{', and so is the command' if started else ''}")
+                # Once the command ran, its end is not a failure to start it: mpirun learns that its daemon is
+                # gone from the daemon's own connection, as after ssh's session of a daemonized daemon ended
+                # (and the job's fault tolerance, if on, can act).
+                return 0 if started else code
             tag, data = frame[:1], frame[1:]
-            if tag == STDOUT:
+            if tag == STARTED:
+                started = True
+            elif tag == STDOUT:
                 _write(1, data)
             elif tag == STDERR:
                 _write(2, data)

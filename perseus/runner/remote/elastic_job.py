@@ -57,10 +57,15 @@ class _Discovery:
         except Exception as exc:  # noqa: BLE001 - the engine's error, said by the driver
             raise DiscoveryError(f"the cluster's nodes could not be listed: {type(exc).__name__}: {exc}") from None
         with self._lock:
-            for n in found:
-                self.known[n.name] = n
+            self.known = {n.name: n for n in found}  # a node no longer offered is no longer reachable
             write_job_file(self.job_file, self.token, {k: n.service for k, n in self.known.items()})
         return [HostSlots(n.name, n.slots) for n in found if n.slots > 0]
+
+    def service(self, name: str) -> str:
+        """The service of node ``name`` ("" when it is no longer offered: the agent then says so)."""
+        with self._lock:
+            node = self.known.get(name)
+        return node.service if node else ""
 
     def address(self, name: str) -> str:
         with self._lock:
@@ -107,14 +112,22 @@ def run_elastic(func: Callable[..., Any], args: tuple, kwargs: dict, nodes: Call
 
     def start(hosts: list[HostSlots], np: int, elastic_env: dict):
         server.results.clear()  # a new generation's values replace the last one's
+        try:
+            discovery.run()  # the nodes' services as of now (a worker replaced since the last poll)
+        except DiscoveryError:
+            pass  # the last answer stands; the driver says why at its next poll
         sizes.append(np)
-        plan = remote_job.plan([remote_job.Node(h.host, discovery.known[h.host].service, h.slots) for h in hosts],
+        plan = remote_job.plan([remote_job.Node(h.host, discovery.service(h.host), h.slots) for h in hosts],
                                [sys.executable, "-m", "perseus.runner.run_task", driver_address, str(server.port)],
                                job_file, env={**dict(env or {}), **elastic_env, RUN_TOKEN_ENV: token}, nics=nics,
                                mpi_args=["--with-ft", "ulfm"] if ulfm else [], mpirun=mpirun, np_=np)
         return remote_job.start(plan, verbose=verbose)
 
     def keeper(host: str, keeper_token: str, toward: str):
+        try:
+            discovery.run()  # the nodes' services as of now (a worker replaced since the last poll)
+        except DiscoveryError:
+            pass
         return start_keeper(host, keeper_token, local=False, toward=toward, remote_shell=agent)
 
     def kill(host: str, pid: int) -> None:

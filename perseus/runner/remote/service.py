@@ -2,16 +2,17 @@
 
 A :class:`NodeService` runs inside an engine's worker (a Ray actor, a Spark task). It listens on the
 worker's address; a client proves it belongs to the job with the job's token (the hello frame), then sends
-one JSON frame ``{"command": "<shell command>", "env": {...}}``. The service runs ``/bin/sh -c command`` in a
-session of its own, with the worker's environment plus the service's ``env`` plus the request's, and relays:
+one JSON frame ``{"command": "<shell command>", "env": {...}}``. The service runs ``/bin/sh -c command`` under
+:mod:`perseus.runner.remote.guard` in a session of its own, with the worker's environment plus the service's
+``env`` plus the request's, and relays:
 
-* service -> client: tagged frames ``b"1" + bytes`` (stdout), ``b"2" + bytes`` (stderr), then ``b"3" +
-  exit status`` once the command ended and its output is drained;
+* service -> client: ``b"4"`` once the command started, tagged frames ``b"1" + bytes`` (stdout), ``b"2" +
+  bytes`` (stderr), then ``b"3" + exit status`` once the command ended and its output is drained;
 * client -> service: ``b"0" + bytes`` (stdin), ``b"0"`` alone for end of input.
 
 When the client's connection drops, the command's session is sent SIGTERM, then SIGKILL 3 s later (ssh's
-semantics: the daemon ends with the agent that started it). The command also gets SIGKILL when the thread
-that started it ends with the worker's process (``PR_SET_PDEATHSIG``).
+semantics: the daemon ends with the agent that started it). When the worker's process dies, the guard ends
+the command's session (the MPI daemon and its ranks).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from typing import Mapping, Optional
@@ -29,18 +31,18 @@ from typing import Mapping, Optional
 from perseus.runner.handshake import HelloServer, Refused, same_secret
 from perseus.runner.run_frames import recv_frame, send_frame
 
-__all__ = ["NodeService", "STDIN", "STDOUT", "STDERR", "STATUS", "die_with_parent"]
+__all__ = ["NodeService", "STDIN", "STDOUT", "STDERR", "STATUS", "STARTED", "die_with_parent"]
 
-STDIN, STDOUT, STDERR, STATUS = b"0", b"1", b"2", b"3"
+STDIN, STDOUT, STDERR, STATUS, STARTED = b"0", b"1", b"2", b"3", b"4"
 _KILL_GRACE_S = 3.0
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
-    """Have the kernel SIGKILL this process when the thread that started it ends (``PR_SET_PDEATHSIG``; a
-    no-op where there is no prctl). Also run in a command's child between fork and exec."""
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Have the kernel send ``sig`` to this process when the thread that started it ends
+    (``PR_SET_PDEATHSIG``; a no-op where there is no prctl)."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: the connection drop still ends the command
         pass
 
@@ -94,9 +96,9 @@ class NodeService:
             except (OSError, ConnectionError, ValueError, KeyError, TypeError):
                 return
             try:
-                proc = subprocess.Popen(["/bin/sh", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, env=env, start_new_session=True,
-                                        preexec_fn=die_with_parent)
+                proc = subprocess.Popen([sys.executable, "-m", "perseus.runner.remote.guard", command],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        env=env, start_new_session=True)
             except OSError as exc:
                 _send(conn, threading.Lock(), STDERR, f"perseus: cannot run /bin/sh on this node: {exc}\n".encode())
                 _send(conn, threading.Lock(), STATUS, b"127")
@@ -104,6 +106,7 @@ class NodeService:
             with self._lock:
                 self._procs.add(proc)
                 self.started.append(command)
+            _send(conn, threading.Lock(), STARTED, b"")
             try:
                 self._relay(conn, proc)
             finally:

@@ -243,6 +243,8 @@ setup(
         "tune": [],  # Optuna is a base dependency now; kept so that perseus[tune] still resolves
         **MPI_EXTRAS,
         "report": ["matplotlib>=3.5"],  # perseus-autotune-report
+        "ray": ["ray>=2.9"],            # perseus.ray (Open MPI on every node)
+        "spark": ["pyspark>=3.3"],      # perseus.spark (a Java 17+ runtime and Open MPI on every node)
         "convert": [],  # libcst is a base dependency now; kept so that perseus[convert] still resolves
         "examples": EXAMPLES,
         "test": TEST,

@@ -7,7 +7,12 @@
 # why; under CI=true a skip that does not depend on the number of ranks fails (tests/conftest.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BIN="$(bash tools/setup_env.sh torch,tensorflow-cpu,test)"
+BIN="$(bash tools/setup_env.sh torch,tensorflow-cpu,test,ray,spark)"
+# perseus.spark's tests run a local Spark, which needs a Java runtime (Debian's openjdk-17-jre-headless).
+if ! command -v java > /dev/null && [ "$(id -u)" = "0" ] && command -v apt-get > /dev/null; then
+  (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q openjdk-17-jre-headless) > /dev/null \
+    || echo "could not install openjdk-17-jre-headless: the Spark tests will fail" >&2
+fi
 export PATH="$BIN:$PATH"
 # tf-keras 2 (for the TF_USE_LEGACY_KERAS=1 tests) matching the installed TensorFlow; --no-deps because its
 # metadata asks for the full "tensorflow" wheel while tensorflow-cpu provides the same module.

@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from perseus.ray.settings import Settings, make_settings
+from perseus.ray.settings import Settings, connect, make_settings
 from perseus.runner.remote import job as remote_job
 from perseus.runner.remote.elastic_job import HostedNode, run_elastic
 from perseus.runner.remote.service import NodeService
@@ -136,11 +136,12 @@ class ElasticRayExecutor:
         self._started = False
 
     def start(self, envs: Optional[dict] = None, **_ignored) -> None:
-        """Connect to Ray (``ray.init()`` when not initialized); the job itself starts in :meth:`run`."""
-        import ray
+        """Connect to Ray (``ray.init()`` when not initialized); the job itself starts in :meth:`run`.
 
-        if not ray.is_initialized():
-            ray.init()
+        Raises:
+            ImportError: Ray is not installed.
+        """
+        connect()
         self.env_vars.update(envs or {})
         self._started = True
 

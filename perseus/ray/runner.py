@@ -17,7 +17,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 from perseus.ray.elastic import ElasticRayExecutor
-from perseus.ray.settings import Settings, make_settings, place
+from perseus.ray.settings import Settings, connect, make_settings, place
 from perseus.ray.worker import BaseHorovodWorker, WorkerError
 from perseus.runner.remote import job as remote_job
 from perseus.runner.remote.rank import LINKS_ENV, dumps
@@ -178,10 +178,7 @@ class RayExecutor:
         """
         if self._elastic is not None:
             return self._elastic.start()
-        import ray
-
-        if not ray.is_initialized():
-            ray.init()
+        connect()
         if self.workers:
             self.shutdown()
         token = secrets.token_hex(16)

@@ -7,7 +7,7 @@ import dataclasses
 import os
 from typing import Any, Optional
 
-__all__ = ["Settings", "make_settings", "place"]
+__all__ = ["Settings", "make_settings", "place", "connect"]
 
 
 @dataclasses.dataclass
@@ -63,6 +63,21 @@ def make_settings(ssh_identity_file: Optional[str] = None, ssh_str: Optional[str
             with os.fdopen(fd, "w") as f:
                 f.write(ssh_str)
     return Settings(ssh_identity_file=ssh_identity_file, ssh_str=ssh_str, **fields)
+
+
+def connect():
+    """Return the ``ray`` module, connected (``ray.init()`` when it is not initialized).
+
+    Raises:
+        ImportError: Ray is not installed (the message says how to install it).
+    """
+    try:
+        import ray
+    except ImportError as exc:
+        raise ImportError(f"perseus.ray needs Ray: pip install 'perseus[ray]' (or pip install ray) ({exc})") from None
+    if not ray.is_initialized():
+        ray.init()
+    return ray
 
 
 def _resources_text() -> str:

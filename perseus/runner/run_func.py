@@ -197,7 +197,7 @@ def _host_names(hosts: Optional[str], hostfile: Optional[str]) -> list[str]:
     return ["localhost"]
 
 
-def _collect(server: _Server, num_proc: int, code: int) -> list:
+def _collect(server: _Server, num_proc: int, code: int, what: str = "perseus.run") -> list:
     results = dict(server.results)
     failed = sorted(r for r, (ok, _, _) in results.items() if not ok)
     missing = [r for r in range(num_proc) if r not in results]
@@ -213,7 +213,7 @@ def _collect(server: _Server, num_proc: int, code: int) -> list:
                      f"(the job exited with status {code}; see the output above)")
     elif code != 0:
         parts.append(f"the job exited with status {code}")
-    message = "perseus.run: " + "; ".join(parts)
+    message = f"{what}: " + "; ".join(parts)
     cause = None
     if failed:
         _, text, cause = results[first]

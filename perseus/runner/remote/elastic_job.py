@@ -148,4 +148,4 @@ def run_elastic(func: Callable[..., Any], args: tuple, kwargs: dict, nodes: Call
             os.unlink(job_file)
         except OSError:
             pass
-    return _collect(server, sizes[-1] if sizes else 0, code)
+    return _collect(server, sizes[-1] if sizes else 0, code, what)

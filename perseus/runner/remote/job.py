@@ -14,6 +14,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 from typing import Mapping, Optional, Sequence
 
 from perseus.runner import mpi_run
@@ -42,8 +43,6 @@ def node_name(index: int) -> str:
 
 def job_file_path(tag: str) -> str:
     """A new job file's path in this user's temporary directory (see :func:`agent.write_job_file`)."""
-    import tempfile
-
     return os.path.join(tempfile.gettempdir(), f"perseus-remote-{os.getuid()}-{tag}.json")
 
 
@@ -95,9 +94,10 @@ def plan(nodes: Sequence[Node], command: Sequence[str], job_file: str, *, env: O
     launch_env = {**dict(env or {}), **package_env({**os.environ, **dict(env or {})})}
     launcher = mpi_run.launcher_variables(launch_env)
     full = {**os.environ, **launcher}
-    agent = ["--prtemca", "plm_ssh_agent", agent_command(job_file), "--prtemca", "plm_ssh_no_tree_spawn",
-                                                                "1"] if modern \
-        else ["--mca", "plm_rsh_agent", agent_command(job_file), "--mca", "plm_rsh_no_tree_spawn", "1"]
+    if modern:  # Open MPI 5 starts its daemons through PRRTE
+        agent = ["--prtemca", "plm_ssh_agent", agent_command(job_file), "--prtemca", "plm_ssh_no_tree_spawn", "1"]
+    else:
+        agent = ["--mca", "plm_rsh_agent", agent_command(job_file), "--mca", "plm_rsh_no_tree_spawn", "1"]
     hosts = [HostSlots(n.name, n.slots) for n in nodes]
     total = sum(n.slots for n in nodes)
     return mpi_run.build_command(

@@ -63,6 +63,37 @@ def test_torch_state_payload_round_trip_into_another_process_state():
     other_opt.step()
 
 
+def test_a_learning_rate_scheduler_travels_by_its_state_and_keeps_driving_the_optimizer():
+    """A scheduler in the state (Horovod's Ray example keeps one there): its commit pickles for the keepers
+    even with a DistributedOptimizer, and after a restore it still drives the optimizer being trained."""
+    model = torch.nn.Linear(4, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    state = TorchState(model, opt, scheduler=scheduler, epoch=0)
+    for _ in range(3):
+        opt.step()
+        scheduler.step()
+    state.commit()
+    committed_lr = opt.param_groups[0]["lr"]
+    payload, _ = travel(state.snapshot_payload())
+    for _ in range(4):
+        opt.step()
+        scheduler.step()
+    state.restore()
+    assert state.scheduler is scheduler and scheduler.optimizer is opt
+    assert scheduler.last_epoch == 3
+    other_model = torch.nn.Linear(4, 2)
+    other_opt = torch.optim.SGD(other_model.parameters(), lr=0.1)
+    other_sched = torch.optim.lr_scheduler.CosineAnnealingLR(other_opt, T_max=10)
+    other = TorchState(other_model, other_opt, scheduler=other_sched, epoch=0)
+    other.load_snapshot_payload(payload)
+    other.restore()
+    assert other_sched.last_epoch == 3 and other_sched.optimizer is other_opt
+    other_sched.step()
+    assert other_opt.param_groups[0]["lr"] < committed_lr
+
+
 def test_payload_is_the_commit_not_later_changes():
     model, opt, _ = make(0)
     state = TorchState(model, opt, step=1)

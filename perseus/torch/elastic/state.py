@@ -17,6 +17,7 @@ from perseus.torch.mpi_ops import broadcast_, rank, size
 
 __all__ = [
     "TorchState", "StateHandler", "ModelStateHandler", "OptimizerStateHandler", "SamplerStateHandler",
+    "SchedulerStateHandler",
     "get_handler_registry", "set_handler_registry",
 ]
 
@@ -259,6 +260,35 @@ class SamplerStateHandler(StateHandler):
         self.value.reset()
 
 
+class SchedulerStateHandler(StateHandler):
+    """A learning-rate scheduler: its ``state_dict()`` (which leaves the optimizer out), loaded back into the
+    same scheduler, so that after a restore it still drives the optimizer being trained; sync takes rank 0's.
+    (A deep copy of the scheduler itself would copy its optimizer too, and could not travel to the keepers.)"""
+
+    _saved_attr = "_saved_scheduler_state"
+
+    def __init__(self, scheduler):
+        super().__init__(scheduler)
+        self.save()
+
+    def save(self, copier=None, deferred=None):
+        self._saved_scheduler_state = copy.deepcopy(self.value.state_dict())
+
+    def restore(self):
+        self.value.load_state_dict(copy.deepcopy(self._saved_scheduler_state))
+
+    def sync(self):
+        self.value.load_state_dict(broadcast_object(self.value.state_dict(), root_rank=0,
+                                                    name="perseus.elastic.scheduler"))
+        self.save()
+
+
+def _scheduler_types() -> tuple:
+    sched = torch.optim.lr_scheduler
+    found = [getattr(sched, n) for n in ("LRScheduler", "_LRScheduler", "ReduceLROnPlateau") if hasattr(sched, n)]
+    return tuple(dict.fromkeys(found))
+
+
 class _NumpyTensor:
     """A CPU tensor travelling as a NumPy array (pickle protocol 5 sends the array's memory out of band)."""
 
@@ -316,6 +346,7 @@ _handler_registry = [
     (torch.nn.Module, ModelStateHandler),
     (torch.optim.Optimizer, OptimizerStateHandler),
     (ElasticSampler, SamplerStateHandler),
+    (_scheduler_types(), SchedulerStateHandler),
 ]
 
 

@@ -67,7 +67,8 @@ def run_elastic(fn: Callable[..., Any], args: tuple = (), kwargs: Optional[dict]
         perseus.runner.run_func.RunError: the job failed (a rank raised: its traceback is in the message; too
             few slots within ``elastic_timeout``; the reset limit was reached), or fewer than ``min_num_proc``
             tasks started within ``start_timeout`` (Spark's error included when it failed).
-        ValueError: inconsistent sizes.
+        ValueError: inconsistent sizes, a timeout that is not a positive number, a network interface without an
+            address, or a driver host name that does not resolve.
         RuntimeError: no active SparkContext.
         NotImplementedError: the MPI found is not Open MPI.
     """

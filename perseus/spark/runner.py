@@ -63,6 +63,8 @@ def run(fn: Callable[..., Any], args: tuple = (), kwargs: Optional[dict] = None,
             with its traceback), a rank or task ended without a result, or the tasks did not all start within
             ``start_timeout`` or Spark could not run them (its error is included).
         RuntimeError: no active SparkContext.
+        ValueError: ``num_proc`` below 1, a ``start_timeout`` that is not a positive number, a network interface
+            without an address, or a driver host name that does not resolve.
         ImportError: pyspark is missing.
         NotImplementedError: the MPI found is not Open MPI.
     """

@@ -248,8 +248,9 @@ def _elastic_train(epochs):
 
 @pytest.mark.timeout(120)
 def test_run_elastic_completes_an_elastic_loop(spark):
-    values = perseus.spark.run_elastic(_elastic_train, args=(3,), min_np=2, max_np=2, start_timeout=60,
-                                       elastic_timeout=60)
+    with pytest.warns(UserWarning, match="stdout, stderr and prefix_output_with_timestamp are not supported"):
+        values = perseus.spark.run_elastic(_elastic_train, args=(3,), min_np=2, max_np=2, start_timeout=60,
+                                           elastic_timeout=60, stdout=io.StringIO())
     assert [v[:3] for v in values] == [(0, 2, 3), (1, 2, 3)]
     assert values[0][3] == values[1][3]
 

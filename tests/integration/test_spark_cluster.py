@@ -101,6 +101,8 @@ def _where():
 def test_run_on_a_standalone_cluster(cluster):
     from pyspark.sql import SparkSession
 
+    # (SparkSession.builder keeps the options an earlier session of this process was given: set every one
+    # this test relies on.)
     url, python_path = cluster
     session = (SparkSession.builder.master(url).appName("perseus-spark-standalone")
                .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
@@ -109,6 +111,7 @@ def test_run_on_a_standalone_cluster(cluster):
                .config("spark.executor.cores", "2").config("spark.cores.max", "2")
                .config("spark.executorEnv.PYTHONPATH", python_path)
                .config("spark.scheduler.barrier.maxConcurrentTasksCheck.interval", "1s")
+               .config("spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures", "40")  # Spark's default
                .getOrCreate())
     try:
         sc = session.sparkContext

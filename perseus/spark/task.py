@@ -76,7 +76,8 @@ def run_task(config: TaskConfig, _rows: Iterator) -> Iterator[dict]:
     Yields one dict (partition, attempt, host) once the task has ended cleanly.
 
     Raises:
-        RuntimeError: the driver cannot be reached, or refused the task (Spark then reports the task failed).
+        RuntimeError: the driver cannot be reached (Spark then reports the task failed). A task the driver
+            refuses or no longer needs returns at once.
     """
     index, attempt = _context(config.barrier)
     host, _, port = config.registry.rpartition(":")

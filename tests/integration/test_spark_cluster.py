@@ -27,16 +27,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_for_port(port: int, proc: subprocess.Popen, log: str, timeout: float = 60.0) -> None:
+def _wait_for_line(log: str, text: str, proc: subprocess.Popen, what: str, timeout: float = 60.0) -> None:
+    """Wait until ``text`` appears in the log of ``proc`` (the master or worker is ready)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        assert proc.poll() is None, f"the Spark master ended with status {proc.returncode}:\n{open(log).read()[-3000:]}"
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+        with open(log, errors="replace") as f:
+            seen = f.read()
+        if text in seen:
             return
-        except OSError:
-            time.sleep(0.2)
-    raise AssertionError(f"the Spark master did not listen on {port} within {timeout:g} s:\n{open(log).read()[-3000:]}")
+        assert proc.poll() is None, f"the Spark {what} ended with status {proc.returncode}:\n{seen[-3000:]}"
+        time.sleep(0.2)
+    raise AssertionError(f"the Spark {what} did not log {text!r} within {timeout:g} s:\n{seen[-3000:]}")
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -69,12 +70,13 @@ def cluster(tmp_path_factory):
             [spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port),
              "--webui-port", str(_free_port())], env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True))
-        _wait_for_port(port, procs[0], log)
+        _wait_for_line(log, "New state: ALIVE", procs[0], "master")
         procs.append(subprocess.Popen(
             [spark_class, "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--cores", "2", "--memory",
              "1g", "--webui-port", str(_free_port()), "--work-dir", work, url], env=env,
             stdout=open(os.path.join(work, "worker.log"), "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True))
+        _wait_for_line(os.path.join(work, "worker.log"), "Successfully registered with master", procs[1], "worker")
         yield url, python_path
     finally:
         for proc in reversed(procs):
@@ -128,7 +130,7 @@ def test_run_on_a_standalone_cluster(cluster):
         with pytest.raises(StartError, match=r"only 0 of the 3 Spark task\(s\) needed started within "
                                              r"start_timeout=5 s \(missing: task\(s\) 0, 1, 2\)"):
             perseus.spark.run(_where, num_proc=3, start_timeout=5)
-        assert time.monotonic() - started < 20
+        assert time.monotonic() - started < 30
         assert list(sc.statusTracker().getActiveJobsIds()) == []
     finally:
         session.stop()

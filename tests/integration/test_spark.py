@@ -110,11 +110,41 @@ def test_run_returns_values_in_rank_order_and_relays_output(spark):
 
 
 @pytest.mark.timeout(90)
-def test_output_lines_can_be_stamped(spark):
+def test_output_lines_can_be_stamped_and_verbose_shows_mpirun(spark, capsys):
     out = io.StringIO()
-    assert perseus.spark.run(_seven, num_proc=2, stdout=out, prefix_output_with_timestamp=True) == [7, 7]
+    assert perseus.spark.run(_seven, num_proc=2, stdout=out, prefix_output_with_timestamp=True, verbose=2) == [7, 7]
+    said = capsys.readouterr().err
+    assert "mpirun" in said and "plm_ssh_agent" in said and "perseus.runner.remote.agent" in said, said
     stamped = re.compile(r"^\[\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4}\]<stdout>: seven$", re.M)
     assert len(stamped.findall(out.getvalue())) == 2, out.getvalue()
+
+
+def _slow_to_load(value):
+    import time
+
+    time.sleep(1.5)  # as a first unpickled torch tensor does: torch is imported first
+    return value
+
+
+class _SlowToLoad:
+    def __init__(self, value):
+        self.value = value
+
+    def __reduce__(self):
+        return _slow_to_load, (self.value,)
+
+
+def _rank_slow_to_load():
+    import perseus.torch as hvd
+
+    hvd.init()
+    return _SlowToLoad(hvd.rank())
+
+
+@pytest.mark.timeout(90)
+def test_values_slow_to_unpickle_are_waited_for(spark):
+    # mpirun has exited by the time they are read: run() must still wait for them.
+    assert perseus.spark.run(_rank_slow_to_load, num_proc=2) == [0, 1]
 
 
 def _train(steps):
@@ -262,6 +292,34 @@ def test_without_an_active_spark_context_run_says_so(spark, monkeypatch):
         perseus.spark.run(_seven, num_proc=2)
     with pytest.raises(RuntimeError, match="no active SparkContext"):
         perseus.spark.run_elastic(_seven, num_proc=2)
+
+
+def _elastic_fail_on_rank_1():
+    import torch
+
+    import perseus.torch as hvd
+
+    hvd.init()
+
+    @hvd.elastic.run
+    def loop(state):
+        if hvd.rank() == 1:
+            raise KeyError("no such feature on rank 1")
+        hvd.allreduce(torch.ones(1))  # rank 0 waits here for rank 1: the job ends it
+        return hvd.rank()
+
+    return loop(hvd.elastic.TorchState(epoch=0))
+
+
+@pytest.mark.timeout(120)
+def test_run_elastic_names_the_rank_that_raised(spark):
+    started = time.monotonic()
+    with pytest.raises(RunError) as info:
+        perseus.spark.run_elastic(_elastic_fail_on_rank_1, min_np=2, max_np=2, start_timeout=60, elastic_timeout=60)
+    assert time.monotonic() - started < 60
+    text = str(info.value)
+    assert text.startswith("perseus.spark.run_elastic: rank 1 raised"), text
+    assert "KeyError: 'no such feature on rank 1'" in text and "Spark tasks still live" in text, text
 
 
 class _NeverStarts:

@@ -394,6 +394,14 @@ KNOBS: tuple[Knob, ...] = (
              "parameters and state) on a background thread while training goes on, the optimizer's step() "
              "waiting for the copy; 'sync' copies everything before commit() returns. Buffers are reused from "
              "commit to commit either way."),
+    # Read by perseus.spark when its caller passes no timeout.
+    Knob("spark_start_timeout", ("PERSEUS_SPARK_START_TIMEOUT", "HOROVOD_SPARK_START_TIMEOUT"), float, 600.0, unit="s",
+         doc="perseus.spark.run and run_elastic without start_timeout: how long the driver waits for the job's "
+             "Spark tasks to start and register (Spark may have to acquire executors first)."),
+    Knob("spark_elastic_timeout", ("PERSEUS_SPARK_ELASTIC_TIMEOUT", "HOROVOD_ELASTIC_TIMEOUT"), float, 600.0,
+         unit="s",
+         doc="perseus.spark.run_elastic without elastic_timeout: how long an elastic job waits for at least "
+             "min_np slots (perseusrun takes --elastic-timeout instead)."),
     Knob("gemini_peers", ("PERSEUS_GEMINI_PEERS",), int, 0, unit="hosts",
          doc="Elastic jobs: besides the copy in its own host's keeper, each rank's commit is also sent to this "
              "many other hosts' keepers, placed by Gemini's mixed strategy. 0 (the default): none, because in "

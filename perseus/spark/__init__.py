@@ -1,0 +1,12 @@
+"""perseus on Spark (Horovod's ``horovod.spark``): :func:`run` and :func:`run_elastic`.
+
+Each rank is held by a Spark task; the MPI job forms through the tasks (:mod:`perseus.runner.remote`):
+``mpirun`` runs in the driver and starts its daemon on each machine through a task there, so the ranks behave
+exactly as under perseusrun. Needs ``pyspark`` on the driver and executors, and Open MPI and perseus on every
+machine. Horovod's Spark estimators are not implemented (:mod:`perseus.spark.keras`, ...). See docs/spark.md.
+"""
+
+from perseus.spark.elastic import run_elastic
+from perseus.spark.runner import run
+
+__all__ = ["run", "run_elastic"]

@@ -325,6 +325,12 @@ KNOBS: tuple[Knob, ...] = (
     Knob("run_token", ("PERSEUS_RUN_TOKEN",), str, "",
          doc="Set by perseus.run for the ranks it starts: the secret a rank presents when it fetches the "
              "function from the calling process. Not for people to set."),
+    Knob("remote_token", ("PERSEUS_REMOTE_TOKEN",), str, "",
+         doc="Set by perseus.ray for the ranks it starts: the secret a rank presents to its actor. Not for people "
+             "to set."),
+    Knob("remote_links", ("PERSEUS_REMOTE_LINKS",), str, "",
+         doc="Set by perseus.ray for the ranks it starts: each rank's actor address (ip:port), comma separated, "
+             "in rank order. Not for people to set."),
     Knob("nonfinite_gradients", ("PERSEUS_NONFINITE_GRADIENTS",), str, "off",
          choices=("off", "raise", "skip"),
          doc="Check each gradient for NaN/Inf on its own rank before it is reduced (torch DistributedOptimizer): "

@@ -14,7 +14,7 @@ from perseus.convert.syntax import dotted
 
 RULE = "horovod"
 SUPPORTED = ("horovod", "horovod.torch", "horovod.tensorflow", "horovod.tensorflow.keras", "horovod.keras",
-             "horovod.mxnet")
+             "horovod.mxnet", "horovod.ray", "horovod.spark")
 
 
 def _renamed(name: str) -> str:

@@ -89,12 +89,10 @@ class _NodeAgent:
     """The actor on one machine whose service starts that machine's daemon, keeper and strays' kills."""
 
     def __init__(self, token: str, env: dict):
-        import os
         import ray
 
-        os.environ.update({str(k): str(v) for k, v in env.items()})
         self.ip = ray.util.get_node_ip_address()
-        self.service = NodeService(token, self.ip)
+        self.service = NodeService(token, self.ip, env={str(k): str(v) for k, v in env.items()})
 
     def address(self) -> tuple:
         return self.ip, f"{self.ip}:{self.service.port}"

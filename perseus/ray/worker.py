@@ -53,14 +53,13 @@ class BaseHorovodWorker:
 
     Args:
         token: the job's secret.
-        env: variables set in the actor (and hence given to the daemon and ranks it starts).
+        env: variables given to the daemon (and its ranks) this actor starts.
     """
 
     def __init__(self, token: str, env: Optional[dict] = None):
-        os.environ.update({str(k): str(v) for k, v in (env or {}).items()})
         self.ip = _node_ip()
         self.token = token
-        self.service = NodeService(token, self.ip)
+        self.service = NodeService(token, self.ip, env={str(k): str(v) for k, v in (env or {}).items()})
         self.endpoint = RankEndpoint(token, self.ip)
         self.rank, self.node = -1, ""
         self.queue = None

@@ -21,6 +21,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 from typing import Any, Callable, Optional
 
 from perseus.common.knobs import read_knob
@@ -87,6 +88,7 @@ class _Server:
         self.arrival: list[int] = []  # ranks in the order their replies came
         self.problems: list[str] = []
         self._lock = threading.Lock()
+        self._reading = 0  # connections whose reply is still being read
         self._server = HelloServer([bind], self._check, self._serve, name="perseus.run",
                                    hello_limit=max(256, 2 * len(token)), deadline_s=hello_deadline_s,
                                    backlog=max(128, num_proc))
@@ -98,6 +100,26 @@ class _Server:
             raise Refused("a connection without the job's token")
 
     def _serve(self, conn: socket.socket, _hello) -> None:
+        with self._lock:
+            self._reading += 1
+        try:
+            self._read_reply(conn)
+        finally:
+            with self._lock:
+                self._reading -= 1
+
+    def settle(self, timeout: float = 60.0) -> None:
+        """Wait (up to ``timeout`` s) until every rank connection accepted so far has been read to its end: a
+        rank's reply may still be arriving, or being unpickled (a first torch tensor imports torch), when the
+        job itself has already ended."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._reading == 0:
+                    return
+            time.sleep(0.02)
+
+    def _read_reply(self, conn: socket.socket) -> None:
         try:
             with conn:
                 send_frame(conn, self.payload)
@@ -174,6 +196,7 @@ def run(func: Callable[..., Any], args: tuple = (), kwargs: Optional[dict] = Non
         code = launch.main(argv, env_extra={TOKEN_ENV: token})  # forwarded to every rank
     finally:
         server.close()
+    server.settle()
     return _collect(server, num_proc, code)
 
 

@@ -126,7 +126,7 @@ def _run_job(session: JobSession, nodes: list[Machine], body: bytes, options: di
             os.unlink(job_file)
         except OSError:
             pass
-    _let_replies_land(server, _REPLY_WAIT_S)
+    server.settle(_REPLY_WAIT_S)
     try:
         return _collect(server, num_proc, code)
     except RunError as err:
@@ -147,15 +147,6 @@ def _wait(proc: subprocess.Popen, session: JobSession) -> int:
         if trouble_since is not None and time.monotonic() - trouble_since > _LOST_GRACE_S:
             _end(proc)
             return proc.wait()
-
-
-def _let_replies_land(server: _Server, timeout: float) -> None:
-    """Wait (up to ``timeout`` s) until every rank connection the server accepted has been read to its end: a
-    rank's reply may still be on its way into ``server.results`` when ``mpirun`` has already exited (unpickling
-    a value can take a while: torch tensors import torch here first)."""
-    deadline = time.monotonic() + timeout
-    while len(server.results) + len(server.problems) < server.counts["served"] and time.monotonic() < deadline:
-        time.sleep(0.02)
 
 
 def _end(proc: subprocess.Popen) -> None:

@@ -124,8 +124,10 @@ def test_already_perseus_script_is_unchanged():
 
 
 def test_unsupported_horovod_module_is_a_warning():
-    result = convert_source("import horovod.spark\n", "t.py")
-    assert result.converted == "import perseus.spark\n" and result.warnings
+    result = convert_source("import horovod.data\n", "t.py")
+    assert result.converted == "import perseus.data\n" and result.warnings
+    result = convert_source("import horovod.spark\nimport horovod.ray\n", "t.py")
+    assert result.converted == "import perseus.spark\nimport perseus.ray\n" and not result.warnings
 
 
 def _cli(*args, cwd):

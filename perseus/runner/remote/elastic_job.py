@@ -148,4 +148,5 @@ def run_elastic(func: Callable[..., Any], args: tuple, kwargs: dict, nodes: Call
             os.unlink(job_file)
         except OSError:
             pass
+    server.settle()
     return _collect(server, sizes[-1] if sizes else 0, code, what)

@@ -26,8 +26,8 @@ import threading
 import traceback
 from typing import Any, Optional
 
+from perseus.common.knobs import read_knob
 from perseus.runner.common.util.env import get_env_rank_and_size
-from perseus.runner.remote.agent import TOKEN_ENV
 from perseus.runner.remote.service import die_with_parent
 from perseus.runner.run_frames import recv_frame, send_frame
 
@@ -98,16 +98,17 @@ def main() -> int:
     die_with_parent()
     found = get_env_rank_and_size()
     rank = found[0] if found else 0
-    links = os.environ.get(LINKS_ENV, "").split(",")
+    given = str(read_knob("remote_links")[0])
+    links = given.split(",")
     if rank >= len(links) or ":" not in links[rank]:
-        print(f"perseus: rank {rank} has no worker to serve ({LINKS_ENV}={os.environ.get(LINKS_ENV, '')!r})",
+        print(f"perseus: rank {rank} has no worker to serve ({LINKS_ENV}={given!r})",
               file=sys.stderr, flush=True)
         return 2
     host, _, port = links[rank].rpartition(":")
     try:
         sock = socket.create_connection((host, int(port)), timeout=60.0)
         sock.settimeout(None)
-        send_frame(sock, os.environ.get(TOKEN_ENV, "").encode())
+        send_frame(sock, str(read_knob("remote_token")[0]).encode())
         send_frame(sock, str(rank).encode())
     except OSError as exc:
         print(f"perseus: rank {rank} cannot reach its worker at {links[rank]}: {exc}", file=sys.stderr, flush=True)

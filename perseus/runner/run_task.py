@@ -76,7 +76,9 @@ def main(argv=None) -> int:
             text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
             with remote_rank._link_lock:
                 send_frame(sock, _reply(rank, False, text, exc))
-            sys.stderr.write(text)
+            # Printed by the interpreter's hook, which an elastic rank has extended to tell its driver: an error in
+            # the training code then ends the job at once instead of being taken for a dead host.
+            sys.excepthook(type(exc), exc, exc.__traceback__)
             sys.stderr.flush()
             return 1
         with remote_rank._link_lock:

@@ -204,6 +204,28 @@ def test_elastic_executor_runs_an_elastic_function():
     assert results[0][3] == results[1][3]
 
 
+def raises_outside_the_elastic_loop():
+    import perseus.torch as hvd
+
+    hvd.init()
+    raise ValueError("broken data loader")
+
+
+def test_elastic_function_raising_outside_its_loop_ends_the_job_at_once():
+    from perseus.runner.run_func import RunError
+
+    settings = ElasticRayExecutor.create_settings(min_np=2, max_np=2, elastic_timeout=120)
+    executor = ElasticRayExecutor(settings, cpus_per_slot=2)
+    executor.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(RunError, match=r"(?s)rank \d raised.*ValueError: broken data loader"):
+            executor.run(raises_outside_the_elastic_loop)
+    finally:
+        executor.shutdown()
+    assert time.monotonic() - started < 60  # not taken for a dead host (which would wait elastic_timeout)
+
+
 def test_horovod_ray_is_perseus_ray_through_the_alias():
     import perseus.compat.horovod_alias  # noqa: F401
 

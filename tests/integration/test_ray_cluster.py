@@ -6,6 +6,7 @@ ray_cluster_job.py."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -74,9 +75,11 @@ def test_ray_executor_trains_on_four_workers_over_two_hosts(ray_cluster):
 
 def test_elastic_ray_executor_survives_a_killed_rank(ray_cluster):
     results, output = _job("elastic-rank")
-    assert "rank 3" in output and "died" in output and "generation 1: 2 rank(s) on perseus-node-0:2" in output
-    assert [r[:4] for r in results] == [[0, 2, "perseus-h0", 40], [1, 2, "perseus-h0", 40]]
-    assert results[0][4] == results[1][4]
+    died = re.search(r"rank 3 \(pid \d+\) on (perseus-node-\d) died", output)
+    assert died and re.search(r"generation 1: 2 rank\(s\) on perseus-node-\d:2", output), output[-3000:]
+    assert f"generation 1: 2 rank(s) on {died.group(1)}:2" not in output  # re-formed on the other host
+    assert [r[:2] + r[3:4] for r in results] == [[0, 2, 40], [1, 2, 40]]
+    assert results[0][2] == results[1][2] and results[0][4] == results[1][4]
 
 
 def test_elastic_ray_executor_survives_a_killed_agent_actor(ray_cluster):

@@ -326,7 +326,9 @@ def test_handler_registry_accepts_custom_handlers():
     finally:
         state_module.set_handler_registry(original)
     assert state_module.get_handler_registry() is original
-    assert [t for t, _ in original] == [torch.nn.Module, torch.optim.Optimizer, elastic.ElasticSampler]
+    assert [t for t, _ in original][:3] == [torch.nn.Module, torch.optim.Optimizer, elastic.ElasticSampler]
+    assert original[3][1] is state_module.SchedulerStateHandler  # learning-rate schedulers (several classes)
+    assert torch.optim.lr_scheduler.LRScheduler in original[3][0]
 
 
 def test_module_surface():

@@ -130,7 +130,7 @@ class RayExecutor:
                  reset_limit: Optional[int] = None, cooldown_range=None, elastic_timeout: float = 600,
                  override_discovery: bool = True, *, num_slots: Optional[int] = None,
                  cpus_per_slot: Optional[float] = None, gpus_per_slot: Optional[float] = None):
-        num_workers_per_host = num_slots or num_workers_per_host
+        num_workers_per_host = num_slots or num_workers_per_host or 1  # Horovod's tests pass None
         cpus_per_worker = cpus_per_slot if cpus_per_slot is not None else cpus_per_worker
         gpus_per_worker = gpus_per_slot if gpus_per_slot is not None else gpus_per_worker
         if max_workers and not min_workers:

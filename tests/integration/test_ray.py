@@ -156,6 +156,14 @@ def test_an_impossible_placement_times_out_saying_what_the_cluster_has():
     assert ray.available_resources().get("CPU") == 4  # the placement group was removed
 
 
+def test_sizes_as_horovod_passes_them():
+    settings = RayExecutor.create_settings()
+    executor = RayExecutor(settings, num_workers=4, num_hosts=None, num_workers_per_host=None)
+    assert executor.num_workers == 4
+    executor = RayExecutor(settings, num_hosts=2, num_slots=3, cpus_per_slot=2)
+    assert executor.num_workers == 6 and executor.cpus_per_worker == 2
+
+
 def test_bad_sizes_are_refused():
     settings = RayExecutor.create_settings()
     with pytest.raises(ValueError, match="num_workers"):

@@ -100,7 +100,7 @@ class NodeService:
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         env=env, start_new_session=True)
             except OSError as exc:
-                _send(conn, threading.Lock(), STDERR, f"perseus: cannot run /bin/sh on this node: {exc}\n".encode())
+                _send(conn, threading.Lock(), STDERR, f"perseus: cannot start the command on this node ({sys.executable} -m perseus.runner.remote.guard): {exc}\n".encode())
                 _send(conn, threading.Lock(), STATUS, b"127")
                 return
             with self._lock:

@@ -35,6 +35,7 @@ __all__ = ["NodeService", "STDIN", "STDOUT", "STDERR", "STATUS", "STARTED", "die
 
 STDIN, STDOUT, STDERR, STATUS, STARTED = b"0", b"1", b"2", b"3", b"4"
 _KILL_GRACE_S = 3.0
+_GUARD = "perseus.runner.remote.guard"
 _PR_SET_PDEATHSIG = 1
 
 
@@ -96,11 +97,12 @@ class NodeService:
             except (OSError, ConnectionError, ValueError, KeyError, TypeError):
                 return
             try:
-                proc = subprocess.Popen([sys.executable, "-m", "perseus.runner.remote.guard", command],
+                proc = subprocess.Popen([sys.executable, "-m", _GUARD, command],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         env=env, start_new_session=True)
             except OSError as exc:
-                _send(conn, threading.Lock(), STDERR, f"perseus: cannot start the command on this node ({sys.executable} -m perseus.runner.remote.guard): {exc}\n".encode())
+                text = f"perseus: cannot start the command on this node ({sys.executable} -m {_GUARD}): {exc}\n"
+                _send(conn, threading.Lock(), STDERR, text.encode())
                 _send(conn, threading.Lock(), STATUS, b"127")
                 return
             with self._lock:

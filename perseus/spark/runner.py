@@ -17,7 +17,6 @@ import os
 import re
 import secrets
 import shlex
-import signal
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ from perseus.runner.remote import job as remote_job
 from perseus.runner.remote.agent import write_job_file
 from perseus.runner.run_frames import TOKEN_ENV as RUN_TOKEN_ENV
 from perseus.runner.run_func import RunError, _collect, _Server
+from perseus.runner.remote.service import end_session
 from perseus.spark.driver import Machine, machines, spark_error_text
 from perseus.spark.session import JobSession, active_context, driver_address, nic_list, payload, seconds
 
@@ -120,7 +120,7 @@ def _run_job(session: JobSession, nodes: list[Machine], body: bytes, options: di
             t.join(10.0)
     finally:
         if proc is not None and proc.poll() is None:
-            _end(proc)
+            end_session(proc, 5.0)
         server.close()
         try:
             os.unlink(job_file)
@@ -145,22 +145,8 @@ def _wait(proc: subprocess.Popen, session: JobSession) -> int:
         if trouble_since is None and (session.registry.lost or session.job.error is not None):
             trouble_since = time.monotonic()
         if trouble_since is not None and time.monotonic() - trouble_since > _LOST_GRACE_S:
-            _end(proc)
+            end_session(proc, 5.0)
             return proc.wait()
-
-
-def _end(proc: subprocess.Popen) -> None:
-    """SIGTERM to ``mpirun``'s session (it ends its daemons and ranks), SIGKILL 5 s later."""
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except OSError:
-            return
-        try:
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def _relay(pipe, target) -> None:

@@ -31,7 +31,8 @@ from typing import Mapping, Optional
 from perseus.runner.handshake import HelloServer, Refused, same_secret
 from perseus.runner.run_frames import recv_frame, send_frame
 
-__all__ = ["NodeService", "STDIN", "STDOUT", "STDERR", "STATUS", "STARTED", "die_with_parent"]
+__all__ = ["NodeService", "STDIN", "STDOUT", "STDERR", "STATUS", "STARTED", "die_with_parent",
+           "end_session"]
 
 STDIN, STDOUT, STDERR, STATUS, STARTED = b"0", b"1", b"2", b"3", b"4"
 _KILL_GRACE_S = 3.0
@@ -48,9 +49,9 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         pass
 
 
-def _end_session(proc: subprocess.Popen) -> None:
-    """SIGTERM to the command's session, SIGKILL after a grace period."""
-    for sig, wait in ((signal.SIGTERM, _KILL_GRACE_S), (signal.SIGKILL, 1.0)):
+def end_session(proc: subprocess.Popen, grace: float = _KILL_GRACE_S) -> None:
+    """SIGTERM to the session ``proc`` leads (a command, or mpirun with its daemons), SIGKILL ``grace`` s later."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, max(1.0, grace))):
         try:
             os.killpg(proc.pid, sig)
         except OSError:
@@ -127,7 +128,7 @@ class NodeService:
         while proc.poll() is None:
             feeder.join(0.2)
             if not feeder.is_alive() and getattr(feeder, "lost", False):
-                _end_session(proc)  # the agent is gone: so goes its command
+                end_session(proc)  # the agent is gone: so goes its command
         for t in readers:
             t.join(5.0)
         _send(conn, lock, STATUS, str(proc.returncode if proc.returncode >= 0 else 128 - proc.returncode).encode())
@@ -137,7 +138,7 @@ class NodeService:
         self._server.close()
         with self._lock:
             procs = list(self._procs)
-        threads = [threading.Thread(target=_end_session, args=(p,), daemon=True) for p in procs]
+        threads = [threading.Thread(target=end_session, args=(p,), daemon=True) for p in procs]
         for t in threads:
             t.start()
         for t in threads:

@@ -5,6 +5,9 @@
   than this run has. A missing package, a machine that cannot host the emulated cluster, a missing compiler:
   each of those would let a claim of the docs go untested while the run still reads green, so CI fails
   instead and the reason is in the report. Outside CI such tests skip and say why (``-rs`` lists them).
+- The emulated cluster that integration tests share (tests/integration/cluster_support.py) is taken down when
+  the test run that built it ends: by pytest itself, or under pytest-xdist by its controller once every worker
+  is done.
 - Before each test, Open MPI session directories of killed mpirun processes are removed
   (perseus.runner.session_dirs): a test that starts mpirun directly would otherwise fail at random when its
   process id is one a killed mpirun had.
@@ -12,6 +15,7 @@
 
 import os
 import re
+import sys
 
 import pytest
 
@@ -28,6 +32,15 @@ STRUCTURAL_SKIP = re.compile(
 def _no_stale_mpi_session_dirs():
     remove_stale_session_dirs()
     yield
+
+
+def pytest_unconfigure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER") or not os.path.exists("/run/perseus-cluster/pytest-owner"):
+        return
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "integration"))
+    from cluster_support import take_down_if_ours
+
+    take_down_if_ours()
 
 
 def _in_ci() -> bool:

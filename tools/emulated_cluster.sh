@@ -12,9 +12,12 @@
 #           HOSTFILE="$(sudo tools/emulated_cluster.sh up 2 800 200)"
 #   tools/emulated_cluster.sh down       remove everything "up" made (also after a crash or a partial "up")
 #   tools/emulated_cluster.sh status     hosts, addresses, ssh daemons, queueing disciplines, class counters
-#   tools/emulated_cluster.sh check [SECONDS]
-#       measure TCP throughput between perseus-h0 and perseus-h1 with 1, 4 and 8 concurrent connections, in both
-#       directions (default 2 s per measurement, about 20 s in all)
+#   tools/emulated_cluster.sh shape HOST LINK_MBIT FLOW_MBIT
+#       shape one host's link anew (as "up" does for all; LINK_MBIT 0 removes the shaping), so that hosts of one
+#       cluster can differ (the tests share one cluster between modules that want shaped and unshaped links)
+#   tools/emulated_cluster.sh check [SECONDS [HOST_A HOST_B]]
+#       measure TCP throughput between HOST_A and HOST_B (default perseus-h0 and perseus-h1) with 1, 4 and 8
+#       concurrent connections, in both directions (default 2 s per measurement, about 20 s in all)
 #
 # What it builds (all names and addresses are owned by this script; "down" touches nothing else):
 #   - a bridge perseus0 in the root namespace with 10.213.0.1/24;
@@ -229,6 +232,41 @@ shape() {
            "$(tail -1 "$file.log") (does this kernel have htb and u32?)"
 }
 
+# shape_host I LINK FLOW: host I's upload (its end of the veth) and download (the root end) shaped to LINK/FLOW
+# Mbit/s, or unshaped when LINK is 0; an earlier shaping is removed first. Remembered in $STATE/h<I>/shape.
+shape_host() {
+  local i="$1" link="$2" flow="$3" ns="${NS_PREFIX}$1" rv="${ROOT_VETH_PREFIX}$1"
+  tc -n "$ns" qdisc del dev "$NIC" root 2>/dev/null || true
+  tc qdisc del dev "$rv" root 2>/dev/null || true
+  if [ "$link" -gt 0 ]; then
+    shape "$ns" "$NIC" "$link" "$flow"   # upload
+    shape - "$rv" "$link" "$flow"         # download
+  fi
+  mkdir -m 700 -p "$STATE/h$i"
+  echo "$link $flow" >"$STATE/h$i/shape"
+}
+
+# check_rates LINK FLOW: exit (with the usage) unless LINK and FLOW are valid shaping rates.
+check_rates() {
+  local link="$1" flow="$2"
+  if [ "$link" = 0 ] && [ "$flow" != 0 ]; then
+    die "FLOW_MBIT needs a shaped link; give LINK_MBIT > 0, or FLOW_MBIT 0"
+  fi
+  [ "$link" -le 100000 ] || die "LINK_MBIT must be at most 100000 (100 Gbit/s), got $link"
+  [ "$flow" -le "$link" ] || die "FLOW_MBIT ($flow) exceeds LINK_MBIT ($link); a flow cannot be faster than its link"
+}
+
+# host_index NAME: the index of host NAME (perseus-h<I>, or I itself) of the running cluster; exits if none.
+host_index() {
+  local name="$1" hosts i
+  [ -f "$STATE/params" ] || die "no emulated cluster; bring one up with '$PROG up 2 800 200'"
+  read -r hosts _ <"$STATE/params"
+  i="${name#"$NS_PREFIX"}"
+  [[ "$i" =~ ^[0-9]+$ ]] && [ $((10#$i)) -lt "$hosts" ] \
+    || die "'$name' is not a host of this cluster (${NS_PREFIX}0..${NS_PREFIX}$((hosts - 1)))"
+  echo $((10#$i))
+}
+
 ensure_sshd() {
   [ -x /usr/sbin/sshd ] && return 0
   command -v apt-get >/dev/null 2>&1 \
@@ -264,10 +302,7 @@ start_host() {  # start_host I LINK FLOW
   ip -n "$ns" addr add "$addr/24" dev "$NIC"
   ip -n "$ns" link set lo up
   ip -n "$ns" link set "$NIC" up
-  if [ "$link" -gt 0 ]; then
-    shape "$ns" "$NIC" "$link" "$flow"   # upload
-    shape - "$rv" "$link" "$flow"         # download
-  fi
+  shape_host "$i" "$link" "$flow"
   ssh-keygen -q -t ed25519 -N '' -C "$ns host key" -f "$dir/ssh_host_ed25519_key"
   cat >"$dir/sshd_config" <<EOF
 # sshd of the emulated host $ns (tools/emulated_cluster.sh)
@@ -319,11 +354,7 @@ cmd_up() {
   hosts=$((10#$hosts)); link=$((10#$link)); flow=$((10#$flow)); slots=$((10#$slots))
   [ "$hosts" -ge 1 ] && [ "$hosts" -le "$MAX_HOSTS" ] || die "HOSTS must be 1 to $MAX_HOSTS, got $hosts"
   [ "$slots" -ge 1 ] || die "SLOTS must be at least 1, got $slots"
-  if [ "$link" = 0 ] && [ "$flow" != 0 ]; then
-    die "FLOW_MBIT needs a shaped link; give LINK_MBIT > 0, or FLOW_MBIT 0"
-  fi
-  [ "$link" -le 100000 ] || die "LINK_MBIT must be at most 100000 (100 Gbit/s), got $link"
-  [ "$flow" -le "$link" ] || die "FLOW_MBIT ($flow) exceeds LINK_MBIT ($link); a flow cannot be faster than its link"
+  check_rates "$link" "$flow"
   need_tools
   # Leftovers of an earlier run (ours only, found by name and marker) go first: "up" can be repeated.
   cmd_down
@@ -426,7 +457,7 @@ cmd_status() {
   fi
   local hosts link flow slots
   read -r hosts link flow slots <"$STATE/params"
-  echo "cluster: $hosts hosts, link ${link} Mbit/s, flow ${flow} Mbit/s (0: not shaped), $slots slots;" \
+  echo "cluster: $hosts hosts, brought up with link ${link} Mbit/s, flow ${flow} Mbit/s (0: not shaped), $slots slots;" \
        "hostfile $STATE/hostfile"
   echo "bridge $NIC: $(ip -4 -o addr show dev "$NIC" 2>/dev/null | awk '{print $4}')" \
        "$(cat "/sys/class/net/$NIC/operstate" 2>/dev/null || echo missing)"
@@ -441,7 +472,8 @@ cmd_status() {
       alive="pid $pid"
       name="$(nsenter -t "$pid" -u hostname 2>/dev/null || echo "?")"
     fi
-    echo "$ns: address $addr, hostname $name, sshd $alive"
+    echo "$ns: address $addr, hostname $name, sshd $alive, shaped $(cat "$STATE/h$i/shape" 2>/dev/null || echo "?")" \
+         "(link, flow Mbit/s; 0: not shaped)"
     echo "  upload ($NIC in $ns): $(tc -n "$ns" qdisc show dev "$NIC" 2>/dev/null | head -1)"
     echo "    tx $(cat "/sys/class/net/$rv/statistics/rx_bytes" 2>/dev/null || echo "?") bytes"
     class_summary "$ns" "$NIC" 2>/dev/null || true
@@ -523,31 +555,37 @@ print("%d flow%s %7.1f Mbit/s in total; per flow %s" % (n, " " if n == 1 else "s
 
 cmd_check() {
   need_root
-  local secs="${1:-2}"
+  local secs="${1:-2}" a="${2:-${NS_PREFIX}0}" b="${3:-${NS_PREFIX}1}"
   [[ "$secs" =~ ^[0-9]+$ ]] && [ "$secs" -ge 1 ] || die "SECONDS must be a positive integer, got '$secs'"
   [ -f "$STATE/params" ] || die "no emulated cluster; bring one up with '$PROG up 2 800 200'"
-  local hosts link flow slots
-  read -r hosts link flow slots <"$STATE/params"
+  local hosts
+  read -r hosts _ <"$STATE/params"
   [ "$hosts" -ge 2 ] || die "check needs at least 2 hosts; this cluster has $hosts"
+  local ia ib
+  ia="$(host_index "$a")"; ib="$(host_index "$b")"
+  a="${NS_PREFIX}$ia"; b="${NS_PREFIX}$ib"
+  [ "$ia" != "$ib" ] || die "check needs two different hosts, got $a twice"
+  local link flow
+  read -r link flow <"$STATE/h$ia/shape"
   local py=/usr/bin/python3 dst n who out lpid port=5201 limit=$((secs + 20))
   [ -x "$py" ] || py="$(command -v python3 || true)"
   [ -n "$py" ] || die "python3 is missing; install it (apt-get install python3)"
-  dst="$(host_addr 1)"
-  echo "TCP throughput between ${NS_PREFIX}0 and ${NS_PREFIX}1, measured over ${secs} s" \
-       "(link ${link} Mbit/s, per flow ${flow} Mbit/s; 0: not shaped)"
+  dst="$(host_addr "$ib")"
+  echo "TCP throughput between $a and $b, measured over ${secs} s" \
+       "($a: link ${link} Mbit/s, per flow ${flow} Mbit/s; 0: not shaped)"
   # Both directions: the hashing must keep flows apart whichever end has the listening port.
   for who in connector listener; do
     if [ "$who" = connector ]; then
-      echo "${NS_PREFIX}0 -> ${NS_PREFIX}1 (the sender opened the connections):"
+      echo "$a -> $b (the sender opened the connections):"
     else
-      echo "${NS_PREFIX}1 -> ${NS_PREFIX}0 (the receiver opened the connections):"
+      echo "$b -> $a (the receiver opened the connections):"
     fi
     for n in 1 4 8; do
       out="$(mktemp)"
-      ip netns exec "${NS_PREFIX}1" timeout "$limit" "$py" -c "$CHECK_PY" \
+      ip netns exec "$b" timeout "$limit" "$py" -c "$CHECK_PY" \
         listen "$dst" "$port" "$n" "$secs" "$who" >"$out" 2>&1 &
       lpid=$!
-      ip netns exec "${NS_PREFIX}0" timeout "$limit" "$py" -c "$CHECK_PY" \
+      ip netns exec "$a" timeout "$limit" "$py" -c "$CHECK_PY" \
         connect "$dst" "$port" "$n" "$secs" "$who" >>"$out" 2>&1 \
         || { wait "$lpid" || true; cat "$out" >&2; rm -f "$out"; die "the probe with $n flows failed (above)"; }
       wait "$lpid" || { cat "$out" >&2; rm -f "$out"; die "the probe with $n flows failed (above)"; }
@@ -558,6 +596,21 @@ cmd_check() {
   done
 }
 
+# --------------------------------------------------------------------------------------------------- shape
+
+cmd_shape() {
+  need_root
+  [ $# -eq 3 ] || die "usage: $PROG shape HOST LINK_MBIT FLOW_MBIT, e.g. $PROG shape ${NS_PREFIX}0 800 200"
+  local i link="$2" flow="$3" v
+  i="$(host_index "$1")"
+  for v in "$link" "$flow"; do
+    [[ "$v" =~ ^[0-9]+$ ]] || die "'$v' is not a non-negative integer; usage: $PROG shape HOST LINK_MBIT FLOW_MBIT"
+  done
+  link=$((10#$link)); flow=$((10#$flow))
+  check_rates "$link" "$flow"
+  shape_host "$i" "$link" "$flow"
+}
+
 # ----------------------------------------------------------------------------------------------------- main
 
 case "${1:-}" in
@@ -565,5 +618,7 @@ case "${1:-}" in
   down) shift; cmd_down; say "down: removed the emulated cluster (if there was one)" ;;
   status) shift; cmd_status ;;
   check) shift; cmd_check "$@" ;;
-  *) die "usage: $PROG up HOSTS LINK_MBIT FLOW_MBIT [SLOTS] | down | status | check [SECONDS]" ;;
+  shape) shift; cmd_shape "$@" ;;
+  *) die "usage: $PROG up HOSTS LINK_MBIT FLOW_MBIT [SLOTS] | down | status | shape HOST LINK_MBIT FLOW_MBIT |" \
+         "check [SECONDS [HOST_A HOST_B]]" ;;
 esac

@@ -1,11 +1,10 @@
-"""Shared pieces of the elastic tests: an emulated cluster of 3 hosts (tools/emulated_cluster.sh, real ssh
-launches), a host discovery script the test steers through a file, and a runner for elastic_job.py under
-perseusrun's elastic launcher.
+"""Shared pieces of the elastic tests: 3 hosts of the emulated cluster (tools/emulated_cluster.sh, real ssh
+launches) leased for each test alone (cluster_support.leased_hosts), a host discovery script the test steers
+through a file, and a runner for elastic_job.py under perseusrun's elastic launcher.
 """
 
 import json
 import os
-import signal
 import stat
 import subprocess
 import sys
@@ -13,69 +12,12 @@ import textwrap
 import time
 
 import numpy as np
-import pytest
 
-from cluster_support import CANNOT_BUILD, REPO, STATE, cluster, why_not_here
+from cluster_support import REPO, leased_hosts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "elastic_job.py")
 HOSTS = 3
-_cluster = cluster
-
-
-def _running_cluster():
-    try:
-        with open(os.path.join(STATE, "params")) as f:
-            hosts = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return False
-    if hosts < HOSTS:
-        return False
-    for i in range(HOSTS):
-        probe = subprocess.run(["ssh", f"perseus-h{i}", "hostname"], capture_output=True, text=True, timeout=20,
-                               stdin=subprocess.DEVNULL)
-        if probe.stdout.strip() != f"perseus-h{i}":
-            return False
-    return True
-
-
-def cluster_fixture():
-    """Generator for a module-scoped fixture: 3 emulated hosts, unshaped; an existing cluster is reused."""
-    reason = why_not_here()
-    if reason:
-        pytest.skip(reason)
-    if _running_cluster():
-        yield
-        return
-    try:
-        up = _cluster("up", str(HOSTS), "0", "0", "1", timeout=150)
-        if up.returncode != 0:
-            last = (up.stderr.strip().splitlines() or ["no output"])[-1]
-            if any(mark in last for mark in CANNOT_BUILD):
-                pytest.skip(f"the emulated cluster cannot be built here: {last}")
-            pytest.fail(f"tools/emulated_cluster.sh up failed:\n{up.stdout}{up.stderr}")
-        yield
-    finally:
-        _cluster("down", timeout=120)
-
-
-def host_pids(host):
-    """Process ids running inside an emulated host's network namespace."""
-    out = subprocess.run(["ip", "netns", "pids", host], capture_output=True, text=True, timeout=10).stdout
-    return [int(p) for p in out.split()]
-
-
-def kill_strays():
-    """Kill what a test left running in the hosts (workers, keepers, MPI daemons), keeping the ssh servers."""
-    for i in range(HOSTS):
-        for pid in host_pids(f"perseus-h{i}"):
-            try:
-                with open(f"/proc/{pid}/comm") as f:
-                    if f.read().strip() == "sshd":
-                        continue
-                os.kill(pid, signal.SIGKILL)
-            except (OSError, ProcessLookupError):
-                pass
 
 
 def link(host, up):
@@ -84,23 +26,27 @@ def link(host, up):
 
 
 def discovery_fixture(tmp_path):
-    """Generator for a per-test fixture: a :class:`Discovery` reporting perseus-h0 and perseus-h1; afterwards
-    every host's link is up again and what the test left running in the hosts is killed."""
-    d = Discovery(tmp_path)
-    d.set("perseus-h0", "perseus-h1")
-    yield d
-    for i in range(HOSTS):
+    """Generator for a per-test fixture: 3 leased hosts and a :class:`Discovery` reporting the first two;
+    afterwards every host's link is up again (and the lease's end kills what the test left running there)."""
+    with leased_hosts(HOSTS) as leased:
+        d = Discovery(tmp_path, [h.name for h in leased])
+        d.set(*d.hosts[:2])
         try:
-            link(f"perseus-h{i}", True)
-        except Exception:  # noqa: BLE001 - best effort: the next test starts from a clean cluster either way
-            pass
-    kill_strays()
+            yield d
+        finally:
+            for host in d.hosts:
+                try:
+                    link(host, True)
+                except Exception:  # noqa: BLE001 - best effort: the next test starts from a clean host either way
+                    pass
+
 
 class Discovery:
     """A discovery script printing the file ``hosts`` next to it; ``set()`` changes what it prints, ``fail()``
-    makes it exit 1, ``garbage()`` print nonsense."""
+    makes it exit 1, ``garbage()`` print nonsense. ``hosts`` are the names of the test's leased hosts."""
 
-    def __init__(self, tmp):
+    def __init__(self, tmp, hosts):
+        self.hosts = hosts
         self.dir = str(tmp)
         self.hosts_file = os.path.join(self.dir, "hosts")
         self.path = os.path.join(self.dir, "discover.sh")
@@ -120,7 +66,7 @@ class Discovery:
 
     def garbage(self):
         with open(self.hosts_file + ".tmp", "w") as f:
-            f.write("perseus-h0:1\nthis is :: not a host line\n")
+            f.write(f"{self.hosts[0]}:1\nthis is :: not a host line\n")
         os.replace(self.hosts_file + ".tmp", self.hosts_file)
 
     def fail(self, on=True):
@@ -153,8 +99,7 @@ def finish(proc, out, timeout=150):
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-        kill_strays()
-        code = "HANG"
+        code = "HANG"  # (the discovery fixture kills what the launcher left in the hosts)
     with open(os.path.join(out, "log")) as f:
         text = f.read()
     return code, text

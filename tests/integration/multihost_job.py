@@ -4,7 +4,8 @@
     python multihost_job.py train HOSTS PER_HOST
     python multihost_job.py flows HOSTS PER_HOST     (PERSEUS_NUM_CHANNELS set by the caller, or not)
 
-Ranks are expected to fill the hosts in order (perseusrun maps by slot): rank r runs on perseus-h<r // PER_HOST>.
+HOSTS are the emulated hosts' names, comma-separated. Ranks are expected to fill them in order (perseusrun maps
+by slot): rank r runs on host number r // PER_HOST.
 Every check that fails raises, which ends the whole job with a non-zero status; a rank that passes prints
 one ``OK ...`` line.
 """
@@ -18,6 +19,7 @@ import torch
 import perseus.torch as hvd
 
 BIG = 1 << 20  # elements: 4 MB as float32
+NAMES = []  # the hosts' names, in the order ranks fill them (from the command line)
 
 
 def check(cond, what):
@@ -30,8 +32,8 @@ def check_layout(hosts, per_host):
     got = (hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size())
     want = (hosts * per_host, r % per_host, per_host, r // per_host, hosts)
     check(got == want, f"(size, local_rank, local_size, cross_rank, cross_size) = {got}, expected {want}")
-    check(socket.gethostname() == f"perseus-h{r // per_host}",
-          f"runs on {socket.gethostname()}, expected perseus-h{r // per_host}")
+    check(socket.gethostname() == NAMES[r // per_host],
+          f"runs on {socket.gethostname()}, expected {NAMES[r // per_host]}")
 
 
 def check_allreduce():
@@ -216,14 +218,15 @@ def flows(hosts, per_host):
     for h in [hvd.allreduce_async_(x, op=hvd.Sum, name=f"flow.{i}") for i, x in enumerate(xs)]:
         hvd.synchronize(h)
     check(all(torch.equal(x, torch.full((BIG,), float(hvd.size()))) for x in xs), "allreduce is wrong")
-    peer = socket.gethostbyname(f"perseus-h{1 - hvd.rank() // per_host}")
+    peer = socket.gethostbyname(NAMES[1 - hvd.rank() // per_host])
     n = tcp_connections_to(peer)
     hvd.barrier()  # nobody closes a connection before every rank has counted
     print(f"OK flows rank {hvd.rank()} channels {channels} connections {n}", flush=True)
 
 
 if __name__ == "__main__":
-    mode, n_hosts, n_per_host = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    mode, NAMES[:], n_per_host = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3])
+    n_hosts = len(NAMES)
     if mode == "collectives":
         collectives(n_hosts, n_per_host, sys.argv[4] if len(sys.argv) > 4 else None)
     elif mode == "train":

@@ -1,9 +1,10 @@
-"""The driver side of test_ray_cluster.py, run inside emulated host perseus-h0 (where Ray's head runs).
+"""The driver side of test_ray_cluster.py, run inside the emulated host where Ray's head runs.
 
-``python ray_cluster_job.py static``: RayExecutor with 2 workers on each of 2 nodes trains and returns every
-rank's (rank, size, host, parameters). ``python ray_cluster_job.py elastic-rank`` / ``elastic-actor``: an
-ElasticRayExecutor job on 4 slots where rank 3's process (on perseus-h1) is killed at step 12, or the agent
-actor on perseus-h1 is killed from here; the job must finish on what is left. The last line printed is JSON.
+``python ray_cluster_job.py static HEAD:PORT``: RayExecutor with 2 workers on each of 2 nodes trains and returns
+every rank's (rank, size, host, parameters). ``python ray_cluster_job.py elastic-rank|elastic-actor HEAD:PORT``:
+an ElasticRayExecutor job on 4 slots where rank 3's process (on the second node) is killed at step 12, or the
+agent actor of the second node is killed from here; the job must finish on what is left. The last line printed
+is JSON.
 """
 
 import json
@@ -74,8 +75,8 @@ def elastic_train(kill_rank):
     return loop(state)
 
 
-def main(mode):
-    ray.init(address="auto", log_to_driver=True)
+def main(mode, address):
+    ray.init(address=address, log_to_driver=True)
     if mode == "static":
         executor = RayExecutor(RayExecutor.create_settings(timeout_s=90), num_hosts=2, num_workers_per_host=2)
         executor.start()
@@ -103,4 +104,4 @@ def main(mode):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

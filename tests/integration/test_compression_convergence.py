@@ -24,7 +24,8 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.timeout(150)
+# pytest-xdist keeps the module's tests in one worker: its 2-rank benchmark runs once for them all.
+pytestmark = [pytest.mark.timeout(150), pytest.mark.xdist_group("compression_convergence")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "compression_convergence.py")

@@ -42,6 +42,10 @@ CASES = {
 # MXNet 1.9.1 lives in its own environment (tools/setup_mxnet_env.sh): its scripts run with that Python;
 # the conversion itself runs wherever this test runs (tools/run_mxnet_tests.sh runs it from .venv-mxnet).
 MXNET = {"mxnet_gluon.py", "mxnet_gluon_best.py"}
+# The quick test run converts and trains these (one of each kind: a plain torch script, a class-based trainer, a
+# Horovod script, a rank-0 file read back, Keras fit); the full run, all of them.
+QUICK = {"torch_toplevel_adam.py", "torch_trainer_class.py", "horovod_torch.py", "torch_best_model_reload.py",
+         "keras_fit_arrays.py", "mxnet_gluon.py"}
 MXNET_PYTHON = os.path.join(ROOT, ".venv-mxnet", "bin", "python")
 
 
@@ -73,7 +77,7 @@ def _load(path):
         return [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", [n if n in QUICK else pytest.param(n, marks=pytest.mark.full) for n in sorted(CASES)])
 def test_converted_script_trains_on_two_ranks(name, tmp_path):
     style, batch, reference, needs_tf = CASES[name]
     if needs_tf:

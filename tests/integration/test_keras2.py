@@ -33,6 +33,7 @@ def test_tf_keras2_fit_matches_global_batch_and_aggregates():
     assert out.count(" OK") == 18, out
 
 
+@pytest.mark.full
 def test_tf_keras2_elastic_state_recovers_before_the_first_commit():
     # (keras2_elastic.py: a new-style Adam and a legacy SGD with momentum, both made unbuilt, recover from a
     # failure in the first batches to their initial state)

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.rank_count]
 
 ALL, ODD = "all", "rank 1"
 EVERY, ODD_ONLY = "every rank", "odd rank only"

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from perseus.compression import PowerSGD, QSGD, RandomK, Sign, TopK
 from perseus.compression.sign import signed
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.rank_count]
 
 MAKERS = {
     "topk": lambda **kw: TopK(0.1, **kw),

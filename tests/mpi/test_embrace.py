@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from perseus.torch import embedding as emb_mod
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.rank_count]
 
 L, CLASSES = 23, 5
 

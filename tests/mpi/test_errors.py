@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.rank_count]
 
 
 def expect_everywhere(hvd, fn, *patterns):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.rank_count]
 
 
 def test_global_set(hvd):

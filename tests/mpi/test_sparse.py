@@ -18,7 +18,7 @@ from perseus.common.exceptions import HorovodInternalError
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.rank_count]
 
 ALGS = ["zen", "allgather", "dense", "alltoall", "auto"]
 R, D = 4000, 3

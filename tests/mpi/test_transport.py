@@ -8,7 +8,7 @@ import pytest
 
 from conftest import rank_data
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.rank_count]
 
 OPS = {"sum": 1, "min": 3, "max": 4, "product": 5}
 

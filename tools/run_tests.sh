@@ -92,9 +92,13 @@ status=0
 FAILED_STAGES=()
 TIMES=()
 SKIPS=()
+cpu_jiffies() {  # "busy total": the machine's CPU time so far (/proc/stat), to tell waiting stages from busy ones
+  awk '/^cpu / {print $2 + $3 + $4 + $7 + $8 + $9, $2 + $3 + $4 + $5 + $6 + $7 + $8 + $9; exit}' /proc/stat
+}
 stage() {  # stage NAME CMD...: run CMD (its output shown and kept); a failure is remembered by NAME
   local name="$1"; shift
-  local log="$LOG_DIR/$(echo "$name" | tr -c 'A-Za-z0-9\n' '_').log" began=$SECONDS
+  local log="$LOG_DIR/$(echo "$name" | tr -c 'A-Za-z0-9\n' '_').log" began=$SECONDS cpu0 cpu1 busy
+  cpu0="$(cpu_jiffies)"
   echo "== [$(clock)] $name"
   # Open MPI session directories of killed mpirun processes (an earlier stage's fault tests kill some) would
   # make an mpirun that gets the same process id fail at start-up (perseus/runner/session_dirs.py).
@@ -107,8 +111,11 @@ stage() {  # stage NAME CMD...: run CMD (its output shown and kept); a failure i
   local skipped notrun
   skipped=$( (grep -a -o -E "[0-9]+ skipped" "$log" || true) | awk '{n += $1} END {print n + 0}')
   notrun=$(grep -a -c "NOT RUN:" "$log" || true)
-  echo "-- $name: $((SECONDS - began)) s, $skipped skipped, $notrun not run (reasons: the SKIPPED / NOT RUN lines above)"
-  TIMES+=("$(printf '%5d s  %s' $((SECONDS - began)) "$name")")
+  cpu1="$(cpu_jiffies)"
+  busy=$(echo "$cpu0 $cpu1" | awk '{t = $4 - $2; print t > 0 ? int(100 * ($3 - $1) / t + 0.5) : 0}')
+  echo "-- $name: $((SECONDS - began)) s (CPU $busy% busy), $skipped skipped, $notrun not run (reasons: the SKIPPED /" \
+       "NOT RUN lines above)"
+  TIMES+=("$(printf '%5d s  CPU %3d%% busy  %s' $((SECONDS - began)) "$busy" "$name")")
   SKIPS+=("$name: $skipped skipped, $notrun not run")
 }
 summary() {  # the last lines CI shows: each stage's time, what did not run, which stages failed and why
@@ -123,8 +130,9 @@ summary() {  # the last lines CI shows: each stage's time, what did not run, whi
 }
 
 # (The MXNet corpus scripts need .venv-mxnet: tools/run_mxnet_tests.sh runs those two cases, in that environment.)
+# The integration tests first: the long ones start early and the many short unit tests fill the workers at the end.
 stage "unit and integration tests" "${PYTEST[@]}" -q -n "$JOBS" --dist loadgroup --durations=15 "${QUICK_ONLY[@]}" \
-  tests/unit tests/integration \
+  tests/integration tests/unit \
   --deselect "tests/integration/test_convert_corpus.py::test_converted_script_trains_on_two_ranks[mxnet_gluon.py]" \
   --deselect "tests/integration/test_convert_corpus.py::test_converted_script_trains_on_two_ranks[mxnet_gluon_best.py]"
 # Every rank runs every test and prints its own summary line. A process that dies on a signal, even after every

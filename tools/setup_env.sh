@@ -22,7 +22,7 @@ esac
 # The environment only grows: extras installed before stay (tools/run_main_job.sh and tools/run_tests.sh ask for
 # different ones), and it is current when it was made from these inputs with at least these extras.
 HASH="$(inputs_hash "$("$PY" -VV)" -- tools/constraints.txt setup.py pyproject.toml native)"
-read -r had_hash had_extras <"$VENV/.perseus-inputs" 2>/dev/null || true
+read -r had_hash had_extras 2>/dev/null <"$VENV/.perseus-inputs" || true
 [ "${had_hash:-}" = "$HASH" ] || had_extras=""
 EXTRAS="$(echo "$EXTRAS,${had_extras:-}" | tr ',' '\n' | sed '/^$/d' | sort -u | paste -sd, -)"
 if [ "$EXTRAS" = "${had_extras:-}" ] && "$VENV/bin/python" -c "" 2>/dev/null \

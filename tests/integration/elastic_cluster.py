@@ -92,7 +92,7 @@ def start(discovery, out, *, np_=2, min_np=1, max_np=3, extra=(), env=None, mode
     return subprocess.Popen(args, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def finish(proc, out, timeout=150):
+def finish(proc, out, timeout=400):
     """Wait for the launcher (killing it and the hosts' strays at the deadline); return (status, log text)."""
     try:
         code = proc.wait(timeout=timeout)
@@ -129,7 +129,7 @@ def reference(steps, tmp_root, job=JOB):
     """Final parameters of the same steps run by ``job`` on one process without perseus."""
     if (job, steps) not in _REFERENCE:
         out = os.path.join(str(tmp_root), f"reference-{os.path.basename(job)}-{steps}")
-        subprocess.run([sys.executable, job, "reference", out], check=True, timeout=120,
+        subprocess.run([sys.executable, job, "reference", out], check=True, timeout=300,
                        env=dict(os.environ, STEPS=str(steps)))
         _REFERENCE[(job, steps)] = np.load(os.path.join(out, "reference.npy"))
     return _REFERENCE[(job, steps)]

@@ -25,7 +25,7 @@ import sys
 import pytest
 
 # pytest-xdist keeps the module's tests in one worker: its 2-rank benchmark runs once for them all.
-pytestmark = [pytest.mark.timeout(150), pytest.mark.xdist_group("compression_convergence")]
+pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group("compression_convergence")]  # (hangs)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "compression_convergence.py")
@@ -46,7 +46,7 @@ def run_benchmark(out_dir, np_, *args):
     env = dict(os.environ, PERSEUS_TOPK_SELECTOR="exact")
     cmd = mpirun_cmd(np_) + [sys.executable, SCRIPT, "--variants", VARIANTS, "--seeds", "1",
                              "--json", out_json, *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     rows = {}
@@ -90,6 +90,7 @@ def test_error_feedback_decides_on_quiet_features_2_ranks(two_ranks):
     check_linear(*two_ranks)
 
 
+@pytest.mark.full  # the 3-rank repeat
 def test_error_feedback_decides_on_quiet_features_3_ranks(tmp_path):
     check_linear(*run_benchmark(tmp_path, 3, "--tasks", "linear"))
 
@@ -112,7 +113,7 @@ def test_momentum_correction_keeps_topk_with_dense_under_momentum_sgd(tmp_path):
     cmd = mpirun_cmd(2) + [sys.executable, SCRIPT, "--tasks", "mlp", "--mlp-hidden", "128", "--mlp-steps", "300",
                            "--seeds", "1", "--variants", "dense,topk:0.01:nomc,topk:0.01", "--json", out_json]
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PERSEUS_TOPK_SELECTOR="exact"), capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     rows = {json.loads(line)["variant"]: json.loads(line) for line in open(out_json)}

@@ -13,7 +13,7 @@ pytest.importorskip("libcst")
 
 from perseus.convert import convert_source  # noqa: E402
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = pytest.mark.timeout(900)  # for hangs: two training jobs, on a busy machine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CORPUS = os.path.join(ROOT, "tests", "convert_corpus")
@@ -53,7 +53,7 @@ def test_corpus_is_complete():
     assert sorted(CASES) == sorted(f for f in os.listdir(CORPUS) if f.endswith(".py"))
 
 
-def _run(cmd, env, cwd, timeout=200):
+def _run(cmd, env, cwd, timeout=600):
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc

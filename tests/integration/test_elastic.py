@@ -7,9 +7,10 @@ parameters of a single process that ran the same steps (tolerance for the differ
 must never restart from before the last commit (see elastic_cluster.check_recovered). A job that cannot
 recover must end, on every rank, with a clear error.
 
-The quick test run takes one case of each kind (a rank killed in a collective, rank 0 killed, a stopped rank,
-errors in training code, a host lost, added and removed, the keepers' copies, discovery failing at start); the
-cases marked "full" (variants of those, and the long ones) run in the full test run, as CI does.
+The quick test run takes one case of each kind (a rank killed inside a collective, rank 0 killed, a stopped
+rank, an error in the training code, fewer hosts than --min-np, a whole host lost, a commit restored from a
+peer's keeper, a host added, a host removed); the cases marked "full" (variants of those, and the long ones)
+run in the full test run, as CI does.
 """
 
 import os
@@ -21,7 +22,9 @@ import pytest
 from cluster_support import host_pids, kill_strays
 from elastic_cluster import check_recovered, discovery_fixture, events, finish, link, phases, start, wait_for, worker_pids
 
-pytestmark = pytest.mark.timeout(240)
+# For hangs: a job that starts, fails, re-forms and finishes, on a busy machine (the launcher's own deadline
+# is elastic_cluster.finish's 400 s).
+pytestmark = pytest.mark.timeout(900)
 
 STEPS = 24
 
@@ -32,7 +35,7 @@ def disc(tmp_path):
     yield from discovery_fixture(tmp_path)
 
 
-def run(disc, tmp_path, *, env=None, timeout=150, **kw):
+def run(disc, tmp_path, *, env=None, timeout=400, **kw):
     out = str(tmp_path / "out")
     proc = start(disc, out, env=dict(env or {}), **kw)
     code, log = finish(proc, out, timeout)
@@ -70,6 +73,7 @@ def test_worker_failure_recovers_on_the_survivors(disc, tmp_path, kind, at, rank
     assert "blacklist" in log, log[-3000:]
 
 
+@pytest.mark.full
 def test_kill_before_the_first_commit_starts_over(disc, tmp_path):
     code, log, out = run(disc, tmp_path, env=fault("kill", "step", 1, step=0))
     assert code == 0, log[-4000:]
@@ -94,7 +98,7 @@ def test_two_ranks_die_at_once(disc, tmp_path):
     disc.set(H0, H1, H2)
     out = str(tmp_path / "out")
     proc = start(disc, out, np_=3, env=dict(STEPS="60", STEP_SLEEP="0.1"))
-    wait_for(lambda: any(e["kind"] == "step" and e["step"] >= 4 for e in events(out)), 90, "step 4")
+    wait_for(lambda: any(e["kind"] == "step" and e["step"] >= 4 for e in events(out)), 240, "step 4")
     for r in (1, 2):
         for pid in worker_pids(out, r):
             os.kill(pid, signal.SIGKILL)
@@ -112,12 +116,13 @@ def test_stopped_worker_is_taken_as_failed(disc, tmp_path):
 
 
 def test_exception_in_training_code_fails_every_rank_clearly(disc, tmp_path):
-    start_t = time.monotonic()
     code, log, out = run(disc, tmp_path, env=fault("raise", "step", 1))
+    ended = time.time()
     assert code not in (0, "HANG"), log[-3000:]
     assert "ValueError: injected failure at step 5" in log, log[-3000:]
     assert "rank 1" in log, log[-3000:]
-    assert time.monotonic() - start_t < 90
+    # Every rank fails within seconds of the raise (the last step a rank recorded), not after a timeout.
+    assert ended - max(e["t"] for e in events(out) if e["kind"] == "step") < 30
 
 
 @pytest.mark.full
@@ -127,6 +132,7 @@ def test_exception_inside_backward_fails_clearly(disc, tmp_path):
     assert "injected failure" in log, log[-3000:]
 
 
+@pytest.mark.full
 def test_exception_outside_the_elastic_function_fails_clearly(disc, tmp_path):
     code, log, out = run(disc, tmp_path, env=fault("raise", "outside", 1))
     assert code not in (0, "HANG"), log[-3000:]
@@ -134,6 +140,7 @@ def test_exception_outside_the_elastic_function_fails_clearly(disc, tmp_path):
     assert "generation 1" not in log, log[-3000:]  # not taken for a failed host and retried
 
 
+@pytest.mark.full
 def test_a_script_without_elastic_run_finishes(disc, tmp_path):
     code, log, out = run(disc, tmp_path, mode="plain")
     assert code == 0, log[-3000:]
@@ -158,6 +165,7 @@ def test_below_min_np_waits_then_fails_clearly(disc, tmp_path):
     assert "min-np" in log or "min_np" in log, log[-3000:]
 
 
+@pytest.mark.full
 def test_collective_mismatch_is_reported_not_looped(disc, tmp_path):
     """A collective only one rank makes stalls every rank; the stall shutdown fails them all, the job re-forms,
     the same happens again, and the reset limit ends it with a clear error instead of a loop."""
@@ -172,7 +180,7 @@ def test_collective_mismatch_is_reported_not_looped(disc, tmp_path):
 # Faults from outside: hosts, links, the discovery script, keepers
 # ---------------------------------------------------------------------------------------------------------
 
-def _started(out, step=3, timeout=90):
+def _started(out, step=3, timeout=240):
     wait_for(lambda: any(e["kind"] == "step" and e["step"] >= step for e in events(out)), timeout, f"step {step}")
 
 
@@ -297,12 +305,13 @@ def test_discovery_garbage_changes_nothing(disc, tmp_path):
     assert "not a host line" in log, log[-3000:]
 
 
+@pytest.mark.full
 def test_discovery_failing_from_the_start_is_a_clear_error(disc, tmp_path):
     disc.fail(True)
     start_t = time.monotonic()
     code, log, out = run(disc, tmp_path, extra=("--elastic-timeout", "4"))
     assert code != 0 and "unavailable" in log, log[-3000:]
-    assert time.monotonic() - start_t < 40
+    assert time.monotonic() - start_t < 60  # the 4 s timeout, not the default 600 s (a busy machine's start aside)
 
 
 def test_host_added_mid_epoch_grows_the_job(disc, tmp_path):
@@ -312,7 +321,8 @@ def test_host_added_mid_epoch_grows_the_job(disc, tmp_path):
                                      WAIT_FILE=str(tmp_path / "go")))
     _started(out, 5)
     disc.set(H0, H1, H2)
-    time.sleep(2.5)
+    # The ranks wait at step 5 until the launcher has seen the new host, then go on (mid-epoch).
+    wait_for(lambda: f"+{H2}" in open(os.path.join(out, "log")).read(), 240, "the launcher seeing the new host")
     (tmp_path / "go").touch()
     code, log = finish(proc, out)
     assert code == 0, log[-4000:]
@@ -354,7 +364,7 @@ def test_acceptance_add_one_host_remove_one(disc, tmp_path):
     proc = start(disc, out, env=dict(STEPS="40", STEP_SLEEP="0.1"))
     _started(out, 4)
     disc.set(H0, H1, H2)
-    wait_for(lambda: any(e["kind"] == "start" and e["size"] == 3 for e in events(out)), 90, "3 ranks")
+    wait_for(lambda: any(e["kind"] == "start" and e["size"] == 3 for e in events(out)), 240, "3 ranks")
     _started(out, max(e["step"] for e in events(out) if e["kind"] == "step") + 3)
     disc.set(H0, H2)
     code, log = finish(proc, out)

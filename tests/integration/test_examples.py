@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(900)  # for hangs: a training job, on a busy machine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def perseusrun(*args):
     cmd = [sys.executable, "-m", "perseus.runner.launch", "-np", "2", sys.executable, *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
 def test_digits_training_converges_and_ranks_agree():

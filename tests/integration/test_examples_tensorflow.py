@@ -11,7 +11,7 @@ pytest.importorskip("tensorflow")
 pytest.importorskip("keras")
 pytest.importorskip("sklearn")
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(900)  # for hangs: a training job, on a busy machine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -27,7 +27,7 @@ def mpirun_cmd(np_):
 def test_tensorflow2_digits_converges_and_ranks_agree():
     epochs = 5
     cmd = mpirun_cmd(2) + [sys.executable, "examples/tensorflow2_digits.py", "--epochs", str(epochs)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=220)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     losses = [float(x) for x in re.findall(r"train loss ([0-9.]+)", out)]

@@ -18,7 +18,7 @@ import pytest
 
 from cluster_support import STATE, cluster, leased_hosts
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(600)  # for hangs: jobs launched over ssh, on a busy machine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -49,7 +49,7 @@ def cluster():
         yield Pair(leased)
 
 
-def perseusrun(*args, env=None, timeout=120):
+def perseusrun(*args, env=None, timeout=400):
     """Run perseusrun with the job's environment; return (status, stdout + stderr, seconds)."""
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "perseus.runner.launch", *args], cwd=REPO, env=env,
@@ -189,7 +189,7 @@ def test_run_a_function_on_two_hosts(cluster):
 
         print("RESULT", perseus.run(where, np=2, hosts=HOSTS, network_interface="perseus0"))
     """).replace("HOSTS", repr(cluster.H(1)))
-    proc = subprocess.run([sys.executable, "-c", body], cwd="/", capture_output=True, text=True, timeout=150,
+    proc = subprocess.run([sys.executable, "-c", body], cwd="/", capture_output=True, text=True, timeout=400,
                           env={**os.environ, "PYTHONPATH": REPO})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
@@ -203,23 +203,28 @@ def one_error_line(out):
     return lines[0]
 
 
+# "Fast": the check gives up after its own connect timeout (5 s), not the kernel's two minutes of SYN retries;
+# the bound leaves room for perseusrun's start on a busy machine.
+FAST_S = 45
+
+
 def test_unreachable_host_is_one_fast_line(cluster):
     # An address on the cluster's subnet that no host has: ssh gets no answer at all.
     code, out, took = perseusrun("-np", "2", "-H", f"{cluster.a}:1,10.213.0.99:1",
-                                 *job("collectives", cluster.hosts, 1), timeout=60)
+                                 *job("collectives", cluster.hosts, 1), timeout=240)
     assert code == 2, out
     line = one_error_line(out)
     assert "'10.213.0.99'" in line and "--skip-ssh-check" in line and cluster.a not in line, line
-    assert took < 15, took
+    assert took < FAST_S, took
 
 
 def test_ssh_refused_is_one_fast_line(cluster):
     code, out, took = perseusrun("-np", "2", "-H", cluster.H(1), "--ssh-port", "2222",
-                                 *job("collectives", cluster.hosts, 1), timeout=60)
+                                 *job("collectives", cluster.hosts, 1), timeout=240)
     assert code == 2, out
     line = one_error_line(out)
     assert f"'{cluster.a}'" in line and f"'{cluster.b}'" in line and "Connection refused" in line, line
-    assert took < 10, took
+    assert took < FAST_S, took
 
 
 def test_shaping_caps_flows_and_link(cluster):

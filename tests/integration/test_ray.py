@@ -66,7 +66,7 @@ def train(steps):
     return hvd.rank(), hvd.size(), socket.gethostname(), flat.tolist()
 
 
-@pytest.mark.parametrize("workers", [2, 4])
+@pytest.mark.parametrize("workers", [2, pytest.param(4, marks=pytest.mark.full)])
 def test_training_gives_identical_parameters_on_every_rank(workers):
     executor = RayExecutor(RayExecutor.create_settings(timeout_s=START_S), num_workers=workers)
     executor.start()

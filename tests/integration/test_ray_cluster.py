@@ -17,7 +17,7 @@ pytest.importorskip("ray", reason="perseus.ray needs ray (pip install perseus[ra
 from cluster_support import REPO, leased_hosts  # noqa: E402
 
 # pytest-xdist keeps the module's tests in one worker: one Ray cluster for the three of them.
-pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("ray_cluster")]
+pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group("ray_cluster")]  # (hangs)
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ray_cluster_job.py")
@@ -37,17 +37,17 @@ def ray_cluster():
     with leased_hosts(2) as (head, worker):
         common = "--num-cpus 2 --object-store-memory 100000000 --disable-usage-stats"
         up = _ssh(head.name, f"{RAY} start --head --node-ip-address {head.address} --port 6379 "
-                             f"--include-dashboard false {common}", timeout=120)
+                             f"--include-dashboard false {common}", timeout=300)
         assert up.returncode == 0, up.stdout + up.stderr
         up = _ssh(worker.name, f"{RAY} start --address {head.address}:6379 --node-ip-address {worker.address} "
-                               f"{common}", timeout=120)
+                               f"{common}", timeout=300)
         assert up.returncode == 0, up.stdout + up.stderr
         yield head, worker
 
 
 def _job(hosts, mode):
     head = hosts[0]
-    done = _ssh(head.name, f"{sys.executable} {JOB} {mode} {head.address}:6379", timeout=200)
+    done = _ssh(head.name, f"{sys.executable} {JOB} {mode} {head.address}:6379", timeout=500)
     lines = [l for l in done.stdout.splitlines() if l.startswith("[")]
     assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
     return json.loads(lines[-1]), done.stdout + done.stderr

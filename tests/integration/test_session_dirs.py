@@ -14,7 +14,7 @@ from perseus.runner.session_dirs import remove_stale_session_dirs, stale_session
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.dirname(sys.executable)
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
 
 def _dead_pid() -> int:

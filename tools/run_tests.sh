@@ -118,7 +118,7 @@ main() {
     skipped=$( (grep -a -o -E "[0-9]+ skipped" "$log" || true) | awk '{n += $1} END {print n + 0}')
     notrun=$(grep -a -c "NOT RUN:" "$log" || true)
     cpu1="$(cpu_jiffies)"
-    busy=$(echo "$cpu0 $cpu1" | awk '{t = $4 - $2; print t > 0 ? int(100 * ($3 - $1) / t + 0.5) : 0}')
+    busy=$(echo "$cpu0 $cpu1" | awk '{t = $4 - $2; print (t > 0 ? int(100 * ($3 - $1) / t + 0.5) : 0)}')
     echo "-- $name: $((SECONDS - began)) s (CPU $busy% busy), $skipped skipped, $notrun not run (reasons: the SKIPPED /" \
          "NOT RUN lines above)"
     TIMES+=("$(printf '%5d s  CPU %3d%% busy  %s' $((SECONDS - began)) "$busy" "$name")")

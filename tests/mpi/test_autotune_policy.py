@@ -142,19 +142,25 @@ def test_policy_and_engine_parameters_searched_together(hvd):
 
         tuner = runtime().service("tuner")
         if hvd.rank() == 1:  # this rank's tuner hears of every setting late: its compressor must wait for it
-            post = tuner.policy.post
+            link = tuner.policy
+            post, proposal = link.post, link.proposal
+            waiting = [0]  # the highest proposal this rank's compressor has waited for before it was posted
+
+            def watched_proposal(number, timeout=None):
+                if number > link.posted:
+                    waiting[0] = max(waiting[0], number)
+                return proposal(number) if timeout is None else proposal(number, timeout)
 
             def late_post(policy, done=False):
-                # Hold the proposal until this rank's compressor has met it at a step boundary and waits
-                # for it (whatever the machine's speed); bounded, so a compressor that never waits fails the
-                # assertion below instead of hanging.
-                before = es._autotune.waits if es._autotune is not None else 0
-                deadline = time.monotonic() + 30.0
-                while ((es._autotune is None or es._autotune.waits <= before)
-                       and time.monotonic() < deadline):
+                # Hold the proposal until this rank's compressor waits for it at a step boundary (whatever the
+                # machine's speed); bounded below the compressor's own wait, so a compressor that never waits
+                # fails the assertion below instead of hanging.
+                deadline = time.monotonic() + 20.0
+                while waiting[0] <= link.posted and time.monotonic() < deadline:
                     time.sleep(0.002)
                 post(policy, done)
-            tuner.policy.post = late_post
+            link.proposal = watched_proposal
+            link.post = late_post
         tuner, record, more = _train_until_tuned(hvd, es, model)
         assert other._autotune is None
         _check_same_everywhere(hvd, es, model, tuner, record)

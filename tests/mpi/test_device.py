@@ -85,7 +85,8 @@ def test_gradients_arriving_during_a_burst_share_units(hvd, monkeypatch):
     together; a loop of synchronous calls (nothing in flight) is not held back by it."""
     from job_env import restart
 
-    old = restart(hvd, {"PERSEUS_DEVICE_CYCLE_TIME_MS": "20"})
+    # A long cycle, so that "not held back by it" stays clear of a busy machine's scheduling delays.
+    old = restart(hvd, {"PERSEUS_DEVICE_CYCLE_TIME_MS": "100"})
     try:
         _route_cpu(monkeypatch, True)
         launched = []
@@ -110,7 +111,7 @@ def test_gradients_arriving_during_a_burst_share_units(hvd, monkeypatch):
         start = time.monotonic()
         for i in range(20):
             hvd.allreduce_(grads[0], name="dev.sync")
-        assert (time.monotonic() - start) / 20 < 0.015  # well under the 20 ms cycle each
+        assert (time.monotonic() - start) / 20 < 0.05  # well under the 100 ms cycle each
     finally:
         restart(hvd, old)
 

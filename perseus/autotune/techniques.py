@@ -43,12 +43,15 @@ class _OptunaTechnique(Technique):
     """Shared plumbing: one Optuna study over the space's categorical parameters (the compressor policy among
     them when it is searched)."""
 
-    def __init__(self, space: Space, sampler, pruner=None):
+    def __init__(self, space: Space, sampler, pruner=None, seed: int = 0):
         optuna = _optuna()
         self._optuna = optuna
         self.space = space
         self.names = space.searched()
-        self.study = optuna.create_study(direction="minimize", sampler=sampler, pruner=pruner)
+        # A fixed study name: Optuna's Hyperband pruner assigns trials to brackets by a hash of the study's name,
+        # so an automatic (random) one would make the same seed search differently from run to run.
+        self.study = optuna.create_study(direction="minimize", sampler=sampler, pruner=pruner,
+                                         study_name=f"perseus-{self.name}-{seed}")
         self.dists = {n: optuna.distributions.CategoricalDistribution(list(space.choices(n))) for n in self.names}
         self.trial = None
 
@@ -96,7 +99,8 @@ class Bayesian(_OptunaTechnique):
 
     def __init__(self, space: Space, seed: int = 0, startup: int = 4):
         optuna = _optuna()
-        super().__init__(space, optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, multivariate=True))
+        super().__init__(space, optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, multivariate=True),
+                         seed=seed)
 
 
 class Hyperband(_OptunaTechnique):
@@ -109,7 +113,7 @@ class Hyperband(_OptunaTechnique):
         optuna = _optuna()
         super().__init__(space, optuna.samplers.RandomSampler(seed=seed),
                          optuna.pruners.HyperbandPruner(min_resource=1, max_resource=max_samples,
-                                                        reduction_factor=3))
+                                                        reduction_factor=3), seed=seed)
         self.max_samples = max_samples
         self.current: Optional[Config] = None
         self.reports = 0

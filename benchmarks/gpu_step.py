@@ -16,6 +16,15 @@ Several processes on one GPU: NCCL would refuse two ranks on one device, so each
 NCCL_HOSTID and NCCL treats them as separate hosts talking over loopback sockets (correct, not fast), and
 perseus's staging runs over MPI's shared memory. Such a run measures overheads on one card; it says nothing
 about NVLink or multi-host speed.
+
+``--backend gloo`` runs the same comparison on CPU, where CI can run it: the launcher moves CPU tensors with
+torch's Gloo backend (``PERSEUS_DEVICE_BACKEND=gloo``), against DDP on Gloo. Modes: ``local``, ``perseus``
+(the launcher with its device buckets), ``perseus_rounds`` (the launcher, one unit per negotiation round: device
+buckets off), ``perseus_host`` (perseus's own CPU channels, no launcher) and ``ddp``. ``--launch-cost-ms``
+injects a fixed cost into every launch, perseus's and DDP's alike (a sleep where each issues its collective),
+standing in for an expensive NCCL call. Both backends report launches per step (perseus: ``device_stats()``;
+DDP: its communication hook's calls, one per bucket) and, after the interleaved rounds, how far each mode's
+parameters are from DDP's (every mode trains the same steps on the same data).
 """
 
 import argparse
@@ -43,11 +52,48 @@ import perseus.torch as hvd  # noqa: E402
 from perseus.torch import device as _device  # noqa: E402
 
 
+class _Block(nn.Module):
+    """ResNet's basic block: two 3x3 convolutions with batch norm, and a 1x1 projection when the shape changes."""
+
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + (x if self.down is None else self.down(x)))
+
+
+def resnet18(classes):
+    """ResNet-18's layers and parameter shapes (11.2 M parameters with 1000 classes), for when torchvision is
+    not installed."""
+    layers = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(3, 2, 1)]
+    cin = 64
+    for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        layers += [_Block(cin, cout, stride), _Block(cout, cout, 1)]
+        cin = cout
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, classes))
+
+
+_image = [96]  # side of the synthetic images (--image-size)
+
+
 def make_model(name):
     if name == "resnet18":
-        import torchvision
+        try:
+            import torchvision
 
-        return torchvision.models.resnet18(num_classes=100), (3, 96, 96), 100
+            model = torchvision.models.resnet18(num_classes=100)
+        except ImportError:
+            model = resnet18(100)
+        return model, (3, _image[0], _image[0]), 100
     if name == "mlp":  # many small tensors: per-tensor overhead dominates
         layers = []
         for _ in range(24):
@@ -56,7 +102,21 @@ def make_model(name):
     raise ValueError(name)
 
 
-def build(mode, name, batch, device):
+class Counter:
+    """Launches: perseus's from its launcher's counters, DDP's from its communication hook."""
+
+    def __init__(self):
+        self.ddp = 0
+
+    def launches(self, mode):
+        return self.ddp if mode == "ddp" else hvd.device_stats()["launches"]
+
+
+_counter = Counter()
+_launch_cost_s = [0.0]
+
+
+def build(mode, name, batch, device, default_budget):
     torch.manual_seed(0)
     model, shape, classes = make_model(name)
     model = model.to(device)
@@ -66,35 +126,57 @@ def build(mode, name, batch, device):
                                                               model.named_parameters()])
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     elif mode == "ddp":
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model = nn.parallel.DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device.index])
+
+        def hook(state, bucket):  # one call per bucket: DDP's launches
+            _counter.ddp += 1
+            if _launch_cost_s[0]:
+                time.sleep(_launch_cost_s[0])
+            return default_hooks.allreduce_hook(state, bucket)
+        model.register_comm_hook(None, hook)
+    torch.manual_seed(1)
     x = torch.randn(batch, *shape, device=device)
     y = torch.randint(0, classes, (batch,), device=device)
 
-    nccl = mode != "perseus_stage"
+    launcher = mode not in ("perseus_stage", "perseus_host")
     blocking = False
     cycle_us = 2000 if mode == "perseus_nccl_cycle2ms" else 0
+    budget = 0 if mode == "perseus_rounds" else default_budget
 
     def step():
         # What the settings decide, switched per mode within one job.
-        _device._nccl = nccl
-        _device.CudaStreams.blocking = blocking
-        set_cycle_time(cycle_us)
+        if device.type == "cuda":
+            _device._nccl = launcher
+            _device.CudaStreams.blocking = blocking
+        else:
+            _device._gloo = launcher
+        set_params(cycle_us, budget)
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
+    step.model = model.module if mode == "ddp" else model
     return step
 
 
 _tunes = [0]
 
 
-def set_cycle_time(cycle_us):
-    """Change the negotiation cycle at run time (a TUNE request: collective, same values on every rank)."""
+def set_params(cycle_us, budget):
+    """Change the negotiation cycle and the device buckets' budget at run time (a TUNE request: collective, the
+    same values on every rank)."""
     engine = hvd.mpi_ops._runtime.engine
-    fusion, inplace, channels, current, algorithm = engine.params(0)[:5]
-    if current != cycle_us:
+    fusion, inplace, channels, current, algorithm, _, current_budget = engine.params(0)[:7]
+    if current != cycle_us or current_budget != budget:
         _tunes[0] += 1
-        hvd.synchronize(engine.tune(0, f"bench.cycle.{_tunes[0]}", fusion, inplace, channels, cycle_us, algorithm))
+        hvd.synchronize(engine.tune(0, f"bench.params.{_tunes[0]}", fusion, inplace, channels, cycle_us, algorithm,
+                                    budget))
+
+
+def set_cycle_time(cycle_us):
+    engine = hvd.mpi_ops._runtime.engine
+    set_params(cycle_us, engine.params(0)[6])
 
 
 def small_allreduce(mode, device, calls):
@@ -122,60 +204,116 @@ def small_allreduce(mode, device, calls):
     return MPI.COMM_WORLD.allreduce(time.perf_counter() - start, op=MPI.MAX) / calls
 
 
-def time_steps(step, steps):
-    torch.cuda.synchronize()
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_steps(step, steps, device, mode):
+    """(seconds per step, launches per step) over ``steps`` steps (the slowest rank's time), after one untimed step
+    (the mode's settings switched, and its device buckets learned again where the budget changed)."""
+    step()
+    _sync(device)
     MPI.COMM_WORLD.Barrier()
+    launches = _counter.launches(mode)
     start = time.perf_counter()
     for _ in range(steps):
         step()
-    torch.cuda.synchronize()
+    _sync(device)
     elapsed = time.perf_counter() - start
-    return MPI.COMM_WORLD.allreduce(elapsed, op=MPI.MAX) / steps
+    launches = (_counter.launches(mode) - launches) / steps
+    return MPI.COMM_WORLD.allreduce(elapsed, op=MPI.MAX) / steps, launches
+
+
+def _inject_launch_cost(seconds):
+    """Every perseus launch (the launcher thread) and every DDP bucket (its hook) sleeps ``seconds`` first."""
+    _launch_cost_s[0] = seconds
+    if seconds:
+        real = _device._Launcher._launch
+
+        def slow_launch(self, *args):
+            time.sleep(seconds)
+            return real(self, *args)
+        _device._Launcher._launch = slow_launch
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
+                        help="nccl: CUDA tensors (a GPU); gloo: CPU tensors, the launcher on Gloo vs DDP on Gloo")
     parser.add_argument("--models", default="resnet18,mlp")
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--image-size", type=int, default=96, help="side of ResNet-18's synthetic images")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--out", default="")
+    parser.add_argument("--launch-cost-ms", type=float, default=0.0,
+                        help="a fixed cost added to every launch of perseus and DDP alike")
+    parser.add_argument("--out", default="", help="write the results here (JSON)")
+    parser.add_argument("--jsonl", default="", help="append the results here as one JSON line")
     args = parser.parse_args()
 
+    _image[0] = args.image_size
+    gloo = args.backend == "gloo"
+    if gloo:
+        os.environ["PERSEUS_DEVICE_BACKEND"] = "gloo"
     hvd.init()
-    device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
-    torch.cuda.set_device(device)
+    if gloo:
+        device = torch.device("cpu")
+    else:
+        device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    _inject_launch_cost(args.launch_cost_ms / 1e3)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     port = MPI.COMM_WORLD.bcast(29500 + os.getpid() % 1000 if hvd.rank() == 0 else None, root=0)
     os.environ.setdefault("MASTER_PORT", str(port))
     ddp_error = None
     try:
-        dist.init_process_group("nccl", rank=hvd.rank(), world_size=hvd.size(), device_id=device)
+        if gloo:
+            dist.init_process_group("gloo", rank=hvd.rank(), world_size=hvd.size())
+        else:
+            dist.init_process_group("nccl", rank=hvd.rank(), world_size=hvd.size(), device_id=device)
     except Exception as exc:  # noqa: BLE001 - reported in the results, the other modes still run
         ddp_error = f"{type(exc).__name__}: {exc}"
-    modes = ["local", "perseus_nccl", "perseus_nccl_cycle2ms", "perseus_stage"] + ([] if ddp_error else ["ddp"])
-    results = {"device": torch.cuda.get_device_name(device), "ranks": hvd.size(), "torch": torch.__version__,
-               "nccl": ".".join(map(str, torch.cuda.nccl.version())), "batch_per_rank": args.batch,
-               "steps_per_round": args.steps, "rounds": args.rounds, "ddp_error": ddp_error, "models": {}}
+    if gloo:
+        modes = ["local", "perseus", "perseus_rounds", "perseus_host"]
+    else:
+        modes = ["local", "perseus_nccl", "perseus_nccl_cycle2ms", "perseus_stage"]
+    modes += [] if ddp_error else ["ddp"]
+    default_budget = hvd.mpi_ops._runtime.engine.params(0)[6]
+    results = {"backend": args.backend, "device": "cpu" if gloo else torch.cuda.get_device_name(device),
+               "ranks": hvd.size(), "torch": torch.__version__,
+               "nccl": None if gloo else ".".join(map(str, torch.cuda.nccl.version())),
+               "batch_per_rank": args.batch, "steps_per_round": args.steps, "rounds": args.rounds,
+               "launch_cost_ms": args.launch_cost_ms, "device_bucket_bytes": default_budget,
+               "ddp_error": ddp_error, "models": {}}
     for name in args.models.split(","):
-        steps = {m: build(m, name, args.batch, device) for m in modes}
-        for m in modes:  # warm-up: cuDNN choices, NCCL and perseus channels, pinned buffers
-            time_steps(steps[m], 3)
+        steps = {m: build(m, name, args.batch, device, default_budget) for m in modes}
+        for m in modes:  # warm-up: cuDNN choices, NCCL and perseus channels, pinned buffers, learned buckets
+            time_steps(steps[m], 3, device, m)
         samples = {m: [] for m in modes}
+        launches = {m: [] for m in modes}
         for _ in range(args.rounds):
             for m in modes:
-                samples[m].append(time_steps(steps[m], args.steps))
+                t, n = time_steps(steps[m], args.steps, device, m)
+                samples[m].append(t)
+                launches[m].append(n)
         med = {m: statistics.median(v) for m, v in samples.items()}
         params = sum(p.numel() for p in make_model(name)[0].parameters())
         entry = {"parameters": params, "median_step_ms": {m: round(v * 1e3, 3) for m, v in med.items()},
                  "samples_ms": {m: [round(x * 1e3, 3) for x in v] for m, v in samples.items()},
-                 "ratio_to_local": {m: round(v / med["local"], 3) for m, v in med.items()}}
+                 "ratio_to_local": {m: round(v / med["local"], 3) for m, v in med.items()},
+                 "launches_per_step": {m: statistics.median(v) for m, v in launches.items() if m != "local"}}
         if "ddp" in med:
             entry["ratio_to_ddp"] = {m: round(v / med["ddp"], 3) for m, v in med.items()}
+            ref = [p.detach().cpu() for p in steps["ddp"].model.parameters()]
+            entry["max_param_diff_vs_ddp"] = {
+                m: max(float((p.detach().cpu() - q).abs().max()) for p, q in zip(steps[m].model.parameters(), ref))
+                for m in modes if m not in ("local", "ddp")}
         results["models"][name] = entry
         if hvd.rank() == 0:
-            print(name, json.dumps(entry["median_step_ms"]), json.dumps(entry.get("ratio_to_ddp")), flush=True)
-    if not ddp_error:
+            print(name, json.dumps(entry["median_step_ms"]), json.dumps(entry.get("ratio_to_ddp")),
+                  json.dumps(entry["launches_per_step"]), flush=True)
+    if not ddp_error and not gloo:
         small = {m: [] for m in ("perseus_nccl", "perseus_nccl_blocking", "torch_nccl")}
         for _ in range(args.rounds):
             for m in small:
@@ -192,6 +330,9 @@ def main():
         if args.out:
             with open(args.out, "w") as f:
                 f.write(text + "\n")
+        if args.jsonl:
+            with open(args.jsonl, "a") as f:
+                f.write(json.dumps(results) + "\n")
     if not ddp_error:
         dist.destroy_process_group()
     hvd.shutdown()

@@ -2,7 +2,7 @@
 
     python benchmarks/report.py benchmarks/results/run_all [--print]
 
-Rewrites, in docs/benchmarks.md, docs/compression.md and README.md, the text between ``<!-- BEGIN run_all:NAME -->`` and
+Rewrites, in docs/benchmarks.md, docs/compression.md, docs/gpu.md and README.md, the text between ``<!-- BEGIN run_all:NAME -->`` and
 ``<!-- END run_all:NAME -->`` for every NAME whose phase has results in the folder (a phase without results
 leaves its section as it is), and draws docs/img/*.png with matplotlib. Every table names its result file.
 --print writes the tables to stdout instead of the docs (the plots are still drawn).
@@ -275,6 +275,32 @@ def recovery_plot(rows: list[dict], path: str) -> None:
 
 
 # -------------------------------------------------------------------------------------------- docs
+DEVICE_MODES = (("local", "no communication"), ("perseus", "perseus, launcher with device buckets"),
+                ("perseus_rounds", "perseus, launcher, one launch per round (buckets off)"),
+                ("perseus_host", "perseus, CPU channels (no launcher)"), ("ddp", "torch DDP"))
+
+
+def device_table(rows: list[dict], source: str) -> str:
+    """benchmarks/gpu_step.py --backend gloo runs: per model and injected launch cost, each mode's median step,
+    its ratio to DDP's, its launches per step, and how far its parameters ended from DDP's."""
+    lines = ["| model | launch cost | mode | ms per step | vs DDP | launches per step | max parameter difference vs DDP |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        for model, m in r.get("models", {}).items():
+            for key, label in DEVICE_MODES:
+                if key not in m["median_step_ms"]:
+                    continue
+                launches = m["launches_per_step"].get(key)
+                diff = m.get("max_param_diff_vs_ddp", {}).get(key)
+                lines.append(f"| {model} | {r['launch_cost_ms']:g} ms | {label} | {m['median_step_ms'][key]:.1f} | "
+                             f"{m.get('ratio_to_ddp', {}).get(key, float('nan')):.2f}x | "
+                             f"{'' if launches is None or key == 'perseus_host' else f'{launches:g}'} | "
+                             f"{'' if diff is None else f'{diff:.1e}'} |")
+    lines += ["", f"Source: `{source}` ({rows[0]['ranks']} ranks, CPU tensors, modes interleaved, medians of "
+              f"{rows[0]['rounds']} rounds of {rows[0]['steps_per_round']} steps)."]
+    return "\n".join(lines)
+
+
 def replace_section(text: str, name: str, body: str) -> tuple[str, bool]:
     pattern = re.compile(rf"(<!-- BEGIN run_all:{name} -->\n).*?(<!-- END run_all:{name} -->)", re.S)
     new, n = pattern.subn(lambda m: m.group(1) + body.rstrip() + "\n" + m.group(2), text)
@@ -306,7 +332,8 @@ def sections(folder: str) -> dict:
               "training": (training_table, training_plot, "training.png"),
               "training_cluster": (training_table, None, None),
               "multihost": (multihost_table, multihost_plot, "multihost_channels.png"),
-              "recovery": (recovery_table, recovery_plot, "recovery.png")}
+              "recovery": (recovery_table, recovery_plot, "recovery.png"),
+              "device": (device_table, None, None)}
     rows = load(os.path.join(folder, "convergence.jsonl"))
     if rows:
         out["convergence"] = convergence_table(rows, f"{rel}/convergence.jsonl")
@@ -336,7 +363,7 @@ def main() -> int:
         for name, body in found.items():
             print(f"## {name}\n\n{body}\n")
         return 0
-    for doc in ("docs/benchmarks.md", "docs/compression.md", "README.md"):
+    for doc in ("docs/benchmarks.md", "docs/compression.md", "docs/gpu.md", "README.md"):
         path = os.path.join(ROOT, doc)
         text = open(path).read()
         for name, body in found.items():

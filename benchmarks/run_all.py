@@ -16,12 +16,15 @@ Phases (``--phases``; each writes JSON lines into the results folder, one file p
 - ``convergence``: benchmarks/compression_convergence.py with evaluation curves: an MLP and a CNN under
   momentum SGD, a transformer encoder under AdamW, dense against top-k with and without momentum
   correction, PowerSGD; at 2 and 3 ranks.
+- ``device``: benchmarks/gpu_step.py on CPU (``--backend gloo``): perseus's GPU launcher over Gloo, with and
+  without its device buckets, against torch DDP over Gloo, on an MLP and a ResNet-18, with no injected launch
+  cost and with 5 ms per launch (a stand-in for an expensive NCCL call): step times and launches per step.
 - ``multihost``, ``recovery``, ``training_cluster`` (with --cluster): channel scaling across 2 emulated hosts
   (800 Mbit/s links, 200 Mbit/s per flow), elastic recovery, training across the hosts.
 
 The full run writes into benchmarks/results/run_all/ (committed; the docs are generated from it), --quick into
 benchmarks/results/run_all_quick/. After the phases, benchmarks/report.py rewrites the tables between the
-markers in docs/benchmarks.md, docs/compression.md and README.md and draws the plots into docs/img/ (--no-docs skips that; a quick
+markers in docs/benchmarks.md, docs/compression.md, docs/gpu.md and README.md and draws the plots into docs/img/ (--no-docs skips that; a quick
 run never touches the docs unless --docs is given). Progress goes to stderr, one line per job.
 """
 
@@ -38,7 +41,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-PHASES = ("core", "profile", "training", "convergence", "multihost", "recovery", "training_cluster")
+PHASES = ("core", "profile", "training", "convergence", "device", "multihost", "recovery", "training_cluster")
 CLUSTER_PHASES = ("multihost", "recovery", "training_cluster")
 
 
@@ -142,6 +145,24 @@ def phase_convergence(args, out: str, hvd_bin: str | None) -> None:
                                         *task_args, "--json", out], timeout=3600)
 
 
+#: the device phase's runs: (model, extra arguments); each with every launch cost of DEVICE_LAUNCH_COSTS_MS
+DEVICE_MODELS = (("mlp", ["--batch", "32"]), ("resnet18", ["--batch", "8", "--image-size", "32"]))
+DEVICE_LAUNCH_COSTS_MS = (0.0, 5.0)
+
+
+def phase_device(args, out: str, hvd_bin: str | None) -> None:
+    """benchmarks/gpu_step.py --backend gloo on 2 ranks: each model with each injected launch cost, one JSON line
+    per run appended to ``out``."""
+    bin_dir = os.path.dirname(sys.executable)
+    steps = "6" if args.quick else "12"
+    for model, extra in DEVICE_MODELS:
+        for cost in DEVICE_LAUNCH_COSTS_MS:
+            say(f"device: {model}, {cost:g} ms per launch")
+            run(mpirun(bin_dir) + [sys.executable, os.path.join(HERE, "gpu_step.py"), "--backend", "gloo",
+                                   "--models", model, "--rounds", str(args.rounds), "--steps", steps,
+                                   "--launch-cost-ms", str(cost), "--jsonl", out, *extra], timeout=1800)
+
+
 def phase_multihost(args, out: str, hvd_bin: str | None) -> None:
     methods = "perseus-default,perseus-1ch,perseus-2ch,perseus-4ch,perseus-8ch,mpi"
     if hvd_bin:
@@ -165,7 +186,7 @@ def cluster(action: str, *params: str) -> None:
 
 
 RUNNERS = {"core": phase_core, "profile": phase_profile, "training": phase_training, "convergence": phase_convergence,
-           "multihost": phase_multihost, "recovery": phase_recovery,
+           "device": phase_device, "multihost": phase_multihost, "recovery": phase_recovery,
            "training_cluster": lambda a, o, h: phase_training(a, o, h, cluster=True)}
 
 

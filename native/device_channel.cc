@@ -54,9 +54,16 @@ void DeviceChannel::submit(Unit* u) {
     ++outstanding_;
   }
   TimelineRecorder* tl = hooks_.timeline;
-  if (tl != nullptr && tl->on())
-    for (const Piece& p : u->pieces)
-      if (!p.request->phantom) tl->record(TimelineKind::ACTIVITY, u->op_type, p.request->name, "DEVICE_LAUNCH");
+  if (tl != nullptr && tl->on()) {
+    // One record per unit (one launch): its tensors' names, separated by kUnitNameSeparator.
+    std::string names;
+    for (const Piece& p : u->pieces) {
+      if (p.request->phantom) continue;
+      if (!names.empty()) names += kUnitNameSeparator;
+      names += p.request->name;
+    }
+    if (!names.empty()) tl->record(TimelineKind::ACTIVITY, u->op_type, names, "DEVICE_LAUNCH");
+  }
   queue_->push(new DeviceTicket{shared_from_this(), u, ps_id_});
 }
 

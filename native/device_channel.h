@@ -19,6 +19,9 @@ namespace perseus {
 
 class DeviceChannel;
 
+// Separates the tensor names of a unit in its one DEVICE_LAUNCH timeline record (the timeline writer splits them).
+constexpr char kUnitNameSeparator = '\x1f';
+
 // One unit on its way through the launcher. Owned by the queue until popped, then by the launcher until it
 // calls DeviceChannel::finish (which deletes it).
 struct DeviceTicket {

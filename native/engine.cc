@@ -94,6 +94,7 @@ SetOptions Engine::set_options() const {
   o.params.algorithm = s.algorithm;
   o.channels_created = std::max({1, s.num_channels, s.max_channels});
   o.device_fusion_threshold_bytes = s.device_fusion_threshold_bytes;
+  o.params.device_bucket_bytes = s.device_bucket_bytes;
   o.device_cycle_time_ms = s.device_cycle_time_ms;
   o.cache_capacity = s.cache_capacity;
   o.track_steps = s.track_steps;
@@ -247,6 +248,20 @@ Error Engine::join(int ps_id, Handle* h) {
   Error err = set->submit_join(h);
   if (!err) wake();
   return err;
+}
+
+void Engine::note_awaited(Handle* h) {
+  if (h->done.load(std::memory_order_acquire)) return;
+  int ps_id = -1;
+  for (Request* r : h->requests)
+    if (r->sig.device >= 0 && r->sig.op_type == OpType::ALLREDUCE &&
+        !r->awaited.exchange(true, std::memory_order_acq_rel))
+      ps_id = r->ps_id;
+  if (ps_id < 0) return;  // no device all-reduce, or already noted
+  if (auto set = find(ps_id)) {
+    set->note_awaited();
+    wake();
+  }
 }
 
 void Engine::wake() {

@@ -64,6 +64,9 @@ class Engine {
   FaultInjection& faults() { return faults_; }
   DeviceQueue& device_queue() { return device_queue_; }
   void wake();  // a submission arrived (lock-free unless the engine thread is waiting)
+  // A user waits for h (wait, poll or a callback): its device all-reduces are marked awaited and their sets
+  // told, so that a device bucket holding one of them never waits for a tensor that will not come.
+  void note_awaited(Handle* h);
 
  private:
   using Sets = std::vector<std::shared_ptr<ProcessSet>>;

@@ -47,7 +47,7 @@ void Registry::evict(int64_t capacity) {
 }
 
 // -- words ---------------------------------------------------------------------------------------------
-bool Negotiator::build_words(const NameMap& pending, bool dirty, bool joined) {
+bool Negotiator::build_words(const NameMap& pending, bool dirty, bool joined, bool flush) {
   const size_t n = registry_.num_words(), nb = registry_.bit_words();
   words_.assign(n, 0);
   uint64_t* ready = words_.data() + 1;
@@ -67,6 +67,7 @@ bool Negotiator::build_words(const NameMap& pending, bool dirty, bool joined) {
   uint64_t flags = 0;
   if (!needs_exchange) flags |= FLAG_NO_EXCHANGE;
   if (!dirty) flags |= FLAG_NOT_DIRTY;
+  if (!flush) flags |= FLAG_NO_FLUSH;
   flags |= joined ? FLAG_JOINED : FLAG_NONE_JOINED;
   words_[0] = flags;
   return needs_exchange;
@@ -78,6 +79,7 @@ bool Negotiator::decode(RoundResult* result) {
   result->any_dirty = !(flags & FLAG_NOT_DIRTY);
   result->all_joined = flags & FLAG_JOINED;
   result->any_joined = !(flags & FLAG_NONE_JOINED);
+  result->any_flush = !(flags & FLAG_NO_FLUSH);
   const size_t nb = (words_.size() - 1) / 2;
   for (size_t w = 0; w < nb; ++w) {
     uint64_t bits = words_[1 + w] & ~words_[1 + nb + w];

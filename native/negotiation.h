@@ -2,8 +2,8 @@
 //
 // Each tensor name gets an index agreed by all ranks of a process set, together with its Signature. One
 // round is a bitwise-AND all-reduce of a word vector:
-//  * word 0 carries flags. NO_EXCHANGE and NOT_DIRTY are active-low (after the AND they are clear if ANY
-//    rank cleared them); JOINED is active-high (set only if EVERY rank has joined), NONE_JOINED active-low.
+//  * word 0 carries flags. NO_EXCHANGE, NOT_DIRTY and NO_FLUSH are active-low (after the AND they are clear if
+//    ANY rank cleared them); JOINED is active-high (set only if EVERY rank has joined), NONE_JOINED active-low.
 //  * then one readiness bit per index: set when this rank has the tensor pending with the recorded
 //    signature (a joined rank sets every bit: it contributes zeros to anything);
 //  * then the complement of this rank's real submissions, so the AND yields NOT(any rank submitted it).
@@ -29,6 +29,7 @@ constexpr uint64_t FLAG_NO_EXCHANGE = 1u << 0;
 constexpr uint64_t FLAG_NOT_DIRTY = 1u << 1;
 constexpr uint64_t FLAG_JOINED = 1u << 2;
 constexpr uint64_t FLAG_NONE_JOINED = 1u << 3;
+constexpr uint64_t FLAG_NO_FLUSH = 1u << 4;  // active-low: some rank asks every rank to flush its device buckets
 
 // Name <-> index <-> signature, identical on every rank of a set. Bounded: evict() drops the least recently
 // used names beyond a capacity; every rank drops the same ones (use is counted in agreed rounds) and reuses
@@ -65,10 +66,11 @@ struct RoundResult {
   std::vector<int> ready;                                  // indices, in execution order after order()
   std::vector<std::pair<std::string, std::string>> errors;  // name -> message (every rank raises it)
   bool any_dirty = false, all_joined = false, any_joined = false, exchanged = false;
+  bool any_flush = false;  // some rank asked for its device buckets to be flushed (device_buckets.h)
   void clear() {
     ready.clear();
     errors.clear();
-    any_dirty = all_joined = any_joined = exchanged = false;
+    any_dirty = all_joined = any_joined = exchanged = any_flush = false;
   }
   bool has_error(const std::string& name) const {
     for (auto& e : errors)
@@ -83,7 +85,7 @@ class Negotiator {
   Registry& registry() { return registry_; }
 
   // This rank's words for a round (reused storage). Returns whether this rank needs an exchange.
-  bool build_words(const NameMap& pending, bool dirty, bool joined);
+  bool build_words(const NameMap& pending, bool dirty, bool joined, bool flush = false);
   std::vector<uint64_t>& words() { return words_; }
   // Interpret the reduced words into `result`; returns whether an exchange follows.
   bool decode(RoundResult* result);

@@ -43,6 +43,7 @@ ProcessSet::ProcessSet(SetContext context, const SetOptions& options, int id, st
   for (int i = 0; i < std::max(1, options.channels_created); ++i)
     channels_.emplace_back(new Channel(control_->dup(), config, hooks));
   device_channel_ = std::make_shared<DeviceChannel>(&ctx_.device_queue, hooks, id);
+  buckets_.configure(params_.device_bucket_bytes);
 }
 
 ProcessSet::~ProcessSet() = default;
@@ -68,6 +69,8 @@ Error ProcessSet::submit(const std::vector<Request*>& requests) {
   }
   for (Request* r : requests) {
     r->dispatched = false;
+    r->held = false;
+    r->awaited.store(false, std::memory_order_relaxed);
     inflight_.emplace(r->name, r);
     incoming_.push_back(r);
     if (r->sig.device < 0) host_dirty_.store(true, std::memory_order_relaxed);
@@ -152,6 +155,17 @@ void ProcessSet::release_held(const Error& error) {
   for (auto& kv : pending_) drop.push_back(kv.second);
   pending_.clear();
   for (Request* r : drop) finish(r, &error);
+  // Negotiated requests held in device buckets: no unit will carry them now.
+  drop.clear();
+  buckets_.take_all_held(&drop);
+  for (Request* r : drop) {
+    if (r->phantom) {
+      delete r;
+      continue;
+    }
+    forget(r);
+    finish(r, &error);
+  }
 }
 
 // -- failure and closing -----------------------------------------------------------------------------------

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "channels.h"
+#include "device_buckets.h"
 #include "device_channel.h"
 #include "handles.h"
 #include "negotiation.h"
@@ -71,6 +72,9 @@ class ProcessSet {
   int max_channels() const;
   // Bytes this rank has sent and received for the set since it was created (any thread; see wire.h).
   WireBytes wire_bytes() const { return wire_->read(); }
+  // Any thread: a user waits for (or polls) a device all-reduce of this set; the engine thread then checks
+  // whether a device bucket holding it can still fill (device_buckets.h). The caller wakes the engine.
+  void note_awaited() { awaited_news_.store(true, std::memory_order_release); }
 
  private:
   enum class State { IDLE, BAND, EXCHANGE, JOINGATHER };
@@ -88,7 +92,8 @@ class ProcessSet {
   void finish_join();
   Request* phantom(int idx);
   // process_set_dispatch.cc
-  void dispatch(std::vector<Request*>& ready);
+  void dispatch(std::vector<Request*>& ready, bool flush);
+  bool buckets_stuck();
   void apply_tune(Request* r);
   void piece_done(Request* r);
   void unit_failed(Unit* u, const std::string& what, ErrorKind kind);
@@ -112,6 +117,10 @@ class ProcessSet {
   std::shared_ptr<DeviceChannel> device_channel_;  // units of device requests go to the launcher
   TuneParams params_;  // written by the engine thread under mu_
   const int64_t device_fusion_threshold_bytes_;
+  DeviceBuckets buckets_;  // engine thread
+  std::vector<std::vector<Request*>> released_;  // buckets released by a round (reused)
+  bool flush_wanted_ = false;   // this rank asks for a flush in its next round
+  bool recheck_buckets_ = false;  // buckets changed since the last stuck check
   const double device_cycle_time_ms_;
   const int64_t cache_capacity_;
   std::vector<Request*> tunes_;
@@ -125,6 +134,7 @@ class ProcessSet {
   std::atomic<bool> host_dirty_{false};  // an unseen submission is a host request (or a join)
   std::atomic<int> incoming_count_{0};  // size of incoming_, readable without the lock
   std::atomic<bool> join_waiting_{false};
+  std::atomic<bool> awaited_news_{false};  // note_awaited() since the engine thread last looked
   std::string dead_;
   StepTimer timer_;  // submitted() under mu_; finished() from channel threads
   std::atomic<bool> is_dead_{false};

@@ -1,12 +1,21 @@
 // Stages 3-6 as one process set drives them: negotiated requests become units (fusion.h), units go to the
 // channels or to the device queue, TUNE requests change the set's parameters, and finished pieces complete
 // their requests (see process_set.h).
+#include <algorithm>
+
 #include "process_set.h"
 
 namespace perseus {
 
+// Engine thread: whether some open device bucket holds a request a user waits for and misses a name this rank
+// has not submitted (it never will while that user waits).
+bool ProcessSet::buckets_stuck() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return buckets_.stuck([this](const std::string& name) { return inflight_.count(name) != 0; });
+}
+
 // Engine thread.
-void ProcessSet::dispatch(std::vector<Request*>& ready) {
+void ProcessSet::dispatch(std::vector<Request*>& ready, bool flush) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (Request* r : ready) r->dispatched = true;
@@ -23,9 +32,22 @@ void ProcessSet::dispatch(std::vector<Request*>& ready) {
     else ready[kept++] = r;
   }
   ready.resize(kept);
+  // Device all-reduces of learned buckets wait in them; full buckets (and, on a flush, every open one) come back.
+  // A TUNE that changes the budget flushes first: the plan is learned again under the new budget.
+  for (Request* r : tunes_)
+    if (r->shape.size() == 6 && r->shape[5] != buckets_.budget()) flush = true;
+  released_.clear();
+  buckets_.take(&ready, &released_);
+  if (flush) buckets_.flush(&released_);
+  recheck_buckets_ = buckets_.any_open();
   units_.clear();
   plan_units(ready, params_.fusion_threshold_bytes, params_.inplace_threshold_bytes, size_, &unit_pool_, &units_,
              device_fusion_threshold_bytes_);
+  // A released bucket is one unit: its members are each below the budget and together at most the budget.
+  const int64_t bucket_limit = std::max(device_fusion_threshold_bytes_, buckets_.budget());
+  for (auto& bucket : released_)
+    plan_units(bucket, params_.fusion_threshold_bytes, params_.inplace_threshold_bytes, size_, &unit_pool_, &units_,
+               bucket_limit);
   const size_t n = static_cast<size_t>(params_.channels);
   for (Unit* u : units_) {
     u->index = unit_counter_++;
@@ -41,23 +63,31 @@ void ProcessSet::dispatch(std::vector<Request*>& ready) {
 }
 
 // Engine thread. shape = (fusion_threshold_bytes, inplace_threshold_bytes, channels, cycle_time_us,
-// algorithm). Every rank got the same values (negotiation compares shapes), so every rank accepts or
-// rejects them alike.
+// algorithm[, device_bucket_bytes]); -1 keeps a value. Every rank got the same values (negotiation compares shapes),
+// so every rank accepts or rejects them alike. A new bucket budget forgets the plan (dispatch flushed the open
+// buckets).
 void ProcessSet::apply_tune(Request* r) {
   const std::vector<int64_t>& v = r->shape;
   Error error;
   const int64_t max_channels = static_cast<int64_t>(channels_.size());
-  if (v.size() != 5 || v[0] < 0 || v[1] < 0 || v[2] < 1 || v[2] > max_channels || v[3] < 0 || v[4] < 0 || v[4] > 3) {
+  auto keep = [&](size_t i) { return v[i] == -1; };  // -1: this value stays as it is
+  if ((v.size() != 5 && v.size() != 6) || (v[0] < 0 && !keep(0)) || (v[1] < 0 && !keep(1)) ||
+      (!keep(2) && (v[2] < 1 || v[2] > max_channels)) || (v[3] < 0 && !keep(3)) ||
+      (!keep(4) && (v[4] < 0 || v[4] > 3)) || (v.size() == 6 && v[5] < 0)) {
     error = {ErrorKind::VALUE, "perseus: invalid run-time parameters " + py_repr(r->name) + ": expected (fusion "
              "bytes >= 0, in-place bytes >= 0, channels 1.." + std::to_string(max_channels) +
-             ", cycle time us >= 0, algorithm 0..3)"};
+             ", cycle time us >= 0, algorithm 0..3[, device bucket bytes >= 0]; -1 keeps a value)"};
   } else {
     std::lock_guard<std::mutex> lock(mu_);
-    params_.fusion_threshold_bytes = v[0];
-    params_.inplace_threshold_bytes = v[1];
-    params_.channels = static_cast<int>(v[2]);
-    params_.cycle_time_ms = static_cast<double>(v[3]) * 1e-3;
-    params_.algorithm = static_cast<Algorithm>(v[4]);
+    if (!keep(0)) params_.fusion_threshold_bytes = v[0];
+    if (!keep(1)) params_.inplace_threshold_bytes = v[1];
+    if (!keep(2)) params_.channels = static_cast<int>(v[2]);
+    if (!keep(3)) params_.cycle_time_ms = static_cast<double>(v[3]) * 1e-3;
+    if (!keep(4)) params_.algorithm = static_cast<Algorithm>(v[4]);
+    if (v.size() == 6 && v[5] != buckets_.budget()) {
+      params_.device_bucket_bytes = v[5];
+      buckets_.configure(v[5]);
+    }
   }
   forget(r);
   ctx_.timeline.record(TimelineKind::OP_END, r->sig.op_type, r->name);

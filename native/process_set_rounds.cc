@@ -9,6 +9,17 @@ namespace perseus {
 
 StepResult ProcessSet::maybe_start(double now) {
   if (draining_) return {false, false, 1e300};
+  // A user waits for a request held in a device bucket that cannot fill: ask every rank for a flush (a round
+  // that carries the flag; this rank starts it as if it had new work).
+  if (buckets_.any_open() && !flush_wanted_ &&
+      (awaited_news_.exchange(false, std::memory_order_acq_rel) || recheck_buckets_)) {
+    recheck_buckets_ = false;
+    if (buckets_stuck()) {
+      flush_wanted_ = true;
+      int64_t zero = 0;
+      first_dirty_ns_.compare_exchange_strong(zero, now_ns());
+    }
+  }
   const int64_t first_dirty = first_dirty_ns_.load();
   const bool dirty = first_dirty != 0;
   const bool woken = woken_round_ >= round_;
@@ -31,9 +42,11 @@ StepResult ProcessSet::maybe_start(double now) {
 // How long after the first new request a round starts. Only device requests new while a burst is under way
 // (the last round found work and earlier requests are still in flight): the device cycle (an NCCL launch
 // costs more than a round), so that the gradients of a backward pass travel in few units. A device request
-// reaching an idle set (a loop of synchronous calls) is negotiated at once, like any other.
+// reaching an idle set (a loop of synchronous calls) is negotiated at once, like any other. Once device buckets
+// are planned they decide what travels together, so rounds need not wait: a bucket's last gradient is
+// negotiated (and the bucket launched) as soon as it arrives.
 double ProcessSet::start_delay_ms() {
-  bool device_burst = continue_mode_ && !host_dirty_.load(std::memory_order_relaxed);
+  bool device_burst = continue_mode_ && !host_dirty_.load(std::memory_order_relaxed) && !buckets_.planned();
   if (device_burst) {
     std::lock_guard<std::mutex> lock(mu_);
     device_burst = inflight_.size() > incoming_.size();
@@ -54,7 +67,9 @@ void ProcessSet::start_round() {
     joined = join_handle_ != nullptr;
   }
   round_joined_ = joined;
-  negotiator_.build_words(pending_, round_dirty_, joined);
+  const bool flush = flush_wanted_;
+  flush_wanted_ = false;
+  negotiator_.build_words(pending_, round_dirty_, joined, flush);
   if (joined && join_round_ < 0) join_round_ = round_;
   ctx_.timeline.record(TimelineKind::CYCLE, OpType::ALLREDUCE, std::string());
   auto& words = negotiator_.words();
@@ -111,7 +126,7 @@ void ProcessSet::finish_round() {
   negotiator_.order(&result_);
   take_ready();
   state_ = State::IDLE;
-  if (!ready_.empty()) dispatch(ready_);
+  if (!ready_.empty() || (result_.any_flush && buckets_.any_open())) dispatch(ready_, result_.any_flush);
   // Same names on every rank (use is counted in agreed rounds); after dispatch, which still reads them.
   reg.evict(cache_capacity_);
   if (result_.all_joined) {

@@ -372,7 +372,7 @@ class PyEngine {
   }
 
   // The set's run-time parameters: (fusion bytes, in-place bytes, channels, cycle time us, algorithm code,
-  // channels created).
+  // channels created, device bucket bytes).
   py::tuple params(int ps_id) {
     TuneParams p;
     int max_channels = 0;
@@ -380,7 +380,7 @@ class PyEngine {
       throw py::value_error("perseus: no process set with id " + std::to_string(ps_id));
     return py::make_tuple(p.fusion_threshold_bytes, p.inplace_threshold_bytes, p.channels,
                           static_cast<int64_t>(p.cycle_time_ms * 1e3 + 0.5), static_cast<int>(p.algorithm),
-                          max_channels);
+                          max_channels, p.device_bucket_bytes);
   }
 
   // Steps timed since step `since`: (first index, [(seconds, bytes, digest), ...]) for the completed steps
@@ -432,6 +432,7 @@ class PyEngine {
   py::object wait(int64_t hid, double timeout_s) {
     Handle* h = engine_->handles().find(hid);
     if (h == nullptr) return py::none();
+    engine_->note_awaited(h);
     bool timed_out = false;
     // Wait in slices, so that Python signal handlers (Ctrl-C, pytest-timeout) run while this waits.
     const double deadline = timeout_s >= 0 ? now_s() + timeout_s : 0;
@@ -504,7 +505,9 @@ class PyEngine {
     if (h == nullptr)
       throw py::value_error("perseus.poll(): unknown handle " + std::to_string(hid) +
                             " (already synchronized, or never issued)");
-    return h->done.load(std::memory_order_acquire) != 0;
+    if (h->done.load(std::memory_order_acquire)) return true;
+    engine_->note_awaited(h);
+    return false;
   }
 
   // Call callback() once every request of every id has finished (at once if they have; otherwise on the
@@ -520,6 +523,7 @@ class PyEngine {
         ++finished_now;
         continue;
       }
+      engine_->note_awaited(h);
       std::lock_guard<std::mutex> lock(h->mu);
       if (h->done.load(std::memory_order_acquire)) {
         ++finished_now;

@@ -22,6 +22,7 @@ struct TuneParams {
   int channels = 1;  // active channels: unit k goes to channel k % channels
   double cycle_time_ms = 0.0;
   Algorithm algorithm = Algorithm::AUTO;
+  int64_t device_bucket_bytes = 0;  // device buckets' budget; 0: none (device_buckets.h)
 };
 
 struct SetOptions {

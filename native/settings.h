@@ -20,6 +20,8 @@ struct Settings {
   int64_t inplace_threshold_bytes = 256 << 10;  // knob inplace_threshold_bytes
   // units of device requests (device_channel.h)
   int64_t device_fusion_threshold_bytes = 64 << 20;  // knob device_fusion_threshold_bytes
+  // the budget of a device bucket; 0: no buckets (device_buckets.h)
+  int64_t device_bucket_bytes = 25 << 20;  // knob device_bucket_bytes
   // the cycle when only device requests are new
   double device_cycle_time_ms = 1.0;  // knob device_cycle_time_ms
   double cycle_time_ms = 0.0;  // knob cycle_time_ms
@@ -51,6 +53,7 @@ struct Settings {
   X(fusion_threshold_bytes)        \
   X(inplace_threshold_bytes)       \
   X(device_fusion_threshold_bytes) \
+  X(device_bucket_bytes)           \
   X(device_cycle_time_ms)          \
   X(cycle_time_ms)                 \
   X(num_channels)                  \

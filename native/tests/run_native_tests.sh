@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build and run the native core's C++ tests: the kernels and repr helpers (against double references and
 # against NumPy/Python via gen_reference.py), the engine's message codec (control messages, negotiation
-# payloads), then the MPI transport under mpirun on 2 and 3 ranks.
+# payloads), the device buckets' planning, then the MPI transport under mpirun on 2 and 3 ranks.
 # The kernels are tested as debug code (-O1) and as shipped (-O3, which vectorises them): with the
 # per-CPU variants this CPU picks, with the plain baseline x86-64 loops, and with AVX2 code generation.
 # Exits non-zero on the first failure. Usage: bash native/tests/run_native_tests.sh
@@ -42,7 +42,11 @@ if grep -qw avx2 /proc/cpuinfo 2>/dev/null; then
   "$MPICXX" "${FLAGS[@]}" -O3 -mavx2 -DPERSEUS_NO_TARGET_CLONES -o "$WORK/test_kernels_avx2" "${KERNELS[@]}"
 fi
 "$MPICXX" "${FLAGS[@]}" -o "$WORK/test_codec" native/tests/test_codec.cc native/control.cc native/negotiation.cc \
-  native/common.cc
+  native/common.cc &
+first=$!
+"$MPICXX" "${FLAGS[@]}" -o "$WORK/test_device_buckets" native/tests/test_device_buckets.cc native/device_buckets.cc \
+  native/common.cc &
+both "$first" $!
 
 echo "-- kernels and repr helpers"
 "$PY" native/tests/gen_reference.py "$WORK/reference.bin"
@@ -54,6 +58,9 @@ done
 
 echo "-- message codec"
 timeout 60 "$WORK/test_codec"
+
+echo "-- device buckets"
+timeout 60 "$WORK/test_device_buckets"
 
 for NP in 2 3; do
   echo "-- MPI transport on $NP ranks"

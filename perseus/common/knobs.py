@@ -249,6 +249,15 @@ KNOBS: tuple[Knob, ...] = (
          doc="Fusion threshold for all-reduces of GPU tensors through NCCL: tensors are packed (a device-to-device "
              "copy) into units of up to this many bytes, larger ones are split at it. Horovod's default (64 MiB); "
              "the CPU channels' HOROVOD_FUSION_THRESHOLD does not apply to them."),
+    Knob("device_bucket_bytes", ("PERSEUS_DEVICE_BUCKET_BYTES",), int, 25 << 20, unit="bytes",
+         doc="Budget of the size-based buckets that GPU all-reduces travel in. After the first training step the "
+             "engine knows the order in which gradients become ready (the same on every rank) and groups them, "
+             "in that order, into buckets that close once they hold this many bytes (the first bucket of a step "
+             "once it holds 1 MiB, so that communication starts early); a bucket is one NCCL launch, sent once "
+             "all its gradients are ready. Tensors of at least this size travel alone. Unset: 25 MiB until a "
+             "process set's NCCL groups are built, then chosen from the measured launch cost and bandwidth "
+             "(25-256 MiB). 0: no buckets (each negotiation round's ready gradients are one launch). See "
+             "docs/gpu.md."),
     Knob("device_cycle_time_ms", ("PERSEUS_DEVICE_CYCLE_TIME_MS",), float, 1.0, unit="ms",
          doc="While GPU all-reduces keep arriving (the previous negotiation round found work) and nothing else is "
              "new, how long the engine waits before the next round, so that the gradients of a backward pass "

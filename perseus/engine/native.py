@@ -126,8 +126,10 @@ class Engine:
         self._native.add_loopback_process_set(ps_id, world, rank, list(world_ranks))
 
     def tune(self, ps_id: int, name: str, fusion_threshold_bytes: int, inplace_threshold_bytes: int, channels: int,
-             cycle_time_us: int, algorithm: int) -> int:
+             cycle_time_us: int, algorithm: int, device_bucket_bytes: Optional[int] = None) -> int:
         """Submit a request that changes the set's run-time parameters; returns its handle.
+        ``device_bucket_bytes`` (None: unchanged) is the device buckets' budget (0: none); a new one makes the
+        engine learn its buckets again from the next step. -1 for any value keeps it as it is.
 
         Every rank of the set must submit it with the same name and values (a difference is a
         MismatchError on every rank). It takes effect after the units of the negotiation round in which
@@ -135,8 +137,11 @@ class Engine:
         (channels above those created) fail the request with ValueError on every rank.
         """
         # The values travel as the shape: negotiation compares them across ranks.
-        item = Request(name=name, dtype=DType.UINT8, shape=(int(fusion_threshold_bytes), int(inplace_threshold_bytes),
-                                                             int(channels), int(cycle_time_us), int(algorithm)))
+        values = (int(fusion_threshold_bytes), int(inplace_threshold_bytes), int(channels), int(cycle_time_us),
+                  int(algorithm))
+        if device_bucket_bytes is not None:
+            values += (int(device_bucket_bytes),)
+        item = Request(name=name, dtype=DType.UINT8, shape=values)
         return self._native.submit(ps_id, int(OpType.TUNE), [item], None, None)
 
     def remove_process_set(self, ps_id: int) -> None:

@@ -83,6 +83,8 @@ ENGINE_FIELDS: tuple[EngineField, ...] = (
     EngineField("inplace_threshold_bytes", "int64_t", ("inplace_threshold_bytes",)),
     EngineField("device_fusion_threshold_bytes", "int64_t", ("device_fusion_threshold_bytes",),
                 note="units of device requests (device_channel.h)"),
+    EngineField("device_bucket_bytes", "int64_t", ("device_bucket_bytes",),
+                note="the budget of a device bucket; 0: no buckets (device_buckets.h)"),
     EngineField("device_cycle_time_ms", "double", ("device_cycle_time_ms",),
                 note="the cycle when only device requests are new"),
     EngineField("cycle_time_ms", "double", ("cycle_time_ms",)),

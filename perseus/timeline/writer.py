@@ -26,6 +26,7 @@ _STOP = object()
 _OP_NAMES = ("ALLREDUCE", "ALLGATHER", "BROADCAST", "ALLTOALL", "REDUCESCATTER", "BARRIER")
 _TAIL = b"\n]"
 _BATCH = 4096  # most queued items turned into one write
+UNIT_NAME_SEPARATOR = "\x1f"  # between the tensor names of one device launch's record (native/device_channel.h)
 
 
 def _quiet(method):
@@ -187,8 +188,8 @@ class Timeline:
                 self._negotiate_start(name, _OP_NAMES[op], ts)
             elif kind == 1:
                 self._negotiate_end(name, _OP_NAMES[op], ts)
-            elif kind == 2:
-                self._activity((name,), label, ts)
+            elif kind == 2:  # (one record may name a unit's several tensors)
+                self._activity(name.split(UNIT_NAME_SEPARATOR), label, ts)
             elif kind == 3:
                 self._op_end(name, ts)
             elif kind == 4:

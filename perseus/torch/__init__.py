@@ -9,6 +9,7 @@ from perseus.common.api import wire_bytes
 from perseus.common.exceptions import HorovodInternalError, PerseusInternalError
 from perseus.torch import compression, elastic, functions, mpi_ops, optimizer
 from perseus.torch.compression import Compression
+from perseus.torch.device import stats as device_stats
 from perseus.torch.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                                      broadcast_parameters)
 from perseus.torch.optimizer import DistributedOptimizer
@@ -39,7 +40,7 @@ __all__ = [
     "add_process_set", "remove_process_set", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp",
     "HorovodInternalError", "PerseusInternalError", "mpi_ops", "DistributedOptimizer", "broadcast_parameters",
     "broadcast_optimizer_state", "broadcast_object", "allgather_object", "elastic", "SyncBatchNorm",
-    "wire_bytes", "DistributedEmbedding",
+    "wire_bytes", "DistributedEmbedding", "device_stats",
 ]
 
 

@@ -25,9 +25,11 @@ host memory (:mod:`perseus.torch.staging`).
 from __future__ import annotations
 
 import datetime
+import logging
 import queue
 import socket
 import threading
+import time
 from contextlib import nullcontext
 from typing import Optional
 
@@ -39,7 +41,7 @@ from perseus.common.state import runtime
 from perseus.common.knobs import external, set_external_default
 from perseus.common.process_sets import global_process_set
 
-__all__ = ["backend", "routes_cpu", "takes", "allreduce_async", "Streams", "CudaStreams", "HostStreams"]
+__all__ = ["backend", "routes_cpu", "takes", "allreduce_async", "stats", "Streams", "CudaStreams", "HostStreams"]
 
 _runtime = runtime()
 
@@ -47,6 +49,8 @@ _runtime = runtime()
 _FLOATS = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 _INTS = {torch.uint8, torch.int8, torch.int32, torch.int64}
 _SUM, _AVERAGE, _MIN, _MAX, _PRODUCT = 1, 0, 3, 4, 5  # perseus ReduceOp codes (perseus.common.reduce_ops)
+CALIBRATION_LAUNCHES = 8  # a device bucket's transfer takes this many launch costs (see _Launcher._calibrate)
+_log = logging.getLogger("perseus")
 
 
 # -- the stream shim ---------------------------------------------------------------------------------------
@@ -226,8 +230,10 @@ class _Launcher:
         self._entries: dict = {}  # (ps_id, name) -> _Entry, from submission until its data has moved
         self._groups: dict = {}   # (ps_id, kind) -> [process group per channel]
         self._sets: dict = {0: global_process_set}  # ps_id -> its ProcessSet (for the groups' rendezvous)
-        self._buffers: dict = {}  # (ps_id, kind, channel, dtype) -> flat fusion buffer
+        self._free: dict = {}  # (ps_id, kind, channel, dtype) -> fusion buffers not in use
         self._done: queue.Queue = queue.Queue()
+        self.counts: dict = {}  # ps_id -> [launches, tensors, bytes] (launcher thread; read by stats())
+        self.calibration: dict = {}  # ps_id -> what _calibrate measured and chose
         self._device = None
         self._failed: Optional[str] = None
         self._thread = threading.Thread(target=self._run, name="perseus-device-launcher", daemon=True)
@@ -285,15 +291,24 @@ class _Launcher:
         groups = self._groups.get((ps_id, kind))
         if groups is None:
             groups = self._groups[(ps_id, kind)] = self._make_groups(ps_id, kind)
+            self._calibrate(ps_id, kind, groups[0])
         channel = index % len(groups)
         streams = self.streams[kind]
         entries = self._lookup(ps_id, pieces)
         real = [e for e in entries if e is not None]
         dtype = _TORCH_DTYPES[dtype_code]
+        total = sum(p[2] for p in pieces)
+        counts = self.counts.get(ps_id)
+        if counts is None:
+            counts = self.counts[ps_id] = [0, 0, 0]
+        counts[0] += 1
+        counts[1] += len(pieces)
+        counts[2] += total * dtype.itemsize
         with streams.launch((ps_id, channel), self._device):
             for event in {id(e.ready): e.ready for e in real}.values():
                 streams.wait(event)
             lone = len(pieces) == 1 and entries[0] is not None
+            pooled = None
             if lone:
                 _, offset, count, _ = pieces[0]
                 e = entries[0]
@@ -301,35 +316,99 @@ class _Launcher:
                 if e.input is not e.output:
                     buf.copy_(e.input.reshape(-1)[offset:offset + count])
             else:
-                buf = self._buffer((ps_id, kind, channel, dtype), sum(p[2] for p in pieces),
-                                   self._device if kind == _CUDA else "cpu")
-                at = 0
-                for (_, offset, count, _), e in zip(pieces, entries):
-                    if e is None:
-                        buf[at:at + count].zero_()
-                    else:
-                        buf[at:at + count].copy_(e.input.reshape(-1)[offset:offset + count])
-                    at += count
+                # Packed with one call (one kernel on a GPU), unpacked with one: a bucket has dozens of tensors.
+                pooled = (ps_id, kind, channel, dtype)
+                whole = self._take_buffer(pooled, total, self._device if kind == _CUDA else "cpu")
+                buf = whole[:total]
+                torch.cat([buf.new_zeros(count) if e is None else e.input.reshape(-1)[offset:offset + count]
+                           for (_, offset, count, _), e in zip(pieces, entries)], out=buf)
             if prescale != 1.0:
                 buf.mul_(prescale)
-            groups[channel].allreduce([buf], _OPTIONS[reduce_op]).wait()
-            if postscale != 1.0:
-                buf.mul_(postscale)
-            if not lone:
-                at = 0
-                for (_, offset, count, _), e in zip(pieces, entries):
-                    if e is not None:
-                        e.output.view(-1)[offset:offset + count].copy_(buf[at:at + count])
-                    at += count
-            return streams.done()
+            work = self._collective(groups[channel], buf, reduce_op)
 
-    def _buffer(self, key, numel, device):
-        """The group's fusion buffer for ``key`` (ps_id, kind, channel, dtype), grown to a power of two."""
-        buf = self._buffers.get(key)
-        if buf is None or buf.numel() < numel:
-            size = max(numel, 1 << 16)
-            buf = self._buffers[key] = torch.empty(1 << (size - 1).bit_length(), dtype=key[3], device=device)
-        return buf[:numel]
+            def finish():
+                """After the all-reduce: scale and unpack, then give the fusion buffer back."""
+                if postscale != 1.0:
+                    buf.mul_(postscale)
+                if not lone:
+                    parts = buf.split([p[2] for p in pieces])
+                    outs = [e.output.view(-1)[offset:offset + count]
+                            for (_, offset, count, _), e in zip(pieces, entries) if e is not None]
+                    _copy_all(outs, [part for part, e in zip(parts, entries) if e is not None])
+                    self._free.setdefault(pooled, []).append(whole)
+
+            if kind == _CUDA:
+                # Stream-ordered: wait() makes this stream wait for NCCL, and what follows is queued behind it
+                # (a later unit reusing the buffer on this stream comes after the unpack).
+                work.wait()
+                finish()
+                return streams.done(), None
+            # Host memory: the all-reduce runs on the backend's own threads while this thread launches the next
+            # unit; the finalizer waits for it, then unpacks.
+            return streams.done(), (work, finish)
+
+    def _collective(self, group, buf, reduce_op):
+        """Start one all-reduce of ``buf`` on ``group`` and return its work (every launch, and the calibration,
+        goes through here)."""
+        return group.allreduce([buf], _OPTIONS[reduce_op])
+
+    def _calibrate(self, ps_id, kind, group) -> None:
+        """Measure what a launch costs on the set's new groups and choose the device buckets' budget from it, the
+        same on every rank (collective: every member does this at the set's first unit of ``kind``).
+
+        The cost of a launch is the median time of an all-reduce of 256 bytes; the bandwidth comes from one of
+        8 MiB; each is the slowest rank's (an all-reduce MAX over the group). The budget is the size whose
+        transfer takes CALIBRATION_LAUNCHES launch costs (so a launch's fixed cost is at most about 1/8 of it),
+        at least DDP's 25 MiB and at most 256 MiB: large where launches are expensive, DDP-like where they are
+        cheap. It takes effect at a negotiated point (a TUNE request whose other values stay as they are). An
+        explicit PERSEUS_DEVICE_BUCKET_BYTES is kept. Failures leave the default in force."""
+        settings = _runtime.settings
+        if settings.is_explicit("device_bucket_bytes") or settings.device_bucket_bytes <= 0:
+            return
+        device = self._device if kind == _CUDA else "cpu"
+        sync = torch.cuda.synchronize if kind == _CUDA else (lambda *a: None)
+
+        def timed(numel, repeats):
+            buf = torch.zeros(numel, dtype=torch.float32, device=device)
+            self._collective(group, buf, _SUM).wait()  # (first use: connections, buffers)
+            sync(device)
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                self._collective(group, buf, _SUM).wait()
+                sync(device)
+                times.append(time.perf_counter() - start)
+            return sorted(times)[len(times) // 2]
+
+        try:
+            small = timed(64, 9)
+            large = timed(2 << 20, 3)
+            agreed = torch.tensor([small, max(large - small, 1e-9)], dtype=torch.float64, device=device)
+            self._collective(group, agreed, _MAX).wait()
+            sync(device)
+            cost, seconds_per_8mib = (float(v) for v in agreed.cpu())
+            bandwidth = (8 << 20) / seconds_per_8mib
+            budget = int(min(max(CALIBRATION_LAUNCHES * cost * bandwidth, 25 << 20), 256 << 20))
+            self.calibration[ps_id] = {"launch_cost_s": cost, "bandwidth_bytes_per_s": bandwidth,
+                                       "bucket_bytes": budget}
+            engine = _runtime.engine
+            _c.synchronize(engine.tune(ps_id, f"perseus.device.budget.{ps_id}.{kind}", -1, -1, -1, -1, -1, budget))
+        except Exception as exc:  # noqa: BLE001 - the default budget stays; the job goes on
+            _log.warning("perseus: measuring the device launch cost failed (%s: %s); device buckets keep their "
+                         "default budget", type(exc).__name__, exc)
+
+    def _take_buffer(self, key, numel, device):
+        """A fusion buffer for ``key`` (ps_id, kind, channel, dtype) of at least ``numel`` elements (a power of
+        two), from those given back (by finish(), on the launcher or the finalizer thread) or new. A step reuses
+        the buffers of the one before."""
+        free = self._free.setdefault(key, [])
+        for i in range(len(free) - 1, -1, -1):
+            if free[i].numel() >= numel:
+                return free.pop(i)
+        if free:
+            free.pop(0)  # a smaller one: let it go
+        size = max(numel, 1 << 16)
+        return torch.empty(1 << (size - 1).bit_length(), dtype=key[3], device=device)
 
     def _make_groups(self, ps_id, kind):
         """The set's process groups for ``kind`` (NCCL for GPU memory, Gloo for CPU memory), built collectively:
@@ -380,7 +459,7 @@ class _Launcher:
         self._finalizer.join(5.0)
         self._abort_groups()
         self._groups.clear()
-        self._buffers.clear()
+        self._free.clear()
 
     def _abort_groups(self):
         for groups in self._groups.values():
@@ -411,9 +490,12 @@ class _Launcher:
             item = self._done.get()
             if item is None:
                 return
-            event, ticket, ps_id, pieces, kind = item
+            (event, host), ticket, ps_id, pieces, kind = item
             error = None
             try:
+                if host is not None:  # a host-memory all-reduce still running on the backend's threads
+                    host[0].wait()
+                    host[1]()
                 self.streams[kind].wait_done(event)
             except Exception as exc:  # noqa: BLE001 - the unit failed on the device
                 error = f"{type(exc).__name__}: {exc}"
@@ -434,6 +516,38 @@ if torch.distributed.is_available():
     _R = torch.distributed.ReduceOp
     _OPTIONS = {_SUM: _options(_R.SUM), _AVERAGE: _options(_R.SUM), _MIN: _options(_R.MIN),
                 _MAX: _options(_R.MAX), _PRODUCT: _options(_R.PRODUCT)}
+
+def _copy_all(outs, ins) -> None:
+    """outs[i].copy_(ins[i]) for every i, in one call where torch has it."""
+    if not outs:  # (a joined rank's unit: stand-ins only)
+        return
+    if _foreach_copy is not None:
+        _foreach_copy(outs, ins)
+    else:
+        for o, i in zip(outs, ins):
+            o.copy_(i)
+
+
+_foreach_copy = getattr(torch, "_foreach_copy_", None)
+
+
+def stats(process_set=global_process_set) -> dict:
+    """What the device launcher has moved for ``process_set`` since ``init()`` on this rank: ``launches`` (units:
+    one collective call each, e.g. one NCCL all-reduce), ``tensors`` (the tensor pieces they carried) and
+    ``bytes``, cumulative (the difference over N training steps, divided by N, gives launches per step);
+    ``bucket_bytes``, the device buckets' budget in force; once the set's groups are built and measured,
+    ``launch_cost_s`` and ``bandwidth_bytes_per_s`` (what the budget was chosen from). Local (no
+    communication); zero counts before the first device all-reduce."""
+    ps_id = _runtime.process_set_info(process_set)[0]
+    launcher = _launcher
+    counts = launcher.counts.get(ps_id) if launcher is not None else None
+    launches, tensors, nbytes = counts if counts is not None else (0, 0, 0)
+    out = {"launches": launches, "tensors": tensors, "bytes": nbytes,
+           "bucket_bytes": _runtime.engine.params(ps_id)[6]}
+    if launcher is not None and ps_id in launcher.calibration:
+        out.update(launcher.calibration[ps_id])
+    return out
+
 
 _launcher_lock = threading.Lock()
 _launcher: Optional[_Launcher] = None

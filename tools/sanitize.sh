@@ -30,7 +30,8 @@ TESTS=("$@")
 if [ ${#TESTS[@]} -eq 0 ]; then
   TESTS=(tests/mpi/test_collectives.py tests/mpi/test_errors.py tests/mpi/test_join_timeline.py
          tests/mpi/test_process_sets.py tests/mpi/test_transport.py tests/mpi/test_elastic.py
-         tests/mpi/test_adasum.py --deselect tests/mpi/test_adasum.py::test_tensorflow_allreduce)
+         tests/mpi/test_adasum.py tests/mpi/test_device_buckets.py
+         --deselect tests/mpi/test_adasum.py::test_tensorflow_allreduce)
 fi
 MPIRUN=("$BIN/mpirun" --oversubscribe --bind-to none -x LD_PRELOAD -x ASAN_OPTIONS -x UBSAN_OPTIONS -x PYTHONPATH)
 if [ "$(id -u)" = "0" ]; then MPIRUN+=(--allow-run-as-root); fi

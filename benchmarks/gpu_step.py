@@ -116,7 +116,7 @@ _counter = Counter()
 _launch_cost_s = [0.0]
 
 
-def build(mode, name, batch, device, default_budget):
+def build(mode, name, batch, device):
     torch.manual_seed(0)
     model, shape, classes = make_model(name)
     model = model.to(device)
@@ -143,7 +143,7 @@ def build(mode, name, batch, device, default_budget):
     launcher = mode not in ("perseus_stage", "perseus_host")
     blocking = False
     cycle_us = 2000 if mode == "perseus_nccl_cycle2ms" else 0
-    budget = 0 if mode == "perseus_rounds" else default_budget
+    budget = 0 if mode == "perseus_rounds" else None  # None: the budget perseus chose (measured)
 
     def step():
         # What the settings decide, switched per mode within one job.
@@ -161,13 +161,18 @@ def build(mode, name, batch, device, default_budget):
 
 
 _tunes = [0]
+_chosen_budget = [None]  # the device buckets' budget perseus chose, while a mode runs with buckets off
 
 
 def set_params(cycle_us, budget):
     """Change the negotiation cycle and the device buckets' budget at run time (a TUNE request: collective, the
-    same values on every rank)."""
+    same values on every rank). ``budget`` None: the one perseus chose (measured when its groups were built)."""
     engine = hvd.mpi_ops._runtime.engine
     fusion, inplace, channels, current, algorithm, _, current_budget = engine.params(0)[:7]
+    if budget is None:
+        budget = current_budget if _chosen_budget[0] is None else _chosen_budget[0]
+    elif current_budget and budget != current_budget:
+        _chosen_budget[0] = current_budget
     if current != cycle_us or current_budget != budget:
         _tunes[0] += 1
         hvd.synchronize(engine.tune(0, f"bench.params.{_tunes[0]}", fusion, inplace, channels, cycle_us, algorithm,
@@ -175,8 +180,7 @@ def set_params(cycle_us, budget):
 
 
 def set_cycle_time(cycle_us):
-    engine = hvd.mpi_ops._runtime.engine
-    set_params(cycle_us, engine.params(0)[6])
+    set_params(cycle_us, None)
 
 
 def small_allreduce(mode, device, calls):
@@ -226,15 +230,16 @@ def time_steps(step, steps, device, mode):
 
 
 def _inject_launch_cost(seconds):
-    """Every perseus launch (the launcher thread) and every DDP bucket (its hook) sleeps ``seconds`` first."""
+    """Every collective perseus's launcher issues (its launches, and the measurement its bucket budget comes from)
+    and every DDP bucket (its hook) sleeps ``seconds`` first."""
     _launch_cost_s[0] = seconds
     if seconds:
-        real = _device._Launcher._launch
+        real = _device._Launcher._collective
 
-        def slow_launch(self, *args):
+        def slow_collective(self, *args):
             time.sleep(seconds)
             return real(self, *args)
-        _device._Launcher._launch = slow_launch
+        _device._Launcher._collective = slow_collective
 
 
 def main():
@@ -279,15 +284,14 @@ def main():
     else:
         modes = ["local", "perseus_nccl", "perseus_nccl_cycle2ms", "perseus_stage"]
     modes += [] if ddp_error else ["ddp"]
-    default_budget = hvd.mpi_ops._runtime.engine.params(0)[6]
     results = {"backend": args.backend, "device": "cpu" if gloo else torch.cuda.get_device_name(device),
                "ranks": hvd.size(), "torch": torch.__version__,
                "nccl": None if gloo else ".".join(map(str, torch.cuda.nccl.version())),
                "batch_per_rank": args.batch, "steps_per_round": args.steps, "rounds": args.rounds,
-               "launch_cost_ms": args.launch_cost_ms, "device_bucket_bytes": default_budget,
+               "launch_cost_ms": args.launch_cost_ms,
                "ddp_error": ddp_error, "models": {}}
     for name in args.models.split(","):
-        steps = {m: build(m, name, args.batch, device, default_budget) for m in modes}
+        steps = {m: build(m, name, args.batch, device) for m in modes}
         for m in modes:  # warm-up: cuDNN choices, NCCL and perseus channels, pinned buffers, learned buckets
             time_steps(steps[m], 3, device, m)
         samples = {m: [] for m in modes}
@@ -309,6 +313,9 @@ def main():
             entry["max_param_diff_vs_ddp"] = {
                 m: max(float((p.detach().cpu() - q).abs().max()) for p, q in zip(steps[m].model.parameters(), ref))
                 for m in modes if m not in ("local", "ddp")}
+        stats = hvd.device_stats()
+        entry["device_bucket_bytes"] = _chosen_budget[0] or stats["bucket_bytes"]
+        entry["measured_launch_cost_ms"] = round(stats.get("launch_cost_s", float("nan")) * 1e3, 3)
         results["models"][name] = entry
         if hvd.rank() == 0:
             print(name, json.dumps(entry["median_step_ms"]), json.dumps(entry.get("ratio_to_ddp")),

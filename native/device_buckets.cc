@@ -45,6 +45,7 @@ void DeviceBuckets::learn() {
   std::vector<Open> open;  // one per key (few keys: a linear search)
   std::vector<std::pair<Key, std::vector<std::string>>> closed;
   for (const Seen& s : seen_) {
+    if (solo_.count(s.name)) continue;  // waited for on its own: passes through
     Open* o = nullptr;
     for (Open& c : open)
       if (c.key == s.key) o = &c;
@@ -161,6 +162,7 @@ void DeviceBuckets::flush(std::vector<std::vector<Request*>>* released) {
           missing.push_back(b.members[j]);
         }
       }
+      if (kept_names.size() == 1) solo_.insert(kept_names.front());
       b.members = std::move(kept_names);
       b.held = std::move(kept_held);
       for (size_t j = 0; j < b.members.size(); ++j) where_[b.members[j]] = {i, j};

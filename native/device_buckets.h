@@ -13,8 +13,9 @@
 //  * Flush: when a rank waits for a held request whose bucket misses a name this rank has not submitted, the
 //    bucket cannot fill (the program's order differs from the plan): that rank asks for a flush in the next
 //    round's flags, and at the end of that round every rank releases every open bucket's held requests as
-//    they are, and splits each such bucket into what was held and what was missing. A plan split too often is
-//    learned again.
+//    they are, and splits each such bucket into what was held and what was missing. A name split off alone this
+//    way (a collective the program waits for at once, e.g. SyncBatchNorm's statistics) is never bucketed again.
+//    A plan split too often is learned again.
 // Everything here is decided by the negotiated ready lists and the negotiated flush flag, so every rank holds
 // and releases the same requests at the same point. Engine thread only, except awaited-flag reads.
 #pragma once
@@ -35,7 +36,7 @@ class DeviceBuckets {
   static constexpr int64_t kFirstBucketBytes = 1 << 20;
   static constexpr size_t kMaxLearned = 1 << 16;  // names recorded before learning gives up
 
-  // budget_bytes <= 0: no buckets (every request passes through). Forgets any plan.
+  // budget_bytes <= 0: no buckets (every request passes through). Forgets the plan (not the names left out of plans).
   void configure(int64_t budget_bytes);
   int64_t budget() const { return budget_; }
 
@@ -56,6 +57,7 @@ class DeviceBuckets {
   size_t bucket_count() const { return buckets_.size(); }
   const std::vector<std::string>& bucket_members(size_t i) const { return buckets_[i].members; }
   int64_t flushes() const { return flushes_; }
+  bool solo(const std::string& name) const { return solo_.count(name) != 0; }
 
  private:
   struct Key {
@@ -93,6 +95,7 @@ class DeviceBuckets {
   std::unordered_set<std::string> seen_names_;
   std::vector<Bucket> buckets_;
   std::unordered_map<std::string, std::pair<size_t, size_t>> where_;  // name -> (bucket, position)
+  std::unordered_set<std::string> solo_;  // names a flush split off alone: left out of every later plan
   size_t open_ = 0;  // buckets with count > 0
   size_t learned_buckets_ = 0;  // buckets when last learned
   int64_t splits_ = 0, flushes_ = 0;

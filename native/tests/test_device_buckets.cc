@@ -150,6 +150,28 @@ void test_relearn_after_many_splits() {
   EXPECT(round(&b, {{"n0", 10}, {"n1", 10}}, &rel) == (Names{"n0", "n1"}) && rel.empty());
 }
 
+void test_names_waited_for_alone_leave_the_plan() {
+  // s0..s7 are waited for one by one (SyncBatchNorm's statistics): each flush splits one off alone, and the plan
+  // learned again (after more than 4 splits) leaves those out, so the splitting ends there.
+  DeviceBuckets b;
+  b.configure(8 * MiB);
+  Groups rel;
+  std::vector<std::pair<std::string, int64_t>> step;
+  for (int i = 0; i < 8; ++i) step.emplace_back("s" + std::to_string(i), 10);
+  step.emplace_back("g", 10);
+  round(&b, step, &rel);  // learning
+  for (int i = 0; i < 5; ++i) {
+    const std::string name = "s" + std::to_string(i);
+    round(&b, {{name, 10}}, &rel, true);  // (the first round learns the plan: one bucket of all nine)
+    EXPECT(rel == (Groups{{name}}) && b.solo(name));
+  }
+  EXPECT(!b.solo("g") && !b.planned());  // 5 splits: learned again from the next step
+  round(&b, step, &rel);  // learning again
+  EXPECT(round(&b, {{"s0", 10}, {"s5", 10}}, &rel) == (Names{"s0"}));  // s0 passes through, s5 is held
+  EXPECT(b.planned() && b.any_open() && b.bucket_count() == 1);
+  EXPECT(b.bucket_members(0) == (Names{"s5", "s6", "s7", "g"}));
+}
+
 void test_stuck_and_take_all_held() {
   DeviceBuckets b;
   b.configure(8 * MiB);
@@ -188,6 +210,7 @@ int main() {
   test_keys_are_separate();
   test_flush_splits();
   test_relearn_after_many_splits();
+  test_names_waited_for_alone_leave_the_plan();
   test_stuck_and_take_all_held();
   test_off();
   std::printf("test_device_buckets: %d checks, %d failed\n", g_checks, g_failures);

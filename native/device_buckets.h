@@ -3,7 +3,8 @@
 // A round hands the engine the device all-reduces that became ready in it; left alone, each round's would be one
 // unit (one NCCL launch), so a backward pass would cost one launch per round however small its gradients. The
 // buckets regroup them by size instead:
-//  * Learning: the names of device all-reduces are recorded in negotiated order until a name comes again (the
+//  * Learning: the names of device all-reduces are recorded in negotiated order (within a round, the registry's
+//    order, which may differ from the order in which they arrived) until a name comes again (the
 //    next step has begun). Every rank records the same names in the same order, so every rank learns the same
 //    plan: consecutive names with the same key (device, dtype, reduction, scales) grouped in that order, a bucket
 //    closing once it holds at least the byte budget (the first bucket of each key: kFirstBucketBytes, so the first

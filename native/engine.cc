@@ -258,7 +258,14 @@ void Engine::note_awaited(Handle* h) {
         !r->awaited.exchange(true, std::memory_order_acq_rel))
       ps_id = r->ps_id;
   if (ps_id < 0) return;  // no device all-reduce, or already noted
-  if (auto set = find(ps_id)) {
+  // (The lock-free lookup submit() uses; other sets through the table.)
+  ProcessSet* set = ps_id < kFastSets ? fast_[ps_id].load() : nullptr;
+  std::shared_ptr<ProcessSet> holder;
+  if (set == nullptr) {
+    holder = find(ps_id);
+    set = holder.get();
+  }
+  if (set != nullptr) {
     set->note_awaited();
     wake();
   }

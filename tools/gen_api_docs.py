@@ -28,6 +28,7 @@ TORCH_SECTIONS = [
                                       "DistributedEmbedding.load_full_weight", "embedding.full_state_dict"]),
     ("Process sets", ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set"]),
     ("Bytes on the wire", ["wire_bytes"]),
+    ("GPU launches", ["device_stats"]),
 ]
 
 

@@ -537,7 +537,11 @@ def stats(process_set=global_process_set) -> dict:
     ``bytes``, cumulative (the difference over N training steps, divided by N, gives launches per step);
     ``bucket_bytes``, the device buckets' budget in force; once the set's groups are built and measured,
     ``launch_cost_s`` and ``bandwidth_bytes_per_s`` (what the budget was chosen from). Local (no
-    communication); zero counts before the first device all-reduce."""
+    communication); zero counts before the first device all-reduce.
+
+    Raises:
+        ValueError: perseus is not initialized, the set is not registered, or this rank is not a member.
+    """
     ps_id = _runtime.process_set_info(process_set)[0]
     launcher = _launcher
     counts = launcher.counts.get(ps_id) if launcher is not None else None

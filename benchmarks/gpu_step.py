@@ -52,34 +52,17 @@ import perseus.torch as hvd  # noqa: E402
 from perseus.torch import device as _device  # noqa: E402
 
 
-class _Block(nn.Module):
-    """ResNet's basic block: two 3x3 convolutions with batch norm, and a 1x1 projection when the shape changes."""
-
-    def __init__(self, cin, cout, stride):
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.down = None
-        if stride != 1 or cin != cout:
-            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-
-    def forward(self, x):
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        return F.relu(out + (x if self.down is None else self.down(x)))
-
-
 def resnet18(classes):
-    """ResNet-18's layers and parameter shapes (11.2 M parameters with 1000 classes), for when torchvision is
-    not installed."""
-    layers = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(3, 2, 1)]
-    cin = 64
-    for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
-        layers += [_Block(cin, cout, stride), _Block(cout, cout, 1)]
-        cin = cout
-    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, classes))
+    """ResNet-18's layout and parameter shapes, as examples/pytorch_synthetic_benchmark.py defines it (for when
+    torchvision is not installed)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                        "pytorch_synthetic_benchmark.py")
+    spec = importlib.util.spec_from_file_location("perseus_example_resnet", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.ResNet(module.MODELS["resnet18"], num_classes=classes)
 
 
 _image = [96]  # side of the synthetic images (--image-size)

@@ -93,7 +93,6 @@ void DeviceBuckets::release(Bucket* b, std::vector<std::vector<Request*>>* relea
   out.reserve(b->count);
   for (Request*& r : b->held)
     if (r != nullptr) {
-      r->held = false;
       out.push_back(r);
       r = nullptr;
     }
@@ -136,7 +135,6 @@ void DeviceBuckets::take(std::vector<Request*>* ready, std::vector<std::vector<R
       continue;
     }
     slot = r;
-    r->held = true;
     if (b.count++ == 0) ++open_;
     if (b.count == b.members.size()) release(&b, released);
   }
@@ -193,7 +191,6 @@ void DeviceBuckets::take_all_held(std::vector<Request*>* out) {
   for (Bucket& b : buckets_) {
     for (Request*& r : b.held)
       if (r != nullptr) {
-        r->held = false;
         out->push_back(r);
         r = nullptr;
       }

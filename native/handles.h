@@ -48,7 +48,6 @@ struct Request {
   std::atomic<int> remaining{0};  // units still to finish (set by fusion)
   bool phantom = false;           // stands in for a tensor a joined rank did not submit
   bool dispatched = false;        // handed to a channel (guarded by the process set's mutex)
-  bool held = false;              // negotiated, waiting in a device bucket (engine thread; device_buckets.h)
   std::atomic<bool> awaited{false};  // a user waits for (or polls) it: a held bucket must not wait for ever
   std::atomic<bool> finished{false};
   // Results of ops whose output size is known only after the exchange (allgather, alltoall):

@@ -69,7 +69,6 @@ Error ProcessSet::submit(const std::vector<Request*>& requests) {
   }
   for (Request* r : requests) {
     r->dispatched = false;
-    r->held = false;
     r->awaited.store(false, std::memory_order_relaxed);
     inflight_.emplace(r->name, r);
     incoming_.push_back(r);

@@ -27,7 +27,8 @@ from perseus.engine.messages import DType, OpType, Request, dtype_of
 __all__ = [
     "allreduce_async", "grouped_allreduce_async", "allgather_async", "grouped_allgather_async",
     "broadcast_async", "alltoall_async", "reducescatter_async", "grouped_reducescatter_async",
-    "barrier", "join", "poll", "synchronize", "on_done", "even_splits", "Result", "device_allreduce_async",
+    "barrier", "join", "poll", "synchronize", "on_done", "even_splits", "alltoall_splits", "Result",
+    "device_allreduce_async",
 ]
 
 _barrier_lock = threading.Lock()
@@ -208,7 +209,7 @@ def device_allreduce_async(shapes, dtypes, pointers, name, op, prescale_factor, 
     (:mod:`perseus.torch.device`) rather than the channels; return one handle. ``device`` (>= 0) is the
     launcher's code for the kind of memory, which every rank must agree on.
 
-    ``register(ps_id, names)`` is called with the requests' names once the engine has taken them (the
+    ``register(ps_id, names, handle)`` is called with the requests' names once the engine has taken them (the
     launcher looks tensors up by name, waiting for this). Collective as :func:`grouped_allreduce_async`; the
     device kind is part of what ranks must agree on.
     """
@@ -220,7 +221,7 @@ def device_allreduce_async(shapes, dtypes, pointers, name, op, prescale_factor, 
     items = [Request(name=n, dtype=int(dt), shape=shape, input=ptr, output=ptr, reduce_op=op, prescale=pre,
                      postscale=post) for n, dt, shape, ptr in zip(names, dtypes, shapes, pointers)]
     handle = runtime().engine.submit(ps_id, _ALLREDUCE, items, finish, keepalive, int(device))
-    register(ps_id, names)
+    register(ps_id, names, handle)
     return handle
 
 
@@ -283,6 +284,30 @@ def even_splits(first_dim: int, size: int, what: str = "alltoall") -> np.ndarray
     return np.full(size, first_dim // size, np.int64)
 
 
+def alltoall_splits(splits, rows: int, size: int) -> np.ndarray:
+    """An alltoall's ``splits`` (None: even) checked and as int64: one non-negative count per rank of the set,
+    summing to the first dimension ``rows``.
+
+    Raises:
+        TypeError: the splits are not integers.
+        ValueError: the wrong number of counts, a negative count, or a sum other than ``rows``.
+    """
+    if splits is None:
+        return even_splits(rows, size)
+    raw = np.asarray(splits)
+    if raw.dtype.kind not in "iu" and raw.size:
+        raise TypeError(f"perseus.alltoall: splits must be integers (the rows for each rank), got "
+                        f"{raw.dtype} {raw.tolist()!r}")
+    out = raw.astype(np.int64).reshape(-1)
+    if out.size != size:
+        raise ValueError(f"perseus.alltoall: splits has {out.size} entries but the process set has {size} "
+                         "ranks; give one count per rank")
+    if (out < 0).any() or int(out.sum()) != rows:
+        raise ValueError(f"perseus.alltoall: splits {out.tolist()} must be non-negative and sum to the first "
+                         f"dimension ({rows})")
+    return out
+
+
 def alltoall_async(array: np.ndarray, splits: Optional[np.ndarray], alloc: Alloc, name=None,
                    process_set=global_process_set, priority: int = 0, dtype: Optional[DType] = None,
                    finish=lambda r: r[0]) -> int:
@@ -290,19 +315,7 @@ def alltoall_async(array: np.ndarray, splits: Optional[np.ndarray], alloc: Alloc
     ps_id, size, _ = _info(process_set)
     dt = dtype if dtype is not None else _check(array, "alltoall")
     shape = tuple(array.shape) if array.ndim else (1,)
-    if splits is None:
-        splits = even_splits(shape[0], size)
-    raw = np.asarray(splits)
-    if raw.dtype.kind not in "iu" and raw.size:
-        raise TypeError(f"perseus.alltoall: splits must be integers (the rows for each rank), got "
-                        f"{raw.dtype} {raw.tolist()!r}")
-    splits = raw.astype(np.int64).reshape(-1)
-    if splits.size != size:
-        raise ValueError(f"perseus.alltoall: splits has {splits.size} entries but the process set has {size} "
-                         "ranks; give one count per rank")
-    if (splits < 0).any() or int(splits.sum()) != shape[0]:
-        raise ValueError(f"perseus.alltoall: splits {splits.tolist()} must be non-negative and sum to the first "
-                         f"dimension ({shape[0]})")
+    splits = alltoall_splits(splits, shape[0], size)
     item = Request(name=_name("alltoall", name, ps_id), dtype=int(dt), shape=shape, input=array,
                    priority=int(priority), splits=splits.tolist())
     return runtime().engine.submit(ps_id, _ALLTOALL, [item], _gathered([alloc], finish), array)

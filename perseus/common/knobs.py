@@ -264,11 +264,11 @@ KNOBS: tuple[Knob, ...] = (
              "travel in few NCCL launches. A GPU all-reduce reaching an idle engine is negotiated at once, and CPU "
              "requests never wait for it; HOROVOD_CYCLE_TIME, if larger, applies instead."),
     Knob("device_backend", ("PERSEUS_DEVICE_BACKEND",), str, "auto", choices=("auto", "nccl", "stage", "gloo"),
-         doc="How torch all-reduces of GPU tensors move data. 'auto': NCCL when this torch has it (what NCCL "
-             "cannot reduce, and every other collective, is staged through host memory), else staging; "
-             "'nccl': the same, but an error without NCCL; 'stage': always through host memory; 'gloo': CPU "
-             "tensors' all-reduces go through the GPU launcher with torch's Gloo backend (for testing the "
-             "launcher without a GPU). Every rank must use the same value. See docs/gpu.md."),
+         doc="How torch collectives of GPU tensors move data. 'auto': NCCL when this torch has it (all-reduce, "
+             "broadcast, allgather, alltoall, reducescatter; what NCCL cannot do is staged through host "
+             "memory), else staging; 'nccl': the same, but an error without NCCL; 'stage': always through host "
+             "memory; 'gloo': CPU tensors' collectives go through the GPU launcher with torch's Gloo backend "
+             "(for testing the launcher without a GPU). Every rank must use the same value. See docs/gpu.md."),
     Knob("abort_on_exception", ("PERSEUS_ABORT_ON_EXCEPTION",), bool, True,
          doc="After init(), an uncaught exception on any rank prints its traceback and aborts the whole MPI "
              "job, so the other ranks do not hang."),

@@ -8,6 +8,7 @@ from perseus.common import collectives as _c
 from perseus.common.api import rank
 from perseus.common.process_sets import global_process_set
 from perseus.common.reduce_ops import Average, ReduceOp, Sum
+from perseus.torch import device_collectives as _dc
 from perseus.torch import staging as _staging
 from perseus.torch._allreduce_ops import allreduce, grouped_allreduce
 from perseus.torch._tensors import _alloc_like, _contig, _dtype, _np, _tensor_list, synchronize
@@ -43,6 +44,8 @@ def _source(tensor: torch.Tensor):
 def allgather_async(tensor, name=None, process_set=global_process_set):
     """Start an allgather (concatenation on the first dimension); return a handle."""
     dt = _dtype(tensor)
+    if _dc.takes([tensor], _dc.ALLGATHER):
+        return _dc.submit(_dc.ALLGATHER, [tensor], name, process_set)
     src, back = _source(tensor)
     if _adoptable(src):
         return _c.allgather_async(_np(src), None, name, process_set, dtype=dt,
@@ -78,6 +81,8 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
     """Start allgathers of a list of tensors, negotiated together; return one handle."""
     tensors = _tensor_list(tensors, "grouped_allgather")
     dts = [_dtype(t) for t in tensors]
+    if _dc.takes(tensors, _dc.ALLGATHER):
+        return _dc.submit(_dc.ALLGATHER, tensors, name, process_set, single=False)
     srcs, backs = zip(*[_source(t) for t in tensors]) if tensors else ((), ())
     holders = [[] for _ in srcs]
     allocs = [None if _adoptable(t) else _alloc_like(t, h) for t, h in zip(srcs, holders)]
@@ -117,6 +122,9 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
     """Start a broadcast from ``root_rank`` into a new tensor; return a handle."""
     dt = _dtype(tensor)
+    if _dc.takes([tensor], _dc.BROADCAST):
+        return _dc.submit(_dc.BROADCAST, [tensor], name, process_set, root_rank=root_rank,
+                          outputs=[torch.empty_like(tensor, memory_format=torch.contiguous_format)])
     src, back = _source(tensor)
     if _staging.wanted(tensor):  # broadcast in place on the host copy
         return _c.broadcast_async(_np(src), _np(src), root_rank, name, process_set, dtype=dt,
@@ -130,6 +138,9 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
     dt = _dtype(tensor)
     if not tensor.is_contiguous():
         raise ValueError("Tensor is required to be contiguous.")
+    if _dc.takes([tensor], _dc.BROADCAST):
+        return _dc.submit(_dc.BROADCAST, [tensor], name, process_set, root_rank=root_rank, outputs=[tensor],
+                          finish=lambda entries: tensor)
     if _staging.wanted(tensor):  # on a host copy, copied back into tensor at synchronize
         host = _staging.to_host(tensor)
         buf = _np(host)
@@ -174,10 +185,16 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     """Start an alltoall; ``synchronize`` returns ``(output, received_splits)`` (int32, or int64 where a count
     is above 2^31 - 1)."""
     dt = _dtype(tensor)
-    src, back = _source(tensor)
     if splits is not None:
         if isinstance(splits, torch.Tensor):
             splits = splits.detach().cpu().numpy()
+    if _dc.takes([tensor], _dc.ALLTOALL):
+        import numpy as np
+
+        return _dc.submit(_dc.ALLTOALL, [tensor], name, process_set, splits=splits,
+                          finish=lambda entries: (entries[0].output,
+                                                  _received_splits(np.asarray(entries[0].received, np.int64))))
+    src, back = _source(tensor)
     holder: list = []
 
     def finish(results):
@@ -208,10 +225,23 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 
 
 # -- reducescatter ------------------------------------------------------------------------------------------
+def _share(tensor, process_set) -> torch.Tensor:
+    """This rank's reducescatter result for ``tensor``: its share of the first dimension (earlier ranks one
+    more row where it does not divide), on ``tensor``'s device."""
+    from perseus.common.partition import even_counts
+
+    rows = even_counts(tensor.shape[0], process_set.size())[process_set.rank()]
+    return torch.empty((rows,) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+
+
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
                         postscale_factor=1.0):
     """Start a reducescatter; return a handle."""
     dt = _dtype(tensor)
+    if _dc.takes([tensor], _dc.REDUCESCATTER, int(op), prescale_factor, postscale_factor):
+        return _dc.submit(_dc.REDUCESCATTER, [tensor], name, process_set, reduce_op=int(op),
+                          prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                          outputs=[_share(tensor, process_set)])
     src, back = _source(tensor)
     holder: list = []
     return _c.reducescatter_async(_np(src), _alloc_like(src, holder), name, op, process_set, prescale_factor,
@@ -249,6 +279,10 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=glob
     """Start reducescatters of a list of tensors, negotiated together; return one handle."""
     tensors = _tensor_list(tensors, "grouped_reducescatter")
     dts = [_dtype(t) for t in tensors]
+    if _dc.takes(tensors, _dc.REDUCESCATTER, int(op), prescale_factor, postscale_factor):
+        return _dc.submit(_dc.REDUCESCATTER, tensors, name, process_set, reduce_op=int(op),
+                          prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                          outputs=[_share(t, process_set) for t in tensors], single=False)
     srcs, backs = zip(*[_source(t) for t in tensors]) if tensors else ((), ())
     holders = [[] for _ in srcs]
     return _c.grouped_reducescatter_async([_np(t) for t in srcs], [_alloc_like(t, h) for t, h in

@@ -31,7 +31,13 @@ def synchronize(handle):
     Raises:
         HorovodInternalError: the collective failed (mismatch across ranks, stall, failed peer).
     """
-    return _runtime.engine.wait(handle)
+    try:
+        return _runtime.engine.wait(handle)
+    except BaseException:
+        from perseus.torch import device
+
+        device.forget(handle)  # a device request's tensors, if the launcher still holds them
+        raise
 
 
 _runtime = _c.runtime()

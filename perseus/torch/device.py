@@ -1,10 +1,11 @@
-"""The device transport for torch: all-reduces of GPU tensors with NCCL, planned by the engine.
+"""The device transport for torch: collectives of GPU tensors with NCCL, planned by the engine.
 
 The engine negotiates and fuses device requests like any other (every rank gets the same units in the same
 order) but does not move their data: it hands each unit to this module's launcher thread (one per process),
-which moves it with a torch.distributed backend and gives the unit back. Only all-reduce takes this path;
-every other collective, and what NCCL cannot reduce (Adasum, int16, bool, integer averages), is staged through
-host memory (:mod:`perseus.torch.staging`).
+which moves it with a torch.distributed backend and gives the unit back. All-reduces are packed and bucketed
+here; broadcast, allgather, alltoall and reducescatter run one request a unit
+(:mod:`perseus.torch.device_collectives`). What NCCL cannot do (Adasum, int16, integer averages, sparse and
+compressed paths) is staged through host memory (:mod:`perseus.torch.staging`).
 
 - Process groups: ``PERSEUS_NUM_NCCL_STREAMS`` (horovodrun's ``--num-nccl-streams``) per process set, each with
   its own NCCL communicator and stream; unit k goes to group k modulo their number. They are built over
@@ -14,10 +15,14 @@ host memory (:mod:`perseus.torch.staging`).
 - The launcher thread takes units in order. For each: its stream waits for the events recorded on the
   callers' streams at submission, packs the pieces into the group's fusion buffer (or reduces a lone tensor
   in place), prescales, all-reduces with SUM (or MIN/MAX/PRODUCT), postscales, unpacks, and records a done
-  event. A finalizer thread waits for that event (GIL released) and only then completes the requests, so
-  ``synchronize`` returns finished tensors and every tensor stays referenced until its data has moved.
+  event.
+- Completion is stream-ordered on a GPU: the unit's requests complete as soon as its work is queued, and
+  ``synchronize`` makes the caller's current stream wait for the done event (no host wait); a finalizer thread
+  keeps the unit's tensors referenced until the event has completed. In host memory (Gloo) the finalizer
+  waits for the collective, unpacks, and then completes the requests.
 - Failure: an error in the launcher fails the unit's requests on every rank (the engine's abort, naming the
-  tensors); NCCL groups are aborted. Group timeouts exceed perseus's stall shutdown time.
+  tensors); NCCL groups are aborted. A device error found after a unit completed fails every later unit.
+  Group timeouts exceed perseus's stall shutdown time.
 - ``PERSEUS_DEVICE_BACKEND=gloo`` runs this very launcher on CPU tensors with ``ProcessGroupGloo`` (the stream
   calls are no-ops there), which is how CPU-only CI tests it.
 """
@@ -40,6 +45,7 @@ from perseus.common import collectives as _c
 from perseus.common.state import runtime
 from perseus.common.knobs import external, set_external_default
 from perseus.common.process_sets import global_process_set
+from perseus.torch import device_collectives as _dc
 
 __all__ = ["backend", "routes_cpu", "takes", "allreduce_async", "stats", "Streams", "CudaStreams", "HostStreams"]
 
@@ -55,7 +61,16 @@ _log = logging.getLogger("perseus")
 
 # -- the stream shim ---------------------------------------------------------------------------------------
 class Streams:
-    """Ordering between the callers' streams and the launcher's (one object per backend)."""
+    """Ordering between the callers' streams and the launcher's (one object per backend).
+
+    ``ordered``: completion is stream-ordered. The launcher queues a unit's work (:meth:`run`), takes a done
+    token (:meth:`done`) and completes the unit's requests at once; ``synchronize`` makes the caller's stream
+    wait for the token (:meth:`caller_wait`) instead of the host waiting, and the finalizer only keeps the
+    tensors referenced until the token completes (:meth:`wait_done`). Otherwise (host memory) the finalizer
+    waits for the work, finishes it and then completes the requests.
+    """
+
+    ordered = False
 
     def ready(self, tensor: torch.Tensor):
         """On the caller's thread at submission: an event marking that ``tensor``'s producers are queued."""
@@ -68,9 +83,18 @@ class Streams:
     def wait(self, event) -> None:
         """Inside :meth:`launch`: later work waits for ``event`` (from :meth:`ready`)."""
 
+    def run(self, work, finish) -> None:
+        """Inside :meth:`launch` (``ordered`` only): queue the wait for the backend's ``work``, then
+        ``finish()`` (scaling, unpacking), on the launcher's stream."""
+        raise NotImplementedError
+
     def done(self):
         """Inside :meth:`launch`: a token for the end of the unit's work (an event), for :meth:`wait_done`."""
         return None
+
+    def caller_wait(self, done) -> None:
+        """On the caller's thread at ``synchronize`` (``ordered`` only): work the caller queues from now on comes
+        after the work behind ``done``."""
 
     def wait_done(self, done) -> None:
         """On the finalizer thread: return once the work behind ``done`` has finished (GIL released)."""
@@ -81,18 +105,19 @@ class HostStreams(Streams):
 
 
 class CudaStreams(Streams):
-    """CUDA tensors: a stream per process group, events between it and the callers' streams.
+    """CUDA tensors: a stream per process group, events between it and the callers' streams; stream-ordered
+    completion (``synchronize`` makes the caller's current stream wait for the unit's done event).
 
-    The finalizer waits for a unit's done event in CUDA with the GIL released: spinning by default (the
-    lowest latency; a core is busy only while a unit is in flight), or sleeping until the device signals
-    when ``blocking`` is set (measured against each other in docs/gpu.md).
+    The finalizer waits for a unit's done event (to let its tensors go) in CUDA with the GIL released:
+    spinning by default (a core is busy only while a unit is in flight), or sleeping until the device signals
+    when ``blocking`` is set.
     """
 
+    ordered = True
     blocking = False
 
     def __init__(self):
         self._streams: dict = {}
-        self._free: dict = {False: [], True: []}  # done events waited for, to record again (by blocking flag)
 
     def ready(self, tensor):
         event = torch.cuda.Event()
@@ -109,17 +134,21 @@ class CudaStreams(Streams):
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
 
+    def run(self, work, finish):
+        work.wait()  # this stream waits for the collective (no host wait); finish's kernels queue behind it
+        finish()
+
     def done(self):
-        blocking = self.blocking
-        free = self._free[blocking]
-        event = free.pop() if free else torch.cuda.Event(blocking=blocking)
+        # A new event per unit: a caller may wait on it at any later time, so it is never recorded again.
+        event = torch.cuda.Event(blocking=self.blocking)
         event.record()
-        return event, blocking
+        return event
+
+    def caller_wait(self, done):
+        torch.cuda.current_stream().wait_event(done)
 
     def wait_done(self, done):
-        event, blocking = done
-        event.synchronize()
-        self._free[blocking].append(event)  # recorded again later (list append/pop: atomic under the GIL)
+        done.synchronize()
 
 
 # -- which requests take this path -------------------------------------------------------------------------
@@ -181,11 +210,20 @@ def _use_nccl() -> bool:
 
 # -- submission (caller's thread) --------------------------------------------------------------------------
 class _Entry:
-    __slots__ = ("input", "output", "ready", "numel", "moved")
+    __slots__ = ("input", "output", "ready", "numel", "moved", "handle", "done")
 
     def __init__(self, inp, out, ready):
         self.input, self.output, self.ready = inp, out, ready
-        self.numel, self.moved = out.numel(), 0
+        self.numel, self.moved, self.handle = out.numel(), 0, -1
+        self.done = []  # stream-ordered completion: the done tokens of the units that carried it
+
+
+def caller_wait(streams: Streams, entries) -> None:
+    """At ``synchronize`` of a stream-ordered request: the caller's stream waits for every unit that carried
+    one of ``entries``."""
+    for e in entries:
+        for token in e.done:
+            streams.caller_wait(token)
 
 
 def allreduce_async(inputs, outputs, dtypes, name, op, prescale_factor, postscale_factor, process_set, finish,
@@ -207,8 +245,16 @@ def allreduce_async(inputs, outputs, dtypes, name, op, prescale_factor, postscal
         out = o.detach()
         entries.append(_Entry(out if i is o else i.detach(), out, ready))  # in place: one tensor, no copy
 
-    def register(ps_id, names):
-        launcher.register(ps_id, names, entries, process_set)
+    def register(ps_id, names, handle):
+        launcher.register(ps_id, names, entries, process_set, handle)
+
+    streams = launcher.streams[code]
+    if streams.ordered:  # synchronize's value comes once the caller's stream waits for the units
+        value = finish[0]
+
+        def finish(_results):
+            caller_wait(streams, entries)
+            return value
     return _c.device_allreduce_async([tuple(o.shape) for o in outputs], dtypes, [o.data_ptr() for o in outputs],
                                      name, op, prescale_factor, postscale_factor, process_set, finish, entries,
                                      register, single, code)
@@ -217,6 +263,7 @@ def allreduce_async(inputs, outputs, dtypes, name, op, prescale_factor, postscal
 # -- the launcher ------------------------------------------------------------------------------------------
 # The launcher's kinds of memory (the request signature's device code, which every rank must agree on).
 _CUDA, _CPU = 0, 1
+_ALLREDUCE = 0  # the unit's op type (perseus.engine.messages.OpType); the others run in device_collectives
 
 
 class _Launcher:
@@ -242,14 +289,23 @@ class _Launcher:
         self._finalizer.start()
 
     # caller's thread
-    def register(self, ps_id, names, entries, process_set) -> None:
-        """The engine took these requests: the launcher may look them up (it waits for this). An entry left
-        under the same name belonged to a request that failed before reaching the launcher: replaced."""
+    def register(self, ps_id, names, entries, process_set, handle) -> None:
+        """The engine took these requests (engine handle ``handle``): the launcher may look them up (it waits
+        for this). An entry left under the same name belonged to a request that failed before reaching the
+        launcher: replaced."""
         with self._lock:
             self._sets.setdefault(ps_id, process_set)
             for n, e in zip(names, entries):
+                e.handle = handle
                 self._entries[(ps_id, n)] = e
             self._lock.notify_all()
+
+    def forget(self, handle) -> None:
+        """The requests of ``handle`` failed (synchronize raised): drop what the launcher still holds of them
+        (a request the engine rejected never reaches the launcher)."""
+        with self._lock:
+            for key in [k for k, e in self._entries.items() if e.handle == handle]:
+                del self._entries[key]
 
     def _lookup(self, ps_id, pieces):
         """The entries of a unit's pieces (None for a joined rank's stand-ins), once registered."""
@@ -268,21 +324,31 @@ class _Launcher:
                 continue
             if unit is False:
                 break
-            ticket, ps_id, index = unit[0], unit[1], unit[2]
+            ticket, ps_id, index, pieces, kind = unit[0], unit[1], unit[2], unit[8], unit[9]
             try:
                 if self._failed is not None:
                     raise RuntimeError(self._failed)
-                done = self._launch(ps_id, index, unit[4], unit[5], unit[6], unit[7], unit[8], unit[9])
+                token, host, real = self._launch(ps_id, index, unit[3], unit[4], unit[5], unit[6], unit[7], pieces,
+                                                 kind)
             except Exception as exc:  # noqa: BLE001 - every failure fails the unit on every rank
                 self._failed = self._failed or f"{type(exc).__name__}: {exc}"
                 self._abort_groups()
-                self._release(ps_id, unit[8])
+                self._release(ps_id, pieces)
                 self.engine.device_unit_done(ticket, self._failed)
                 continue
-            self._done.put((done, ticket, ps_id, unit[8], unit[9]))
+            if host is None:
+                # Stream-ordered: the work is queued; the requests complete now (synchronize makes the caller's
+                # stream wait for the token) and the finalizer keeps their tensors until the token completes.
+                for e in real:
+                    e.done.append(token)
+                self._release(ps_id, pieces)
+                self.engine.device_unit_done(ticket, None)
+                self._done.put((token, None, None, ps_id, pieces, kind, real))
+            else:
+                self._done.put((token, host, ticket, ps_id, pieces, kind, None))
         self._done.put(None)
 
-    def _launch(self, ps_id, index, dtype_code, reduce_op, prescale, postscale, pieces, kind):
+    def _launch(self, ps_id, index, op_type, dtype_code, reduce_op, prescale, postscale, pieces, kind):
         if kind == _CUDA:
             if self._device is None:  # a joined rank that never submitted a GPU tensor
                 self._device = torch.device("cuda", torch.cuda.current_device())
@@ -304,6 +370,16 @@ class _Launcher:
         counts[0] += 1
         counts[1] += len(pieces)
         counts[2] += total * dtype.itemsize
+        if op_type != _ALLREDUCE:  # one request: broadcast, allgather, alltoall or reducescatter
+            if not real:
+                raise RuntimeError(f"internal error: a joined rank's stand-in for {pieces[0][0]} (only all-reduces "
+                                   "run while a rank has joined)")
+            group = groups[channel]
+            with streams.launch((ps_id, channel), self._device):
+                streams.wait(real[0].ready)
+                work, finish = _dc.launch(group, op_type, real[0], reduce_op, prescale, postscale, group.size(),
+                                          group.rank(), _OPTIONS)
+                return self._queued(streams, work, finish, real)
         with streams.launch((ps_id, channel), self._device):
             for event in {id(e.ready): e.ready for e in real}.values():
                 streams.wait(event)
@@ -337,15 +413,19 @@ class _Launcher:
                     _copy_all(outs, [part for part, e in zip(parts, entries) if e is not None])
                     self._free.setdefault(pooled, []).append(whole)
 
-            if kind == _CUDA:
-                # Stream-ordered: wait() makes this stream wait for NCCL, and what follows is queued behind it
-                # (a later unit reusing the buffer on this stream comes after the unpack).
-                work.wait()
-                finish()
-                return streams.done(), None
-            # Host memory: the all-reduce runs on the backend's own threads while this thread launches the next
-            # unit; the finalizer waits for it, then unpacks.
-            return streams.done(), (work, finish)
+            return self._queued(streams, work, finish, real)
+
+    @staticmethod
+    def _queued(streams, work, finish, real):
+        """``(done token, host part, entries)`` of a unit whose collective ``work`` has started (inside the
+        stream context): stream-ordered, the wait and ``finish`` are queued on the stream (a later unit reusing
+        the fusion buffer on this stream comes after the unpack) and the host part is None; in host memory, the
+        collective runs on the backend's own threads while this thread launches the next unit, and the
+        finalizer waits for it and calls ``finish`` (the host part)."""
+        if streams.ordered:
+            streams.run(work, finish)
+            return streams.done(), None, real
+        return streams.done(), (work, finish), real
 
     def _collective(self, group, buf, reduce_op):
         """Start one all-reduce of ``buf`` on ``group`` and return its work (every launch, and the calibration,
@@ -490,15 +570,22 @@ class _Launcher:
             item = self._done.get()
             if item is None:
                 return
-            (event, host), ticket, ps_id, pieces, kind = item
+            token, host, ticket, ps_id, pieces, kind, kept = item
             error = None
             try:
-                if host is not None:  # a host-memory all-reduce still running on the backend's threads
+                if host is not None:  # a host-memory collective still running on the backend's threads
                     host[0].wait()
                     host[1]()
-                self.streams[kind].wait_done(event)
+                self.streams[kind].wait_done(token)
             except Exception as exc:  # noqa: BLE001 - the unit failed on the device
                 error = f"{type(exc).__name__}: {exc}"
+            if ticket is None:  # completed when queued: only its tensors (kept) waited for the device
+                if error is not None:
+                    # Its requests have completed; every later unit fails on every rank with this.
+                    self._failed = self._failed or f"a device collective failed after it was queued: {error}"
+                    _log.error("perseus: %s", self._failed)
+                del kept
+                continue
             self._release(ps_id, pieces)
             self.engine.device_unit_done(ticket, error)
 
@@ -551,6 +638,13 @@ def stats(process_set=global_process_set) -> dict:
     if launcher is not None and ps_id in launcher.calibration:
         out.update(launcher.calibration[ps_id])
     return out
+
+
+def forget(handle) -> None:
+    """After ``synchronize(handle)`` raised: the launcher lets go of that request's tensors."""
+    launcher = _launcher
+    if launcher is not None:
+        launcher.forget(handle)
 
 
 _launcher_lock = threading.Lock()

@@ -1,5 +1,6 @@
-"""CUDA tensors through perseus.torch: the NCCL launcher (all-reduce) and host staging (everything else),
-ordering with the callers' streams, several NCCL channels, the build flags. Host staging itself is tested on
+"""CUDA tensors through perseus.torch: the NCCL launcher (all-reduce, broadcast, allgather, alltoall,
+reducescatter) and host staging (the rest), stream-ordered completion, ordering with the callers' streams,
+several NCCL channels, the build flags. Host staging itself is tested on
 every collective by tests/mpi/test_staging.py, which also runs its cases on CUDA tensors when a GPU is present."""
 
 import pytest
@@ -12,11 +13,11 @@ pytestmark = [pytest.mark.timeout(120),
                                  reason="needs a CUDA GPU; tools/gpu_check.sh runs these on a GPU machine")]
 
 
-def _busy_then_fill(t, value, stream=None):
+def _busy_then_fill(t, value, stream=None, iterations=40):
     """Queue a few hundred milliseconds of matrix work, then write ``value`` into ``t``, on ``stream``."""
     with torch.cuda.stream(stream or torch.cuda.current_stream()):
         a = torch.randn(4096, 4096, device="cuda")
-        for _ in range(40):
+        for _ in range(iterations):
             a = a @ a
             a = a / a.norm()
         t.copy_(torch.full_like(t, value) + 0 * a[0, 0])
@@ -42,6 +43,40 @@ def test_allreduce_takes_nccl(hvd):
     launcher = device._launcher
     assert launcher is not None and (0, device._CUDA) in launcher._groups
     assert not launcher._entries
+
+
+def test_other_collectives_take_nccl(hvd):
+    """Broadcast, allgather (uneven), alltoall (splits) and reducescatter (uneven) of CUDA tensors: one NCCL
+    launch each, the values of the CPU path, results on the GPU."""
+    size, rank = hvd.size(), hvd.rank()
+    hvd.allreduce(torch.ones(1, device="cuda"), name="gpu.other.warmup")
+    before = hvd.device_stats()["launches"]
+    out = hvd.broadcast(torch.full((3, 2), float(rank), device="cuda"), root_rank=size - 1, name="gpu.other.bc")
+    assert out.is_cuda and torch.all(out == size - 1).item()
+    rows = torch.arange((rank + 1) * 2, device="cuda", dtype=torch.float16).reshape(rank + 1, 2) + rank
+    gathered = hvd.allgather(rows, name="gpu.other.ag")
+    expected = torch.cat([torch.arange((r + 1) * 2, dtype=torch.float16).reshape(r + 1, 2) + r
+                          for r in range(size)])
+    assert gathered.is_cuda and torch.equal(gathered.cpu(), expected)
+    splits = [(rank + d) % 2 + 1 for d in range(size)]
+    src = torch.arange(sum(splits), device="cuda", dtype=torch.int64) + 100 * rank
+    got, received = hvd.alltoall(src, splits=torch.tensor(splits), name="gpu.other.a2a")
+    assert received.tolist() == [(s + rank) % 2 + 1 for s in range(size)] and got.is_cuda
+    reduced = hvd.reducescatter(torch.ones(size * 2 + 1, 3, device="cuda"), op=hvd.Sum, name="gpu.other.rs")
+    assert reduced.shape[0] == 2 + (1 if rank == 0 else 0) and torch.all(reduced == size).item()
+    assert hvd.device_stats()["launches"] - before == 4
+
+
+def test_synchronize_orders_the_stream_without_a_host_wait(hvd):
+    """Stream-ordered completion: synchronize returns while the caller's stream still has the producing work
+    queued (the host did not wait for the device), and work queued after it sees the result."""
+    t = torch.zeros(1 << 20, device="cuda")
+    _busy_then_fill(t, float(hvd.rank() + 1), iterations=200)
+    hvd.synchronize(hvd.allreduce_async_(t, op=hvd.Sum, name="gpu.ordered"))
+    pending = not torch.cuda.current_stream().query()
+    total = t.sum()  # queued after the stream's wait for the all-reduce
+    assert total.item() == sum(range(1, hvd.size() + 1)) * (1 << 20)
+    assert pending, "synchronize waited on the host for the device"
 
 
 def test_several_nccl_channels(hvd):

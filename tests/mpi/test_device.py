@@ -1,13 +1,17 @@
 """The GPU launcher (perseus/torch/device.py) without a GPU: CPU tensors through the same launcher thread,
 process groups and fusion buffers, with torch's Gloo backend (what PERSEUS_DEVICE_BACKEND=gloo does), and a
-fake stream shim whose work finishes late, on other threads, in random order of delays."""
+fake stream shim whose work finishes late, on other threads, in random order of delays, and a fake device whose
+queued work runs only when the test lets it (stream-ordered completion)."""
 
+import gc
+import queue
 import random
 import threading
 import time
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from perseus.torch import _allreduce_ops, device
 
@@ -211,6 +215,93 @@ def test_completion_waits_for_the_device_and_keeps_tensors_alive(hvd, monkeypatc
             assert not [k for k in launcher._entries if k[1].startswith("allreduce.dev.fake.")]
     finally:
         restart(hvd, old)
+
+
+class LateDevice(device.Streams):
+    """A device with stream-ordered completion whose queued work runs in order on a thread of its own, and only
+    once the test opens ``gate`` (a GPU stream still busy with earlier kernels). ``caller_wait`` waits on the host
+    for the unit's marker: the stand-in for a stream wait, so that the test may read the tensor at once."""
+
+    ordered = True
+
+    def __init__(self):
+        self.gate = threading.Event()
+        self.work: queue.Queue = queue.Queue()
+        self.caller_waits = 0
+        threading.Thread(target=self._device, daemon=True).start()
+
+    def _device(self):
+        while True:
+            what, a, b = self.work.get()
+            if what is None:
+                return
+            assert self.gate.wait(60)
+            if what == "run":
+                a.wait()
+                b()
+            else:
+                a.set()
+
+    def run(self, work, finish):
+        self.work.put(("run", work, finish))
+
+    def done(self):
+        marker = threading.Event()
+        self.work.put(("done", marker, None))
+        return marker
+
+    def caller_wait(self, marker):
+        self.caller_waits += 1
+        assert marker.wait(60)
+
+    def wait_done(self, marker):
+        assert marker.wait(60)
+
+
+def test_stream_ordered_completion_with_late_device_work(hvd, monkeypatch):
+    size, rank = hvd.size(), hvd.rank()
+    _route_cpu(monkeypatch, True)
+    hvd.allreduce(torch.ones(1), name="dev.late.warmup")  # the launcher and its groups exist
+    launcher = _launcher(hvd)
+    late = LateDevice()
+    launcher.streams[device._CPU] = late
+    try:
+        t = torch.full((1000,), float(rank + 1))
+        memory = StorageWeakRef(t.untyped_storage())  # the input's memory, whoever holds it
+        first = hvd.allreduce_async(t, name="dev.late.avg")  # Average: the postscale runs on the device
+        gathered = hvd.allgather_async(torch.full((rank + 1, 2), float(rank)), name="dev.late.ag")
+        del t
+        # The engine completes both while the device has run none of their work: nothing waits on the host.
+        deadline = time.monotonic() + 30
+        while not (hvd.poll(first) and hvd.poll(gathered)):
+            assert time.monotonic() < deadline, "the requests never completed"
+            time.sleep(0.01)
+        assert not late.gate.is_set() and late.caller_waits == 0
+        # The name may be used again at once; the first request's input is still referenced (its work is queued).
+        again = hvd.allreduce_async(torch.full((1000,), 2.0 * (rank + 1)), name="dev.late.avg")
+        gc.collect()
+        assert not memory.expired()
+        threading.Timer(0.2, late.gate.set).start()
+        opened = time.monotonic()
+        out = hvd.synchronize(first)  # waits (the caller's 'stream') for the device to finish the unit
+        assert time.monotonic() - opened >= 0.15
+        assert torch.allclose(out, torch.full((1000,), (size + 1) / 2))
+        expected = torch.cat([torch.full((r + 1, 2), float(r)) for r in range(size)])
+        assert torch.equal(hvd.synchronize(gathered), expected)
+        assert torch.allclose(hvd.synchronize(again), torch.full((1000,), float(size + 1)))
+        assert late.caller_waits >= 3
+        # Once the device is done the finalizer lets the tensors go.
+        deadline = time.monotonic() + 30
+        while not memory.expired():
+            assert time.monotonic() < deadline, "the launcher kept the input after its work was done"
+            gc.collect()
+            time.sleep(0.01)
+        with launcher._lock:
+            assert not [k for k in launcher._entries if "dev.late." in k[1]]
+    finally:
+        late.gate.set()
+        late.work.put((None, None, None))
+        launcher.streams[device._CPU] = device.HostStreams()
 
 
 def test_launcher_failure_fails_every_rank_naming_the_tensor(hvd, monkeypatch):

@@ -270,10 +270,11 @@ class PyEngine {
     return enqueue(ps_id, h);
   }
 
-  // One request: (ps_id, op_type, the first 11 fields of submit()'s tuple, finish, keepalive[, timing]) as
-  // arguments (the per-gradient path: no tuple, no list).
+  // One request: (ps_id, op_type, the first 11 fields of submit()'s tuple, finish, keepalive[, timing[,
+  // device]]) as arguments (the per-gradient path: no tuple, no list). timing None: Timing.FULL; device as in
+  // submit().
   int64_t submit_one(py::args a) {
-    if (a.size() != 15 && a.size() != 16) throw py::type_error("perseus: submit_one takes 15 or 16 arguments");
+    if (a.size() < 15 || a.size() > 17) throw py::type_error("perseus: submit_one takes 15 to 17 arguments");
     PyObject** f = &PyTuple_GET_ITEM(a.ptr(), 0);
     const int ps_id = static_cast<int>(PyLong_AsLong(f[0]));
     const OpType op = static_cast<OpType>(PyLong_AsLong(f[1]));
@@ -283,7 +284,12 @@ class PyEngine {
     extra->finish = py::reinterpret_borrow<py::object>(f[13]);
     extra->keepalive = py::reinterpret_borrow<py::object>(f[14]);
     try {
-      add_request(h, ps_id, op, f + 2, a.size() == 16 ? f[15] : nullptr);
+      add_request(h, ps_id, op, f + 2, a.size() >= 16 && f[15] != Py_None ? f[15] : nullptr);
+      if (a.size() == 17) {
+        const long device = PyLong_AsLong(f[16]);
+        if (device == -1 && PyErr_Occurred()) throw py::error_already_set();
+        h->requests.back()->sig.device = device < 0 ? -1 : static_cast<int32_t>(device);
+      }
     } catch (...) {
       discard(h);
       throw;

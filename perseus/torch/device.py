@@ -239,22 +239,34 @@ def allreduce_async(inputs, outputs, dtypes, name, op, prescale_factor, postscal
     device = inputs[0].device
     launcher = _launcher_for(device)
     code = _CUDA if device.type == "cuda" else _CPU
-    ready = launcher.streams[code].ready(inputs[0])
+    streams = launcher.streams[code]
+    ready = streams.ready(inputs[0])
     entries = []
     for i, o in zip(inputs, outputs):
         out = o.detach()
         entries.append(_Entry(out if i is o else i.detach(), out, ready))  # in place: one tensor, no copy
-
-    def register(ps_id, names, handle):
-        launcher.register(ps_id, names, entries, process_set, handle)
-
-    streams = launcher.streams[code]
     if streams.ordered:  # synchronize's value comes once the caller's stream waits for the units
         value = finish[0]
 
         def finish(_results):
             caller_wait(streams, entries)
             return value
+    if single:  # the per-gradient path: one native call, no request tuples
+        engine, ps_id = _c._target(process_set)
+        if prescale_factor != 1.0 or postscale_factor != 1.0:
+            prescale_factor, postscale_factor = _c._factors(prescale_factor, postscale_factor, "allreduce")
+        entry = entries[0]
+        full = _c._name("allreduce", name, ps_id)
+        ptr = entry.output.data_ptr()
+        handle = engine.submit_one(ps_id, _ALLREDUCE, full, int(dtypes[0]), entry.output.shape, ptr, ptr, int(op),
+                                   -1, float(prescale_factor), float(postscale_factor), 0, None, finish, entries,
+                                   None, code)
+        launcher.register_one(ps_id, full, entry, process_set, handle)
+        return handle
+
+    def register(ps_id, names, handle):
+        launcher.register(ps_id, names, entries, process_set, handle)
+
     return _c.device_allreduce_async([tuple(o.shape) for o in outputs], dtypes, [o.data_ptr() for o in outputs],
                                      name, op, prescale_factor, postscale_factor, process_set, finish, entries,
                                      register, single, code)
@@ -271,10 +283,12 @@ class _Launcher:
 
     def __init__(self, engine):
         self.engine = engine
+        self.owner = None  # the runtime's engine object whose native core ``engine`` is
         self.streams: dict = {_CUDA: CudaStreams() if torch.cuda.is_available() else HostStreams(),
                               _CPU: HostStreams()}
         self._lock = threading.Condition()
         self._entries: dict = {}  # (ps_id, name) -> _Entry, from submission until its data has moved
+        self._waiting = 0  # launcher waits for a registration (under _lock): register() notifies only then
         self._groups: dict = {}   # (ps_id, kind) -> [process group per channel]
         self._sets: dict = {0: global_process_set}  # ps_id -> its ProcessSet (for the groups' rendezvous)
         self._free: dict = {}  # (ps_id, kind, channel, dtype) -> fusion buffers not in use
@@ -298,7 +312,18 @@ class _Launcher:
             for n, e in zip(names, entries):
                 e.handle = handle
                 self._entries[(ps_id, n)] = e
-            self._lock.notify_all()
+            if self._waiting:
+                self._lock.notify_all()
+
+    def register_one(self, ps_id, name, entry, process_set, handle) -> None:
+        """:meth:`register` of one request (the per-gradient path)."""
+        entry.handle = handle
+        with self._lock:
+            if ps_id not in self._sets:
+                self._sets[ps_id] = process_set
+            self._entries[(ps_id, name)] = entry
+            if self._waiting:
+                self._lock.notify_all()
 
     def forget(self, handle) -> None:
         """The requests of ``handle`` failed (synchronize raised): drop what the launcher still holds of them
@@ -310,11 +335,19 @@ class _Launcher:
     def _lookup(self, ps_id, pieces):
         """The entries of a unit's pieces (None for a joined rank's stand-ins), once registered."""
         keys = [None if phantom else (ps_id, name) for name, _, _, phantom in pieces]
+        entries = self._entries
         with self._lock:
-            if not self._lock.wait_for(lambda: all(k is None or k in self._entries for k in keys), 30.0):
-                missing = [k[1] for k in keys if k is not None and k not in self._entries]
-                raise RuntimeError(f"internal error: the launcher never saw the submission of {missing}")
-            return [None if k is None else self._entries[k] for k in keys]
+            if not all(k is None or k in entries for k in keys):
+                # (the engine took a request before its submitter registered it: a moment's wait)
+                self._waiting += 1
+                try:
+                    seen = self._lock.wait_for(lambda: all(k is None or k in entries for k in keys), 30.0)
+                finally:
+                    self._waiting -= 1
+                if not seen:
+                    missing = [k[1] for k in keys if k is not None and k not in entries]
+                    raise RuntimeError(f"internal error: the launcher never saw the submission of {missing}")
+            return [None if k is None else entries[k] for k in keys]
 
     # launcher thread
     def _run(self) -> None:
@@ -653,13 +686,18 @@ _launcher: Optional[_Launcher] = None
 
 def _launcher_for(device) -> _Launcher:
     global _launcher
-    engine = _runtime.engine
     launcher = _launcher
+    if launcher is not None and launcher.owner is _runtime.active_engine:  # (the per-gradient path)
+        if launcher._device is None and device.type == "cuda":
+            launcher._device = device
+        return launcher
+    engine = _runtime.engine
     if launcher is None or launcher.engine is not engine._native:
         with _launcher_lock:
             launcher = _launcher
             if launcher is None or launcher.engine is not engine._native:
                 launcher = _launcher = _Launcher(engine._native)
+                launcher.owner = engine
     if launcher._device is None and device.type == "cuda":
         launcher._device = device
     return launcher

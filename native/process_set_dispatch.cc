@@ -35,7 +35,7 @@ void ProcessSet::dispatch(std::vector<Request*>& ready, bool flush) {
   // Device all-reduces of learned buckets wait in them; full buckets (and, on a flush, every open one) come back.
   // A TUNE that changes the budget flushes first: the plan is learned again under the new budget.
   for (Request* r : tunes_)
-    if (r->shape.size() == 6 && r->shape[5] != buckets_.budget()) flush = true;
+    if (r->shape.size() == 6 && r->shape[5] >= 0 && r->shape[5] != buckets_.budget()) flush = true;
   released_.clear();
   buckets_.take(&ready, &released_);
   if (flush) buckets_.flush(&released_);

@@ -10,7 +10,8 @@ The compressor policy (:data:`POLICY`) is a dimension only when an Espresso comp
 (:mod:`perseus.common.step_policy`); otherwise it has the one candidate 0 and is searched by no technique, so a
 job without one is tuned exactly as before. Likewise the sparse algorithm (:data:`SPARSE`): a dimension only
 when the job reduces sparse tensors with ``algorithm='auto'`` (:mod:`perseus.sparse.choice`), and DeAR's
-fusion-group size (:data:`DEAR`): only when a ``DistributedOptimizer(schedule='dear')`` takes part.
+fusion-group size (:data:`DEAR`): only when a ``DistributedOptimizer(schedule='dear')`` takes part, and the
+budget of the device buckets (:data:`DEVICE`): only when the job's all-reduces go through the GPU launcher.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from typing import Iterator, Sequence
 from perseus.sparse.choice import CHOICES
 
 __all__ = ["ALGORITHMS", "COMPRESSION_POLICIES", "SPARSE_ALGORITHMS", "DEAR_THRESHOLDS", "Config", "Space",
-           "PARAMS", "POLICY", "SPARSE", "DEAR", "STEP_PARAMS", "ALL_PARAMS"]
+           "DEVICE_BUCKETS", "PARAMS", "POLICY", "SPARSE", "DEAR", "DEVICE", "OPTIONAL_PARAMS", "STEP_PARAMS",
+           "ALL_PARAMS"]
 
 # Codes as in the engine (native/common.h Algorithm) and PERSEUS_ALLREDUCE_ALGORITHM.
 ALGORITHMS = ("auto", "mpi", "ring", "hierarchical")
@@ -41,9 +43,15 @@ SPARSE = "sparse_algorithm"
 DEAR_THRESHOLDS = (256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
 #: DeAR's group size: applied by the DeAR optimizer at a step boundary
 DEAR = "dear_threshold"
+#: the device buckets' budgets in bytes (Config.device_bucket indexes it; native/device_buckets.h)
+DEVICE_BUCKETS = (4 << 20, 16 << 20, 25 << 20, 64 << 20, 256 << 20)
+#: the device buckets' budget: carried by the TUNE request (its sixth value) when searched
+DEVICE = "device_bucket"
 #: the dimensions applied at step boundaries, not through the TUNE request
 STEP_PARAMS = (POLICY, SPARSE, DEAR)
-ALL_PARAMS = PARAMS + STEP_PARAMS
+#: the dimensions searched only when what they tune takes part (else they keep one value, unused)
+OPTIONAL_PARAMS = STEP_PARAMS + (DEVICE,)
+ALL_PARAMS = PARAMS + OPTIONAL_PARAMS
 
 _KB, _MB = 1 << 10, 1 << 20
 FUSION_CHOICES = (256 * _KB, 1 * _MB, 2 * _MB, 4 * _MB, 8 * _MB, 16 * _MB, 32 * _MB, 64 * _MB)
@@ -68,6 +76,8 @@ class Config:
     sparse_algorithm: int = 0
     #: index into DEAR_THRESHOLDS; 0 (and meaningless) when no DeAR optimizer takes part
     dear_threshold: int = 0
+    #: index into DEVICE_BUCKETS; 0 (and meaningless) when the device launcher takes no part
+    device_bucket: int = 0
 
     def values(self) -> tuple[int, int, int, int, int]:
         """The engine parameters (what a TUNE request carries)."""
@@ -75,8 +85,8 @@ class Config:
                 self.algorithm)
 
     def all_values(self) -> tuple[int, ...]:
-        """The engine parameters, then the step-aligned ones (STEP_PARAMS order)."""
-        return self.values() + tuple(getattr(self, n) for n in STEP_PARAMS)
+        """The engine parameters, then the optional ones (OPTIONAL_PARAMS order)."""
+        return self.values() + tuple(getattr(self, n) for n in OPTIONAL_PARAMS)
 
     @property
     def policy_name(self) -> str:
@@ -90,14 +100,19 @@ class Config:
     def dear_bytes(self) -> int:
         return DEAR_THRESHOLDS[self.dear_threshold]
 
-    def describe(self, policy: bool = False, sparse: bool = False, dear: bool = False) -> str:
-        """One line for people; ``policy``, ``sparse``, ``dear``: also name the compressor policy, the sparse
-        algorithm, DeAR's group size (when they are tuned)."""
+    @property
+    def device_bucket_bytes(self) -> int:
+        return DEVICE_BUCKETS[self.device_bucket]
+
+    def describe(self, policy: bool = False, sparse: bool = False, dear: bool = False, device: bool = False) -> str:
+        """One line for people; ``policy``, ``sparse``, ``dear``, ``device``: also name the compressor policy, the
+        sparse algorithm, DeAR's group size, the device buckets' budget (when they are tuned)."""
         return (f"unit {self.fusion_threshold_bytes / _MB:g} MB, in-place from {self.inplace_threshold_bytes / _KB:g} KB, "
                 f"{self.channels} channel{'s' if self.channels != 1 else ''}, cycle {self.cycle_time_us / 1000:g} ms, "
                 f"{ALGORITHMS[self.algorithm]}" + (f", policy {self.policy_name}" if policy else "")
                 + (f", sparse {self.sparse_name}" if sparse else "")
-                + (f", DeAR groups {self.dear_bytes / _MB:g} MB" if dear else ""))
+                + (f", DeAR groups {self.dear_bytes / _MB:g} MB" if dear else "")
+                + (f", device buckets {self.device_bucket_bytes / _MB:g} MB" if device else ""))
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -115,6 +130,7 @@ class Space:
     compression_policy: tuple[int, ...] = (0,)
     sparse_algorithm: tuple[int, ...] = (0,)
     dear_threshold: tuple[int, ...] = (0,)
+    device_bucket: tuple[int, ...] = (0,)
 
     @classmethod
     def build(cls, *, max_channels: int, multi_host: bool, fixed: dict | None = None,
@@ -132,6 +148,7 @@ class Space:
             POLICY: tuple(range(len(COMPRESSION_POLICIES))) if policies else (0,),
             SPARSE: (0,),
             DEAR: (0,),
+            DEVICE: (0,),
         }
         for name, value in fixed.items():
             if name not in choices:
@@ -155,10 +172,10 @@ class Space:
         return getattr(self, name)
 
     def searched(self) -> tuple[str, ...]:
-        """The parameters a technique proposes values for: the engine's, and the compressor policy and the
-        sparse algorithm when they have more than one candidate (else they keep their one value, and a job
-        without a compressor or sparse tensors is searched as it always was)."""
-        return PARAMS + tuple(n for n in STEP_PARAMS if len(self.choices(n)) > 1)
+        """The parameters a technique proposes values for: the engine's, and each optional one when it has more
+        than one candidate (else it keeps its one value, and a job without a compressor, sparse tensors, DeAR
+        or device buckets is searched as it always was)."""
+        return PARAMS + tuple(n for n in OPTIONAL_PARAMS if len(self.choices(n)) > 1)
 
     def make(self, **values) -> Config:
         """A Config from values of :meth:`searched`; a parameter not given takes its first candidate."""

@@ -25,6 +25,12 @@ way, through a second link (``self.sparse``), when the job reduces sparse tensor
 before the search starts; so is the fusion-group size of a ``DistributedOptimizer(schedule='dear')``
 (``self.dear``; perseus.torch.dear). These step-aligned dimensions (space.STEP_PARAMS) share one mechanism:
 a link each, a flag each saying whether the search covers it (known on every rank from rank 0's word).
+
+The budget of the device buckets (native/device_buckets.h) is one more optional dimension (space.DEVICE), searched
+when the job's all-reduces went through the GPU launcher before the search started (and
+PERSEUS_DEVICE_BUCKET_BYTES is not kept): it travels in the TUNE request itself (its sixth value; -1 when not
+searched), so the engine switches it at the same negotiated point as the other engine values. Its link does
+nothing (:class:`_InTune`).
 """
 
 from __future__ import annotations
@@ -42,8 +48,8 @@ from perseus.autotune import cache as cachelib
 from perseus.autotune.log import TuneLog
 from perseus.common.step_policy import PolicyLink
 from perseus.autotune.search import Search
-from perseus.autotune.space import (ALGORITHMS, COMPRESSION_POLICIES, DEAR, DEAR_THRESHOLDS, POLICY, SPARSE,
-                                    SPARSE_ALGORITHMS, STEP_PARAMS, Config, Space)
+from perseus.autotune.space import (ALGORITHMS, COMPRESSION_POLICIES, DEAR, DEAR_THRESHOLDS, DEVICE, DEVICE_BUCKETS,
+                                    OPTIONAL_PARAMS, POLICY, SPARSE, SPARSE_ALGORITHMS, Config, Space)
 from perseus.common.reduce_ops import ReduceOp
 from perseus.engine.messages import DType, OpType, Request, Timing
 from perseus.engine.settings import allreduce_algorithm
@@ -69,6 +75,26 @@ class _Stopped(Exception):
     pass
 
 
+class _InTune:
+    """The link of a dimension the TUNE request carries (the device buckets' budget): nothing to post."""
+
+    done = True
+
+    def post(self, value: int, done: bool = False) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+
+def _launched_on_device() -> bool:
+    """Whether some all-reduce of the global set has gone through the torch GPU launcher (perseus.torch.device)
+    in this job (False when torch is not loaded)."""
+    device = sys.modules.get("perseus.torch.device")
+    launcher = getattr(device, "_launcher", None)
+    return launcher is not None and bool(launcher.counts.get(0, (0,))[0])
+
+
 def tuned_fixed_params(settings) -> dict:
     """The tuned parameters that keep their value (PERSEUS_AUTOTUNE_FIXED; by default those set explicitly).
 
@@ -90,6 +116,8 @@ def tuned_fixed_params(settings) -> dict:
         SPARSE: (-1, False),
         # -1: DeAR's group size in force (PERSEUS_DEAR_THRESHOLD_BYTES set explicitly keeps it)
         DEAR: (-1, settings.is_explicit("dear_threshold_bytes")),
+        # -1: the device buckets' budget in force (PERSEUS_DEVICE_BUCKET_BYTES set explicitly keeps it)
+        DEVICE: (-1, settings.is_explicit("device_bucket_bytes")),
     }
     choice = settings.autotune_fixed.strip().lower()
     if choice == "explicit":
@@ -126,17 +154,19 @@ class Tuner:
         fixed = tuned_fixed_params(settings)
         # The compressor policy is kept when named in PERSEUS_AUTOTUNE_FIXED or, with 'explicit', when the
         # compressor's set_policy() was called before the search (decided at the start of the search).
-        self._fixed_step = {name: fixed.pop(name, None) is not None for name in STEP_PARAMS}
+        self._fixed_step = {name: fixed.pop(name, None) is not None for name in OPTIONAL_PARAMS}
         self._policy_explicit_kept = settings.autotune_fixed.strip().lower() == "explicit"
         current = engine.params(0)
         self.space = Space.build(max_channels=int(current[5]), multi_host=multi_host, fixed=fixed)
         self.initial = Config(*current[:5])
         #: per step-aligned dimension: the link to what follows it (the compressor whose policy the tuner may
         #: set, the sparse all-reduce path, the DeAR optimizer) and the proposals this rank has posted to it
-        self.links = {POLICY: PolicyLink("policy"), SPARSE: PolicyLink("sparse"), DEAR: PolicyLink("dear")}
+        self.links = {POLICY: PolicyLink("policy"), SPARSE: PolicyLink("sparse"), DEAR: PolicyLink("dear"),
+                      DEVICE: _InTune()}
         self.policy, self.sparse, self.dear = self.links[POLICY], self.links[SPARSE], self.links[DEAR]
         #: whether the settings exchanged carry each of them (known on every rank)
-        self._tuned = {name: False for name in STEP_PARAMS}
+        self._tuned = {name: False for name in OPTIONAL_PARAMS}
+        self._applied_bucket: Optional[int] = None  # the device budget (index) of the last sample, when tuned
         self.search: Optional[Search] = None
         self.log = TuneLog(settings.autotune_log) if rank == 0 and settings.autotune_log else None
         self.cache_path = cachelib.path(settings)
@@ -195,7 +225,8 @@ class Tuner:
         # any rank has posted it (perseus.common.step_policy); -1 leaves its policy alone.
         for name, link in self.links.items():
             link.post(getattr(config, name) if self._tuned[name] else -1, final)
-        self._wait(self.engine.tune(0, self._name("tune"), *config.values()))
+        budget = (config.device_bucket_bytes,) if self._tuned[DEVICE] else ()  # (absent: unchanged)
+        self._wait(self.engine.tune(0, self._name("tune"), *config.values(), *budget))
 
     def _completed(self) -> int:
         first, steps = self.read_steps(0, self._step)
@@ -227,10 +258,13 @@ class Tuner:
 
     def _sample(self, config: Config) -> float:
         """Apply config, skip the step in progress, measure steps_per_sample steps; the slowest rank's median."""
+        relearn = self._tuned[DEVICE] and config.device_bucket != self._applied_bucket
+        self._applied_bucket = config.device_bucket if self._tuned[DEVICE] else None
         self._apply(config)
         # The step in progress when the switch happened is mixed. A compressor policy switches at a step
-        # boundary after the proposal was posted: at the latest at the start of the step after next.
-        at_boundary = any(self._tuned[n] and not self.links[n].done for n in STEP_PARAMS)
+        # boundary after the proposal was posted: at the latest at the start of the step after next. A new
+        # device budget makes the engine learn its buckets again during the first whole step after it.
+        at_boundary = relearn or any(self._tuned[n] and not self.links[n].done for n in OPTIONAL_PARAMS)
         self._step = self._completed() + (2 if at_boundary else 1)
         steps = self._wait_steps(self.steps_per_sample)
         local = float(np.median([s[0] for s in steps]))
@@ -238,18 +272,18 @@ class Tuner:
         return self._max(local)
 
     def _exchange(self, kind: int, technique: int = 0, config: Optional[Config] = None) -> tuple[int, int, Config]:
-        """Rank 0's word to every rank: kind, technique, the five engine values and the step-aligned ones
+        """Rank 0's word to every rank: kind, technique, the five engine values and the optional ones
         (-1 where not tuned: then every rank's Config has 0 there and leaves that alone)."""
-        msg = np.zeros(7 + len(STEP_PARAMS), np.int64)
+        msg = np.zeros(7 + len(OPTIONAL_PARAMS), np.int64)
         if self.rank == 0:
             config = config or self.initial
             msg[0], msg[1] = kind, technique
             msg[2:7] = config.values()
-            for i, name in enumerate(STEP_PARAMS):
+            for i, name in enumerate(OPTIONAL_PARAMS):
                 msg[7 + i] = getattr(config, name) if self._tuned[name] else -1
         self._broadcast(msg)
         step_values = {}
-        for i, name in enumerate(STEP_PARAMS):
+        for i, name in enumerate(OPTIONAL_PARAMS):
             self._tuned[name] = int(msg[7 + i]) >= 0
             step_values[name] = max(0, int(msg[7 + i]))
         return int(msg[0]), int(msg[1]), Config(*(int(v) for v in msg[2:7]), **step_values)
@@ -262,9 +296,10 @@ class Tuner:
             self._tuned[POLICY] = self._policy_dimension()
             self._tuned[SPARSE] = self._sparse_dimension()
             self._tuned[DEAR] = self._dear_dimension()
+            self._tuned[DEVICE] = self._device_dimension()
         # Rank 0 looks the job up in the cache and tells every rank whether to search, and from where.
         known = cachelib.lookup(self.cache_path, digest, self.topology, step_bytes) if self.rank == 0 else None
-        for name in STEP_PARAMS:  # a remembered step-aligned value matters only when tuned
+        for name in OPTIONAL_PARAMS:  # a remembered optional value matters only when tuned
             if known is not None and not self._tuned[name]:
                 known = cachelib.Known(dataclasses.replace(known.config, **{name: 0}), known.exact)
         exact = known is not None and known.exact and self.space.contains(known.config)
@@ -424,6 +459,23 @@ class Tuner:
         self.initial = dataclasses.replace(self.initial, dear_threshold=nearest)
         return True
 
+    def _device_dimension(self) -> bool:
+        """Rank 0, at the start of the first search: whether the device buckets' budget is searched (the job's
+        all-reduces have gone through the GPU launcher, buckets are on, and neither PERSEUS_AUTOTUNE_FIXED nor an
+        explicit PERSEUS_DEVICE_BUCKET_BYTES keeps it); if so, the search starts from the candidate nearest to
+        the budget in force (the one measured when the launcher's groups were built)."""
+        current = int(self.engine.params(0)[6])
+        if current <= 0 or not _launched_on_device():
+            return False
+        if self._fixed_step[DEVICE]:
+            print(f"perseus autotune: the device buckets' budget stays {current / (1 << 20):g} MB",
+                  file=sys.stderr, flush=True)
+            return False
+        self.space = self.space.with_choices(DEVICE, range(len(DEVICE_BUCKETS)))
+        nearest = min(range(len(DEVICE_BUCKETS)), key=lambda i: (abs(DEVICE_BUCKETS[i] - current), i))
+        self.initial = dataclasses.replace(self.initial, device_bucket=nearest)
+        return True
+
     def _await_decision(self, compressor) -> bool:
         """Wait until the compressor has decided; False when it has passed the step of its decision without
         deciding, or the job has run many steps without it deciding (a compressor no longer used)."""
@@ -450,7 +502,7 @@ class Tuner:
     def _finish(self, config: Config, reason: str) -> None:
         self._apply(config, final=True)
         self.result = config
-        for name in STEP_PARAMS:  # a later search (re-tuning) keeps them: what followed follows no more
+        for name in OPTIONAL_PARAMS:  # a later search (re-tuning) keeps them: what followed follows no more
             if self._tuned[name]:
                 self.space = self.space.with_choices(name, (getattr(config, name),))
         if self.rank == 0:
@@ -461,7 +513,8 @@ class Tuner:
 
     def _shown(self) -> dict:
         """describe()'s flags: the step-aligned dimensions the search covers."""
-        return {"policy": self._tuned[POLICY], "sparse": self._tuned[SPARSE], "dear": self._tuned[DEAR]}
+        return {"policy": self._tuned[POLICY], "sparse": self._tuned[SPARSE], "dear": self._tuned[DEAR],
+                "device": self._tuned[DEVICE]}
 
     @property
     def _policy_tuned(self) -> bool:
@@ -480,4 +533,4 @@ class Tuner:
         if self.log is not None:
             self.log.row(sample=self.samples, step=self._step, technique=technique, config=config, cost=cost,
                          best_cost=best_cost, steps=self._last_steps, policy=self._tuned[POLICY],
-                         sparse=self._tuned[SPARSE], dear=self._tuned[DEAR])
+                         sparse=self._tuned[SPARSE], dear=self._tuned[DEAR], device=self._tuned[DEVICE])

@@ -27,7 +27,7 @@ from perseus.engine.messages import DType, OpType, Request, dtype_of
 __all__ = [
     "allreduce_async", "grouped_allreduce_async", "allgather_async", "grouped_allgather_async",
     "broadcast_async", "alltoall_async", "reducescatter_async", "grouped_reducescatter_async",
-    "barrier", "join", "poll", "synchronize", "on_done", "even_splits", "alltoall_splits", "Result",
+    "barrier", "join", "poll", "synchronize", "on_done", "even_splits", "alltoall_splits", "unnamed", "Result",
     "device_allreduce_async",
 ]
 
@@ -52,6 +52,13 @@ def _name(prefix: str, name: Optional[str], ps_id: int) -> str:
         n = _noname_counts.get((prefix, ps_id), 0) + 1
         _noname_counts[(prefix, ps_id)] = n
     return f"{prefix}.noname.{n}"
+
+
+def unnamed(prefix: str, process_set: ProcessSet) -> str:
+    """The ``name=`` an unnamed call of op ``prefix`` on ``process_set`` gets, drawn now (in call order), for a
+    submission made later from another thread (it then gets the same full name as if submitted now)."""
+    ps_id = _info(process_set)[0]
+    return _name(prefix, None, ps_id)[len(prefix) + 1:]
 
 
 def _reset_job_state() -> None:

@@ -86,20 +86,26 @@ def _detour(tensors, in_place, dts, name, op, prescale_factor, postscale_factor,
     if not any(_staging.wanted(t) for t in tensors):
         return None
     # Reduced in place on host copies; copied back into the tensors (in place) or new tensors at synchronize.
-    hosts = [_staging.to_host(t) for t in tensors]
+    # The copies out are queued: the request reaches the engine from the stager thread once they are done, and
+    # this thread (a backward hook's) goes on at once (perseus.torch.staging.defer).
+    staged = [_staging.to_host_queued(t) for t in tensors]
+    hosts = [h for h, _ in staged]
     if in_place:
         def back(_results):
             return [_staging.copy_back(t, h) for t, h in zip(tensors, hosts)]
     else:
         def back(_results):
             return [_staging.to_device(h, t) for h, t in zip(hosts, tensors)]
+    if name is None:  # (an unnamed call's generated name follows the call order, not the stager's)
+        name = _c.unnamed("allreduce", process_set)
     if single:
         ptr = hosts[0].data_ptr()
-        return _c.allreduce_async(ptr, ptr, name, op, prescale_factor, postscale_factor, process_set, 0, dts[0],
-                                  lambda r: back(r)[0], hosts[0].shape, hosts[0])
+        return _staging.defer([c for _, c in staged], lambda: _c.allreduce_async(
+            ptr, ptr, name, op, prescale_factor, postscale_factor, process_set, 0, dts[0], lambda r: back(r)[0],
+            hosts[0].shape, hosts[0]))
     bufs = [_np(h) for h in hosts]
-    return _c.grouped_allreduce_async(bufs, bufs, name, op, prescale_factor, postscale_factor, process_set,
-                                      dtypes=dts, finish=back)
+    return _staging.defer([c for _, c in staged], lambda: _c.grouped_allreduce_async(
+        bufs, bufs, name, op, prescale_factor, postscale_factor, process_set, dtypes=dts, finish=back))
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,

@@ -12,6 +12,7 @@ import torch
 
 from perseus.common import collectives as _c
 from perseus.engine.messages import DType
+from perseus.torch.staging import Deferred as _Deferred
 
 __all__ = ["poll", "synchronize"]
 
@@ -22,6 +23,10 @@ def poll(handle):
     Raises:
         ValueError: ``handle`` is unknown (already synchronized, or never issued).
     """
+    if type(handle) is _Deferred:  # a staged request the stager may not have submitted yet
+        if not handle.ready.is_set():
+            return False
+        handle = handle.resolve()
     return _c.poll(handle)
 
 
@@ -31,6 +36,8 @@ def synchronize(handle):
     Raises:
         HorovodInternalError: the collective failed (mismatch across ranks, stall, failed peer).
     """
+    if type(handle) is _Deferred:  # a staged request: submitted by the stager once its copy to the host is done
+        handle = handle.resolve()
     try:
         return _runtime.engine.wait(handle)
     except BaseException:

@@ -11,6 +11,12 @@ as on a CPU tensor, and the result is copied back to the tensor's device when th
   as soon as the call returns.
 - Completion (``synchronize``): the copy back is queued on the caller's current stream of the tensor's device,
   without a host wait: work queued after it on that stream sees the result.
+- All-reduces (the gradient path) do not wait for the copy out on the calling thread (the autograd thread, in a
+  backward hook): the copy is queued, the caller's stream waits for it (so the input may still be overwritten
+  by work queued after the call), and the request goes to the engine from the stager thread once the copy has
+  finished (:func:`defer`). The caller gets a :class:`Deferred` handle, which ``synchronize`` and ``poll``
+  take like an engine handle; an error of the submission (a bad argument, a name in flight) is raised by
+  ``synchronize``. Requests reach the engine in the order of the calls.
 
 The device-specific calls sit behind :class:`DeviceOps` (one object per kind of device): :class:`CudaOps` on a
 GPU, :class:`HostOps` for CPU tensors when ``PERSEUS_STAGE_CPU_TENSORS=1`` asks for the same staging on CPU
@@ -19,6 +25,7 @@ tensors (plain host buffers, synchronous copies), which is how CPU-only CI runs 
 
 from __future__ import annotations
 
+import queue
 import threading
 from typing import Optional
 
@@ -26,8 +33,8 @@ import torch
 
 from perseus.common.state import runtime
 
-__all__ = ["DeviceOps", "CudaOps", "HostOps", "wanted", "to_host", "host_empty", "to_device", "copy_back",
-           "stage_cpu"]
+__all__ = ["DeviceOps", "CudaOps", "HostOps", "Deferred", "wanted", "to_host", "to_host_queued", "defer",
+           "host_empty", "to_device", "copy_back", "stage_cpu"]
 
 
 class DeviceOps:
@@ -44,6 +51,15 @@ class DeviceOps:
     def to_device(self, dst: torch.Tensor, host: torch.Tensor) -> None:
         """Queue the copy of ``host`` into ``dst`` on the caller's stream; ``host`` may be dropped at once."""
         raise NotImplementedError
+
+    def to_host_queued(self, host: torch.Tensor, src: torch.Tensor):
+        """Queue the copy of ``src`` (as ordered on the caller's stream) into ``host`` and return a token for
+        :meth:`wait_copied` (None: ``host`` holds the values already). ``src`` must stay alive until then."""
+        self.to_host(host, src)
+        return None
+
+    def wait_copied(self, token) -> None:
+        """On the stager thread: return once the copy behind ``token`` has finished (GIL released)."""
 
 
 class HostOps(DeviceOps):
@@ -90,6 +106,23 @@ class CudaOps(DeviceOps):
         # The GIL is released while waiting; src is not touched again after this returns.
         done.synchronize()
 
+    def to_host_queued(self, host, src):
+        with torch.cuda.device(src.device):
+            side = self._side(src.device)
+            side.wait_stream(torch.cuda.current_stream(src.device))
+            with torch.cuda.stream(side):
+                host.copy_(src, non_blocking=True)
+                done = torch.cuda.Event(blocking=True)
+                done.record(side)
+            # Work the caller queues from now on (which may overwrite src) comes after the copy: a stream wait,
+            # not a host wait.
+            torch.cuda.current_stream(src.device).wait_event(done)
+        src.record_stream(side)  # its memory is not reused before the copy has read it
+        return done
+
+    def wait_copied(self, token):
+        token.synchronize()
+
     def to_device(self, dst, host):
         with torch.cuda.device(dst.device):
             # Pinned source: the copy is asynchronous; torch's host allocator keeps the buffer until it is done.
@@ -112,6 +145,7 @@ def stage_cpu() -> bool:
 def _forget() -> None:
     global _stage_cpu
     _stage_cpu = None
+    _close_stager()
 
 
 runtime().register_job_state(_forget)
@@ -164,3 +198,103 @@ def to_device(host: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     out = torch.empty(host.shape, dtype=host.dtype, device=like.device)
     _ops(like).to_device(out, host)
     return out
+
+
+# -- the stager: staged requests reach the engine once their copy to the host has finished ---------------
+def to_host_queued(t: torch.Tensor):
+    """``(host copy, token)``: the copy of ``t``'s values into a new host tensor is queued (see
+    :meth:`DeviceOps.to_host_queued`); pass the token to :func:`defer`.
+
+    Raises:
+        NotImplementedError: ``t`` lives on a device other than the CPU or a CUDA GPU.
+    """
+    t = t.detach()
+    ops = _ops(t)
+    host = ops.host_empty(t.shape, t.dtype)
+    return host, (ops, ops.to_host_queued(host, t), t)
+
+
+class Deferred:
+    """The handle of a staged request whose copy to the host may still be under way. ``synchronize`` and
+    ``poll`` take it as they take an engine handle (perseus.torch._tensors)."""
+
+    __slots__ = ("ready", "handle", "error")
+
+    def __init__(self):
+        self.ready = threading.Event()
+        self.handle = None
+        self.error: Optional[BaseException] = None
+
+    def resolve(self) -> int:
+        """The engine handle, once the stager has submitted the request (waiting for that).
+
+        Raises:
+            the submission's error (ValueError for a name in flight, ...).
+        """
+        while not self.ready.wait(0.1):  # in slices: signal handlers (Ctrl-C, test timeouts) run meanwhile
+            pass
+        if self.error is not None:
+            raise self.error
+        return self.handle
+
+
+class _Stager:
+    """One thread per job: takes (copies, submission) in call order, waits for the copies, submits."""
+
+    def __init__(self):
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="perseus-stager", daemon=True)
+        self._thread.start()
+
+    def put(self, copies, submit) -> Deferred:
+        deferred = Deferred()
+        self._queue.put((copies, submit, deferred))
+        return deferred
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            copies, submit, deferred = item
+            try:
+                for ops, token, _src in copies:
+                    if token is not None:
+                        ops.wait_copied(token)
+                del copies  # the sources may go now
+                deferred.handle = submit()
+            except BaseException as exc:  # noqa: BLE001 - raised by synchronize, on the caller's thread
+                deferred.error = exc
+            deferred.ready.set()
+
+    def close(self) -> None:
+        """Submit what is queued, then stop (at shutdown, before the engine stops)."""
+        self._queue.put(None)
+        self._thread.join(30.0)
+
+
+_stager: Optional[_Stager] = None
+_stager_lock = threading.Lock()
+
+
+def defer(copies, submit):
+    """``submit()`` (which submits a request reading the host copies, and returns its engine handle) once every
+    copy of ``copies`` (the tokens of :func:`to_host_queued`) has finished, from the stager thread; returns a
+    :class:`Deferred` for it, or ``submit()``'s handle at once when every copy has finished already."""
+    if all(token is None for _, token, _ in copies):
+        return submit()
+    global _stager
+    stager = _stager
+    if stager is None:
+        with _stager_lock:
+            if _stager is None:
+                _stager = _Stager()
+            stager = _stager
+    return stager.put(copies, submit)
+
+
+def _close_stager() -> None:
+    global _stager
+    stager, _stager = _stager, None
+    if stager is not None:
+        stager.close()

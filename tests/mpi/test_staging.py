@@ -6,6 +6,9 @@ are compared with values computed locally from every rank's input, or with the d
 A test fails if nothing was staged.
 """
 
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -47,8 +50,9 @@ def dev(request, monkeypatch):
     else:
         monkeypatch.setattr(staging, "_stage_cpu", True)
     staged = []
-    real = staging.to_host
+    real, queued = staging.to_host, staging.to_host_queued
     monkeypatch.setattr(staging, "to_host", lambda t: (staged.append(t.device.type), real(t))[1])
+    monkeypatch.setattr(staging, "to_host_queued", lambda t: (staged.append(t.device.type), queued(t))[1])
     yield Device(request.param, staged)
     assert staged, "nothing went through host staging"
 
@@ -224,3 +228,56 @@ def test_non_staging_paths_refuse_device_tensors_clearly(hvd):
     with pytest.raises(NotImplementedError, match="CPU tensors only"):
         _np(torch.ones(2, device="meta"))
     assert np.array_equal(_np(torch.ones(2)), np.ones(2, np.float32))
+
+
+class LateCopies(staging.HostOps):
+    """CPU staging whose copies to the host finish late, on timer threads (as a busy GPU's would): the request
+    may reach the engine only once its copy is there."""
+
+    def __init__(self, delay):
+        self.delay = delay
+        self.pending = 0
+
+    def to_host_queued(self, host, src):
+        done = threading.Event()
+        src = src.clone()  # what src holds now (the caller may overwrite it once the call returns)
+
+        def copy():
+            host.copy_(src)
+            done.set()
+        threading.Timer(self.delay, copy).start()
+        return done
+
+    def wait_copied(self, token):
+        assert token.wait(30)
+
+
+def test_staged_allreduce_does_not_wait_for_its_copy(hvd, monkeypatch):
+    """The copy out of a staged all-reduce is queued: the call returns at once with a handle that synchronize
+    and poll take, the request reaches the engine from the stager once the copy is done, in call order, unnamed
+    calls get the names they would have had, and training is unchanged."""
+    size, rank = hvd.size(), hvd.rank()
+    monkeypatch.setattr(device, "_gloo", False)
+    monkeypatch.setattr(staging, "_stage_cpu", True)
+    monkeypatch.setattr(_allreduce_ops, "_plain_cpu", None)
+    monkeypatch.setattr(staging, "_HOST_OPS", LateCopies(0.3))
+    t = torch.full((1000,), float(rank + 1))
+    start = time.monotonic()
+    handle = hvd.allreduce_async_(t, op=hvd.Sum, name="st.late")
+    assert time.monotonic() - start < 0.2, "the call waited for the copy"
+    assert isinstance(handle, staging.Deferred) and not hvd.poll(handle)
+    assert hvd.synchronize(handle) is t and torch.all(t == size * (size + 1) / 2)
+    # Unnamed, out of place, grouped, many in a row: the values of the direct path, in call order.
+    handles = [hvd.allreduce_async(torch.full((3,), float(i + rank)), op=hvd.Sum) for i in range(6)]
+    grouped = hvd.grouped_allreduce_async([torch.ones(2), torch.full((4,), float(rank))], op=hvd.Sum,
+                                          name="st.late.group")
+    for i, h in enumerate(handles):
+        assert hvd.synchronize(h).tolist() == [size * i + size * (size - 1) / 2] * 3, i
+    a, b = hvd.synchronize(grouped)
+    assert a.tolist() == [float(size)] * 2 and b.tolist() == [size * (size - 1) / 2] * 4
+    monkeypatch.setattr(staging, "_HOST_OPS", LateCopies(0.01))
+    got = _train(hvd, "cpu", 3, hvd.Compression.none, False, "st.late.opt")
+    monkeypatch.setattr(staging, "_stage_cpu", False)
+    monkeypatch.setattr(_allreduce_ops, "_plain_cpu", None)
+    reference = _train(hvd, "cpu", 3, hvd.Compression.none, False, "st.late.ref")
+    torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)

@@ -321,6 +321,7 @@ def join(device=-1):
 
     Returns the rank that joined last. ``device`` is accepted for Horovod compatibility (CPU only).
     """
+    _staging.drain()  # staged all-reduces still waiting for their copies reach the engine first
     return _c.join()
 
 

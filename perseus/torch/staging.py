@@ -33,7 +33,7 @@ import torch
 
 from perseus.common.state import runtime
 
-__all__ = ["DeviceOps", "CudaOps", "HostOps", "Deferred", "wanted", "to_host", "to_host_queued", "defer",
+__all__ = ["DeviceOps", "CudaOps", "HostOps", "Deferred", "wanted", "to_host", "to_host_queued", "defer", "drain",
            "host_empty", "to_device", "copy_back", "stage_cpu"]
 
 
@@ -257,6 +257,9 @@ class _Stager:
             if item is None:
                 return
             copies, submit, deferred = item
+            if submit is None:  # drain()'s marker: everything before it is submitted
+                deferred.ready.set()
+                continue
             try:
                 for ops, token, _src in copies:
                     if token is not None:
@@ -266,6 +269,12 @@ class _Stager:
             except BaseException as exc:  # noqa: BLE001 - raised by synchronize, on the caller's thread
                 deferred.error = exc
             deferred.ready.set()
+
+    def drain(self) -> None:
+        """Return once every request queued so far has been submitted (or has failed to be)."""
+        marker = Deferred()
+        self._queue.put(((), None, marker))
+        marker.resolve()
 
     def close(self) -> None:
         """Submit what is queued, then stop (at shutdown, before the engine stops)."""
@@ -291,6 +300,14 @@ def defer(copies, submit):
                 _stager = _Stager()
             stager = _stager
     return stager.put(copies, submit)
+
+
+def drain() -> None:
+    """Return once every staged request queued by this process has reached the engine (``join()`` calls it: a
+    request must not reach the engine after its rank has joined)."""
+    stager = _stager
+    if stager is not None:
+        stager.drain()
 
 
 def _close_stager() -> None:

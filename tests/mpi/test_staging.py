@@ -275,6 +275,11 @@ def test_staged_allreduce_does_not_wait_for_its_copy(hvd, monkeypatch):
         assert hvd.synchronize(h).tolist() == [size * i + size * (size - 1) / 2] * 3, i
     a, b = hvd.synchronize(grouped)
     assert a.tolist() == [float(size)] * 2 and b.tolist() == [size * (size - 1) / 2] * 4
+    # join() right after a call: the request reaches the engine before the rank joins.
+    t = torch.full((5,), float(rank))
+    handle = hvd.allreduce_async_(t, op=hvd.Sum, name="st.late.join")
+    hvd.join()
+    assert hvd.synchronize(handle).tolist() == [size * (size - 1) / 2] * 5
     monkeypatch.setattr(staging, "_HOST_OPS", LateCopies(0.01))
     got = _train(hvd, "cpu", 3, hvd.Compression.none, False, "st.late.opt")
     monkeypatch.setattr(staging, "_stage_cpu", False)

@@ -155,7 +155,7 @@ main() {
   # (PERSEUS_DEVICE_BACKEND=gloo), each under the collective and optimizer MPI tests.
   DEVICE_TESTS=(tests/mpi/test_collectives.py tests/mpi/test_optimizer.py tests/mpi/test_sync_batch_norm.py
                 tests/mpi/test_process_sets.py tests/mpi/test_errors.py tests/mpi/test_compression.py
-                tests/mpi/test_join_timeline.py)
+                tests/mpi/test_join_timeline.py tests/mpi/test_dear.py)
   for np in 2 $( [ $FULL = 1 ] && echo 3 ); do
     stage "staged CPU tensors on $np ranks" env PERSEUS_STAGE_CPU_TENSORS=1 \
       "${MPIRUN[@]}" -np "$np" "${PYTEST[@]}" -q "${DEVICE_TESTS[@]}"

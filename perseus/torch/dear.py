@@ -34,6 +34,7 @@ from perseus.common.exceptions import HorovodInternalError
 from perseus.common.knobs import read_knob
 from perseus.common.process_sets import global_process_set
 from perseus.common.reduce_ops import Max, Sum
+from perseus.torch import device_collectives as _dc
 from perseus.torch._allreduce_ops import allreduce_async
 from perseus.torch._schedule import TOO_MANY_PASSES, ZERO_GRAD_RACE, PendingReduction, Schedule, check_op
 from perseus.torch._tensors import _dtype, _np, synchronize
@@ -53,17 +54,24 @@ class _Group:
     """One fusion group: its parameters, their slots in a flat padded buffer, the buffers, and its reduce-scatter
     (``rs``) and all-gather (``ag``) while they are in flight (:class:`PendingReduction`)."""
 
-    __slots__ = ("index", "params", "slots", "buf", "shard", "dt", "lists", "trigger", "filled", "rs", "ag")
+    __slots__ = ("index", "params", "slots", "buf", "shard", "dt", "lists", "trigger", "filled", "rs", "ag",
+                 "launcher")
 
-    def __init__(self, index, params, wire_dtype, members, param_groups):
+    def __init__(self, index, params, wire_dtype, members, param_groups, op):
         self.index, self.params = index, params
         self.slots, start = [], 0
         for p in params:
             self.slots.append((start, p.numel()))
             start += p.numel()
         padded = start + (-start) % members
-        self.buf = torch.zeros(padded, dtype=wire_dtype)
-        self.shard = torch.zeros(padded // members, dtype=wire_dtype)
+        # On the parameters' GPU when the device launcher (NCCL) runs both collectives, else in host memory.
+        device = params[0].device
+        probe = torch.empty(1, dtype=wire_dtype, device=device)
+        self.launcher = (_dc.takes([probe], _dc.REDUCESCATTER, int(op)) and _dc.takes([probe], _dc.ALLGATHER))
+        if not self.launcher:
+            device = "cpu"
+        self.buf = torch.zeros(padded, dtype=wire_dtype, device=device)
+        self.shard = torch.zeros(padded // members, dtype=wire_dtype, device=device)
         self.dt = _dtype(self.buf)
         ids = {id(p) for p in params}
         self.lists = [[p for p in pg["params"] if id(p) in ids] for pg in param_groups]
@@ -233,7 +241,7 @@ class DearSchedule(Schedule):
         self.module_hooks = []
         opt = self.opt
         members = opt.process_set.size() or size()
-        self.groups = [_Group(k, ps, dt, members, opt.param_groups)
+        self.groups = [_Group(k, ps, dt, members, opt.param_groups, opt.op)
                        for k, (ps, dt) in enumerate(self._cut(threshold))]
         self.slot = {p: (g, i) for g in self.groups for i, p in enumerate(g.params)}
         self.version += 1
@@ -299,10 +307,15 @@ class DearSchedule(Schedule):
     def _issue_rs(self, g):
         pre, post = self.scales()
         opt = self.opt
+        name = f"{self.tag}.v{self.version}.rs.{g.index}"
+        if g.launcher:  # on the device, through the launcher (NCCL): no host copy
+            g.rs = PendingReduction(synchronize, _dc.submit(
+                _dc.REDUCESCATTER, [g.buf], name, opt.process_set, reduce_op=int(opt.op), prescale_factor=pre,
+                postscale_factor=post, outputs=[g.shard], priority=g.index))
+            return
         g.rs = PendingReduction(synchronize, _c.reducescatter_async(
-            _np(g.buf), lambda shape, s=g.shard: _np(s), name=f"{self.tag}.v{self.version}.rs.{g.index}",
-            op=opt.op, process_set=opt.process_set, prescale_factor=pre, postscale_factor=post, priority=g.index,
-            dtype=g.dt))
+            _np(g.buf), lambda shape, s=g.shard: _np(s), name=name, op=opt.op, process_set=opt.process_set,
+            prescale_factor=pre, postscale_factor=post, priority=g.index, dtype=g.dt))
 
     def _reduce(self):
         """Issue what backward left (gradients it did not produce: ``.grad`` or zeros), wait for every
@@ -325,9 +338,14 @@ class DearSchedule(Schedule):
     def _start_allgathers(self):
         process_set = self.opt.process_set
         for g in self.groups:
+            name = f"{self.tag}.v{self.version}.ag.{g.index}"
+            if g.launcher:
+                g.ag = PendingReduction(synchronize, _dc.submit(_dc.ALLGATHER, [g.shard], name, process_set,
+                                                                outputs=[g.buf], priority=-1 - g.index))
+                continue
             g.ag = PendingReduction(synchronize, _c.allgather_async(
-                _np(g.shard), lambda shape, b=g.buf: _np(b), name=f"{self.tag}.v{self.version}.ag.{g.index}",
-                process_set=process_set, priority=-1 - g.index, dtype=g.dt))
+                _np(g.shard), lambda shape, b=g.buf: _np(b), name=name, process_set=process_set,
+                priority=-1 - g.index, dtype=g.dt))
 
     # -- forward: deferred per-group updates ------------------------------------------------------------
     def apply_upto(self, k):
@@ -348,7 +366,7 @@ class DearSchedule(Schedule):
         saved = [p.grad for p in g.params]
         for p, (start, n) in zip(g.params, g.slots):
             view = g.buf[start:start + n].view(p.shape)
-            # The buffers live in host memory: a GPU parameter gets its reduced gradient copied over.
+            # Host buffers (staged): a GPU parameter gets its reduced gradient copied over.
             p.grad = view if view.dtype == p.dtype and view.device == p.device else view.to(p.device, p.dtype)
         opt = self.opt
         lists = [pg["params"] for pg in opt.param_groups]

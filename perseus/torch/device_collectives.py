@@ -86,12 +86,14 @@ class OpEntry:
 # -- submission (caller's thread) --------------------------------------------------------------------------
 def submit(op_type: int, tensors, name=None, process_set=global_process_set, *, root_rank: int = -1,
            splits=None, reduce_op: int = 1, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-           outputs=None, single: bool = True, finish=None) -> int:
+           outputs=None, single: bool = True, finish=None, priority: int = 0) -> int:
     """Start ``op_type`` on ``tensors`` (one request each, negotiated together) through the launcher and return
     the engine handle; ``synchronize`` returns ``finish(entries)`` (default: the outputs, a list unless
     ``single``). Collective as the host forms in :mod:`perseus.common.collectives`.
 
-    ``outputs``: broadcast's and reducescatter's result tensors (broadcast: may be the input itself, in place).
+    ``outputs``: broadcast's and reducescatter's result tensors (broadcast: may be the input itself, in place);
+    for allgather, optional: the result goes there when it has the gathered shape. ``priority`` orders requests
+    negotiated in one round (higher first), as for host requests.
     ``root_rank`` is the job rank of a broadcast's root; ``splits`` the rows an alltoall sends to each rank.
 
     Raises:
@@ -130,7 +132,7 @@ def submit(op_type: int, tensors, name=None, process_set=global_process_set, *, 
             sent = _c.alltoall_splits(splits, shape[0], size)  # (validated as for host tensors)
         entries.append(OpEntry(inp, out, None, root, sent, stream))
         items.append(Request(name=n, dtype=_dtype_code(inp), shape=shape, input=inp.data_ptr(), output=None if out is None else out.data_ptr(),
-                             reduce_op=op, root_rank=root, prescale=pre, postscale=post,
+                             reduce_op=op, root_rank=root, prescale=pre, postscale=post, priority=int(priority),
                              splits=None if sent is None else sent.tolist()))
     streams = launcher.streams[code]
     ready = streams.ready(tensors[0])  # after the outputs were made on the caller's stream
@@ -204,7 +206,9 @@ def _exchange_allgather(group, value: int, size: int, device) -> list:
 def _allgather(group, entry, rows, rest, size):
     counts = _exchange_allgather(group, rows.shape[0], size, rows.device)
     width = rows.shape[1]
-    out = _own(entry, torch.empty((sum(counts),) + rest, dtype=rows.dtype, device=rows.device))
+    out = entry.output
+    if out is None or tuple(out.shape) != (sum(counts),) + rest:
+        out = _own(entry, torch.empty((sum(counts),) + rest, dtype=rows.dtype, device=rows.device))
     entry.output = out
     top = max(counts)
     if all(c == top for c in counts):

@@ -155,8 +155,9 @@ def test_many_steps_reuse_pinned_buffers(hvd, monkeypatch):
     assert stats()[key] == before, stats()
 
 
-def test_dear_and_adasum_stage_too(hvd):
-    """The schedules that stage first: DeAR's host buffers and Adasum; a CUDA step runs and agrees across ranks."""
+def test_dear_on_nccl_and_adasum_staged(hvd):
+    """DeAR (its groups on the GPU, reduce-scatter and all-gather on NCCL) and Adasum (staged): CUDA steps run and
+    agree across ranks; DeAR's buffers are on the GPU."""
     for kw in ({"schedule": "dear"}, {"op": hvd.Adasum}):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).cuda()
@@ -169,6 +170,8 @@ def test_dear_and_adasum_stage_too(hvd):
             opt.zero_grad()
             model(x).square().mean().backward()
             opt.step()
+        if "schedule" in kw:
+            assert all(g.buf.is_cuda and g.launcher for g in opt._schedule.groups)
         flat = torch.cat([p.detach().flatten() for p in model.parameters()])
         gathered = hvd.allgather(flat.unsqueeze(0), name=f"gpu.{list(kw)[0]}.same")
         assert all(torch.equal(gathered[r], gathered[0]) for r in range(hvd.size()))

@@ -139,3 +139,34 @@ def test_a_mismatch_fails_on_every_rank_naming_the_tensor(hvd, on_launcher):
     assert not [k for k in device._launcher._entries if "dc.ag_mismatch" in k[1]]
     out = hvd.allgather(torch.ones(2, 3), name="dc.ag_mismatch")
     assert out.shape == (2 * hvd.size(), 3)
+
+
+def test_dear_reduce_scatter_and_all_gather_on_the_launcher(hvd, on_launcher, monkeypatch):
+    """DeAR's groups live where the launcher moves them (the GPU with NCCL; here host memory with Gloo): each
+    step's reduce-scatters and all-gathers are launches, one per group each, and training equals the default
+    schedule's."""
+    import torch.nn as nn
+
+    monkeypatch.setenv("PERSEUS_DEAR_THRESHOLD_BYTES", "4096")  # several groups
+    steps = 4
+
+    def run(schedule, tag):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                       named_parameters=[(f"{tag}.{n}", p) for n, p in model.named_parameters()],
+                                       schedule=schedule)
+        g = torch.Generator().manual_seed(10 + hvd.rank())
+        for _ in range(steps):
+            opt.zero_grad()
+            model(torch.randn(8, 16, generator=g)).square().mean().backward()
+            opt.step()
+        opt.synchronize()  # (DeAR: the last step's deferred updates)
+        return torch.cat([p.detach().flatten() for p in model.parameters()]), opt
+
+    (dear, opt), n, _ = counted(hvd, lambda: run("dear", "dc.dear"))
+    groups = opt._schedule.groups
+    assert len(groups) > 1 and all(g.launcher for g in groups)
+    assert n >= 2 * steps * len(groups), (n, len(groups))
+    reference, _ = run("default", "dc.dear.ref")
+    torch.testing.assert_close(dear, reference, rtol=1e-5, atol=1e-6)

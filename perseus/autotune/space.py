@@ -11,7 +11,8 @@ The compressor policy (:data:`POLICY`) is a dimension only when an Espresso comp
 job without one is tuned exactly as before. Likewise the sparse algorithm (:data:`SPARSE`): a dimension only
 when the job reduces sparse tensors with ``algorithm='auto'`` (:mod:`perseus.sparse.choice`), and DeAR's
 fusion-group size (:data:`DEAR`): only when a ``DistributedOptimizer(schedule='dear')`` takes part, and the
-budget of the device buckets (:data:`DEVICE`): only when the job's all-reduces go through the GPU launcher.
+budget of the device buckets (:data:`DEVICE`) and the GPU path itself (:data:`PATH`: the launcher, or host
+staging): only when the job's all-reduces go through the GPU launcher.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from typing import Iterator, Sequence
 from perseus.sparse.choice import CHOICES
 
 __all__ = ["ALGORITHMS", "COMPRESSION_POLICIES", "SPARSE_ALGORITHMS", "DEAR_THRESHOLDS", "Config", "Space",
-           "DEVICE_BUCKETS", "PARAMS", "POLICY", "SPARSE", "DEAR", "DEVICE", "OPTIONAL_PARAMS", "STEP_PARAMS",
-           "ALL_PARAMS"]
+           "DEVICE_BUCKETS", "DEVICE_PATHS", "PARAMS", "POLICY", "SPARSE", "DEAR", "DEVICE", "PATH",
+           "OPTIONAL_PARAMS", "STEP_PARAMS", "ALL_PARAMS"]
 
 # Codes as in the engine (native/common.h Algorithm) and PERSEUS_ALLREDUCE_ALGORITHM.
 ALGORITHMS = ("auto", "mpi", "ring", "hierarchical")
@@ -47,8 +48,14 @@ DEAR = "dear_threshold"
 DEVICE_BUCKETS = (4 << 20, 16 << 20, 25 << 20, 64 << 20, 256 << 20)
 #: the device buckets' budget: carried by the TUNE request (its sixth value) when searched
 DEVICE = "device_bucket"
+#: how a DistributedOptimizer's gradients on a device move (Config.device_path indexes it): the launcher (NCCL;
+#: Gloo for CPU tensors with PERSEUS_DEVICE_BACKEND=gloo), or host memory (staging; CPU tensors: the engine's
+#: own channels)
+DEVICE_PATHS = ("launcher", "host")
+#: the GPU path: applied by the optimizer at a step boundary
+PATH = "device_path"
 #: the dimensions applied at step boundaries, not through the TUNE request
-STEP_PARAMS = (POLICY, SPARSE, DEAR)
+STEP_PARAMS = (POLICY, SPARSE, DEAR, PATH)
 #: the dimensions searched only when what they tune takes part (else they keep one value, unused)
 OPTIONAL_PARAMS = STEP_PARAMS + (DEVICE,)
 ALL_PARAMS = PARAMS + OPTIONAL_PARAMS
@@ -78,6 +85,8 @@ class Config:
     dear_threshold: int = 0
     #: index into DEVICE_BUCKETS; 0 (and meaningless) when the device launcher takes no part
     device_bucket: int = 0
+    #: index into DEVICE_PATHS; 0 when the device launcher takes no part
+    device_path: int = 0
 
     def values(self) -> tuple[int, int, int, int, int]:
         """The engine parameters (what a TUNE request carries)."""
@@ -104,15 +113,18 @@ class Config:
     def device_bucket_bytes(self) -> int:
         return DEVICE_BUCKETS[self.device_bucket]
 
-    def describe(self, policy: bool = False, sparse: bool = False, dear: bool = False, device: bool = False) -> str:
-        """One line for people; ``policy``, ``sparse``, ``dear``, ``device``: also name the compressor policy, the
-        sparse algorithm, DeAR's group size, the device buckets' budget (when they are tuned)."""
+    def describe(self, policy: bool = False, sparse: bool = False, dear: bool = False, device: bool = False,
+                 path: bool = False) -> str:
+        """One line for people; ``policy``, ``sparse``, ``dear``, ``device``, ``path``: also name the compressor
+        policy, the sparse algorithm, DeAR's group size, the device buckets' budget, the GPU path (when they are
+        tuned)."""
         return (f"unit {self.fusion_threshold_bytes / _MB:g} MB, in-place from {self.inplace_threshold_bytes / _KB:g} KB, "
                 f"{self.channels} channel{'s' if self.channels != 1 else ''}, cycle {self.cycle_time_us / 1000:g} ms, "
                 f"{ALGORITHMS[self.algorithm]}" + (f", policy {self.policy_name}" if policy else "")
                 + (f", sparse {self.sparse_name}" if sparse else "")
                 + (f", DeAR groups {self.dear_bytes / _MB:g} MB" if dear else "")
-                + (f", device buckets {self.device_bucket_bytes / _MB:g} MB" if device else ""))
+                + (f", device buckets {self.device_bucket_bytes / _MB:g} MB" if device else "")
+                + (f", GPU path {DEVICE_PATHS[self.device_path]}" if path else ""))
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -131,6 +143,7 @@ class Space:
     sparse_algorithm: tuple[int, ...] = (0,)
     dear_threshold: tuple[int, ...] = (0,)
     device_bucket: tuple[int, ...] = (0,)
+    device_path: tuple[int, ...] = (0,)
 
     @classmethod
     def build(cls, *, max_channels: int, multi_host: bool, fixed: dict | None = None,
@@ -149,6 +162,7 @@ class Space:
             SPARSE: (0,),
             DEAR: (0,),
             DEVICE: (0,),
+            PATH: (0,),
         }
         for name, value in fixed.items():
             if name not in choices:

@@ -30,7 +30,10 @@ The budget of the device buckets (native/device_buckets.h) is one more optional 
 when the job's all-reduces went through the GPU launcher before the search started (and
 PERSEUS_DEVICE_BUCKET_BYTES is not kept): it travels in the TUNE request itself (its sixth value; -1 when not
 searched), so the engine switches it at the same negotiated point as the other engine values. Its link does
-nothing (:class:`_InTune`).
+nothing (:class:`_InTune`). The GPU path (space.PATH: the launcher, or host memory) is a step-aligned dimension
+under the same condition (PERSEUS_DEVICE_BACKEND not kept): the first DistributedOptimizer whose gradients went
+through the launcher follows it through link ``self.path`` and switches at a step boundary
+(perseus.torch.default_schedule).
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ from perseus.autotune.log import TuneLog
 from perseus.common.step_policy import PolicyLink
 from perseus.autotune.search import Search
 from perseus.autotune.space import (ALGORITHMS, COMPRESSION_POLICIES, DEAR, DEAR_THRESHOLDS, DEVICE, DEVICE_BUCKETS,
-                                    OPTIONAL_PARAMS, POLICY, SPARSE, SPARSE_ALGORITHMS, Config, Space)
+                                    DEVICE_PATHS, OPTIONAL_PARAMS, PATH, POLICY, SPARSE, SPARSE_ALGORITHMS, Config,
+                                    Space)
 from perseus.common.reduce_ops import ReduceOp
 from perseus.engine.messages import DType, OpType, Request, Timing
 from perseus.engine.settings import allreduce_algorithm
@@ -118,6 +122,8 @@ def tuned_fixed_params(settings) -> dict:
         DEAR: (-1, settings.is_explicit("dear_threshold_bytes")),
         # -1: the device buckets' budget in force (PERSEUS_DEVICE_BUCKET_BYTES set explicitly keeps it)
         DEVICE: (-1, settings.is_explicit("device_bucket_bytes")),
+        # -1: the GPU path in force (PERSEUS_DEVICE_BACKEND set explicitly keeps it)
+        PATH: (-1, settings.is_explicit("device_backend")),
     }
     choice = settings.autotune_fixed.strip().lower()
     if choice == "explicit":
@@ -162,8 +168,9 @@ class Tuner:
         #: per step-aligned dimension: the link to what follows it (the compressor whose policy the tuner may
         #: set, the sparse all-reduce path, the DeAR optimizer) and the proposals this rank has posted to it
         self.links = {POLICY: PolicyLink("policy"), SPARSE: PolicyLink("sparse"), DEAR: PolicyLink("dear"),
-                      DEVICE: _InTune()}
+                      PATH: PolicyLink("path"), DEVICE: _InTune()}
         self.policy, self.sparse, self.dear = self.links[POLICY], self.links[SPARSE], self.links[DEAR]
+        self.path = self.links[PATH]
         #: whether the settings exchanged carry each of them (known on every rank)
         self._tuned = {name: False for name in OPTIONAL_PARAMS}
         self._applied_bucket: Optional[int] = None  # the device budget (index) of the last sample, when tuned
@@ -297,6 +304,7 @@ class Tuner:
             self._tuned[SPARSE] = self._sparse_dimension()
             self._tuned[DEAR] = self._dear_dimension()
             self._tuned[DEVICE] = self._device_dimension()
+            self._tuned[PATH] = self._path_dimension()
         # Rank 0 looks the job up in the cache and tells every rank whether to search, and from where.
         known = cachelib.lookup(self.cache_path, digest, self.topology, step_bytes) if self.rank == 0 else None
         for name in OPTIONAL_PARAMS:  # a remembered optional value matters only when tuned
@@ -476,6 +484,20 @@ class Tuner:
         self.initial = dataclasses.replace(self.initial, device_bucket=nearest)
         return True
 
+    def _path_dimension(self) -> bool:
+        """Rank 0, at the start of the first search: whether the GPU path is searched (a DistributedOptimizer
+        whose gradients went through the launcher has registered, and neither PERSEUS_AUTOTUNE_FIXED nor an
+        explicit PERSEUS_DEVICE_BACKEND keeps it); if so, the search starts from the launcher."""
+        if self.path.registered() is None or not _launched_on_device():
+            return False
+        if self._fixed_step[PATH]:
+            print("perseus autotune: the GPU path stays as PERSEUS_DEVICE_BACKEND sets it", file=sys.stderr,
+                  flush=True)
+            return False
+        self.space = self.space.with_choices(PATH, range(len(DEVICE_PATHS)))
+        self.initial = dataclasses.replace(self.initial, device_path=0)
+        return True
+
     def _await_decision(self, compressor) -> bool:
         """Wait until the compressor has decided; False when it has passed the step of its decision without
         deciding, or the job has run many steps without it deciding (a compressor no longer used)."""
@@ -514,7 +536,7 @@ class Tuner:
     def _shown(self) -> dict:
         """describe()'s flags: the step-aligned dimensions the search covers."""
         return {"policy": self._tuned[POLICY], "sparse": self._tuned[SPARSE], "dear": self._tuned[DEAR],
-                "device": self._tuned[DEVICE]}
+                "device": self._tuned[DEVICE], "path": self._tuned[PATH]}
 
     @property
     def _policy_tuned(self) -> bool:
@@ -533,4 +555,5 @@ class Tuner:
         if self.log is not None:
             self.log.row(sample=self.samples, step=self._step, technique=technique, config=config, cost=cost,
                          best_cost=best_cost, steps=self._last_steps, policy=self._tuned[POLICY],
-                         sparse=self._tuned[SPARSE], dear=self._tuned[DEAR], device=self._tuned[DEVICE])
+                         sparse=self._tuned[SPARSE], dear=self._tuned[DEAR], device=self._tuned[DEVICE],
+                         path=self._tuned[PATH])

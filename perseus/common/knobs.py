@@ -317,7 +317,8 @@ KNOBS: tuple[Knob, ...] = (
              "compression_policy (Espresso's policy, when an Espresso compressor takes part), "
              "sparse_algorithm (the algorithm of 'auto' sparse all-reduces, when the job has them), "
              "dear_threshold (DeAR's group size, when a schedule='dear' optimizer takes part), device_bucket "
-             "(the device buckets' budget, when all-reduces go through the GPU launcher)."),
+             "(the device buckets' budget) and device_path (the GPU launcher or host staging), when all-reduces "
+             "go through the GPU launcher."),
     Knob("autotune_bayes_opt_max_samples", _both("AUTOTUNE_BAYES_OPT_MAX_SAMPLES"), int, 20, unit="samples",
          doc="When set, the most samples the search takes (it also stops when autotune_budget_steps are spent); "
              "unset, only the step budget counts.",

@@ -15,8 +15,11 @@ import torch
 from perseus.common import guard as _guard
 from perseus.common.api import _basics, size
 from perseus.common.partition import split_list
+from perseus.common.process_sets import global_process_set
+from perseus.common.step_policy import Following
 from perseus.common.reduce_ops import Average, Sum
 from perseus.compression import Reducer
+from perseus.torch import device as _device
 from perseus.torch._local_step import LocalSteps
 from perseus.torch._allreduce_ops import (_reduce_compressed, allreduce, allreduce_async_, grouped_allreduce_async_,
                                           sparse_allreduce_async)
@@ -98,6 +101,8 @@ class DefaultSchedule(Schedule):
         self.guard = _guard.for_optimizer(opt.process_set)
         #: momentum correction and local clipping, when the compressor is a sparsifier (torch/_local_step.py)
         self.local = LocalSteps(opt)
+        #: the tuner's hold on the GPU path (perseus.autotune: space.PATH), once gradients went through the launcher
+        self.path = None
 
     # -- set-up ----------------------------------------------------------------------------------------
     def start(self):
@@ -287,8 +292,24 @@ class DefaultSchedule(Schedule):
         self.synchronized = self.presynchronized = False
         if self.skip_step:  # non-finite gradients on some rank (every rank skips this step)
             self.skip_step = False
+            self._follow_path()
             return None
-        return self.local.step(opt._perseus_local_step, closure)
+        result = self.local.step(opt._perseus_local_step, closure)
+        self._follow_path()
+        return result
+
+    def _follow_path(self) -> None:
+        """At the end of a step (every rank at the same one): the GPU path the tuner agreed on, from the next
+        step on. Only for the global process set, once its gradients have gone through the device launcher
+        (the same step on every rank); without autotuning nothing is exchanged."""
+        if self.path is None:
+            opt = self.opt
+            if opt.process_set is not global_process_set or not _device.launched():
+                return
+            self.path = Following("path")
+        code = self.path.at_call(self.opt, "path.step", self.opt.process_set)
+        if code is not None and code >= 0:
+            _device.use_path(code)
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
         """Wait for the reductions, clip, and let the next ``step()`` skip synchronizing. Collective.

@@ -673,6 +673,28 @@ def stats(process_set=global_process_set) -> dict:
     return out
 
 
+def launched(ps_id: int = 0) -> bool:
+    """Whether the launcher has moved a unit of process set ``ps_id`` in this job (local)."""
+    launcher = _launcher
+    return launcher is not None and bool(launcher.counts.get(ps_id, (0,))[0])
+
+
+def use_path(code: int) -> None:
+    """From now on device all-reduces and collectives go through the launcher (``code`` 0) or host memory (1:
+    staged; CPU tensors under ``PERSEUS_DEVICE_BACKEND=gloo``: the engine's own channels). The autotuner's
+    choice (perseus.autotune.space.PATH), applied by the optimizer at a step boundary every rank agreed on: every
+    rank must switch at the same point."""
+    global _nccl, _gloo
+    from perseus.torch import _allreduce_ops
+
+    on = int(code) == 0
+    if backend() == "gloo":
+        _gloo = on
+    else:
+        _nccl = on and torch.distributed.is_available() and torch.distributed.is_nccl_available()
+    _allreduce_ops._plain_cpu = None  # read again
+
+
 def forget(handle) -> None:
     """After ``synchronize(handle)`` raised: the launcher lets go of that request's tensors."""
     launcher = _launcher

@@ -32,9 +32,9 @@ def model():
     return nn.Sequential(*layers, nn.Linear(512, 10))
 
 
-def _train(hvd, net, steps=None, max_steps=400):
+def _train(hvd, net, steps=None, max_steps=400, on_step=None):
     """SGD steps until the tuner is done on every rank (and 3 more), or ``steps``; returns the tuner, the budget
-    in force after each step and the steps taken."""
+    in force after each step and the steps taken. ``on_step()`` runs after each step."""
     from perseus.common.state import runtime
 
     tuner = runtime().service("tuner")
@@ -59,6 +59,8 @@ def _train(hvd, net, steps=None, max_steps=400):
             time.sleep(rng.uniform(0, 0.004))
         opt.step()
         budgets.append(engine.params(0)[6])
+        if on_step is not None:
+            on_step()
         n += 1
         assert n < max_steps, "the tuner did not finish within its budget"
     return tuner, budgets, n
@@ -104,4 +106,39 @@ def test_explicit_budget_is_kept(hvd):
         tuner, budgets, _ = _train(hvd, model())
         assert not tuner._tuned["device_bucket"] and set(budgets) == {8 << 20}
     finally:
+        restart(hvd, old)
+
+
+def test_gpu_path_is_searched_and_switches_at_the_same_step(hvd):
+    """The path itself (the launcher, or host memory: here the engine's CPU channels) is a dimension: every rank
+    switches at the same step, the final path is the chosen one, and training equals the host path's."""
+    from job_env import ENGINE_PARAMS
+    from perseus.torch import device
+
+    env = _env(PERSEUS_AUTOTUNE_FIXED=ENGINE_PARAMS + ",device_bucket")
+    old = {k: os.environ.get(k) for k in env}
+    launched = []
+    real = device._Launcher._launch
+
+    def count(self, *args):
+        launched[-1] += 1
+        return real(self, *args)
+    try:
+        restart(hvd, env)
+        device._Launcher._launch = count
+        net = model()
+        launched.append(0)  # launches during each step (the last entry counts the step under way)
+        tuner, budgets, steps = _train(hvd, net, on_step=lambda: launched.append(0))
+        assert tuner._tuned["device_path"], "the GPU path was not searched"
+        paths = [n > 0 for n in launched[:steps]]
+        assert True in paths and False in paths, f"one path only: {paths}"
+        everyone = hvd.allgather_object((paths, tuner.result))
+        assert all(e == everyone[0] for e in everyone), "ranks switched at different steps"
+        assert paths[-1] == (tuner.result.device_path == 0)
+        restart(hvd, {"PERSEUS_AUTOTUNE": None, "PERSEUS_DEVICE_BACKEND": None})
+        ref = model()
+        _train(hvd, ref, steps=steps)
+        torch.testing.assert_close(_flat(net), _flat(ref), rtol=1e-5, atol=1e-6)
+    finally:
+        device._Launcher._launch = real
         restart(hvd, old)

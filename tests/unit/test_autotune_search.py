@@ -166,7 +166,7 @@ def test_policy_dimension_only_when_asked():
     d = Config(4 * MB, 256 << 10, 2, 0, 2, 1)
     assert not plain.contains(d) and with_policy.contains(d) and plain.nearest(d) == c
     assert d.values() == c.values() == (4 * MB, 256 << 10, 2, 0, 2)  # what a TUNE request carries
-    assert d.all_values() == c.values() + (1, 0, 0, 0)
+    assert d.all_values() == c.values() + (1, 0, 0, 0, 0)
     assert "policy" not in d.describe() and d.describe(policy=True).endswith(", policy dense")
     assert {n.compression_policy for n in with_policy.neighbours(d)} == {0, 1, 2}
     assert {n.compression_policy for n in plain.neighbours(c)} == {0}
@@ -233,7 +233,8 @@ def test_log_has_a_policy_column(tmp_path):
             best_cost=0.01, steps=[(0.01, 1000, 0)])
     log.close()
     rows = read_log(str(path))
-    assert COLUMNS[-4:] == ("compression_policy", "sparse_algorithm", "dear_threshold_bytes", "device_bucket_bytes")
+    assert COLUMNS[-5:] == ("compression_policy", "sparse_algorithm", "dear_threshold_bytes", "device_bucket_bytes",
+                            "device_path")
     assert [r["compression_policy"] for r in rows] == ["all-compressed", ""]
     assert [r["sparse_algorithm"] for r in rows] == ["", ""]
 
@@ -248,12 +249,13 @@ def test_sparse_dimension_only_when_asked():
     assert plain.searched() == PARAMS and sparse.searched() == PARAMS + (SPARSE,)
     both = sparse.with_policies((0, 1, 2))
     assert both.searched() == PARAMS + (POLICY, SPARSE)
-    assert both.with_choices("dear_threshold", (0, 1)).with_choices("device_bucket", (0, 2)).searched() \
-        == ALL_PARAMS == PARAMS + (POLICY, SPARSE, "dear_threshold", "device_bucket")
+    every = both.with_choices("dear_threshold", (0, 1)).with_choices("device_bucket", (0, 2))
+    assert every.with_choices("device_path", (0, 1)).searched() == ALL_PARAMS == PARAMS + (
+        POLICY, SPARSE, "dear_threshold", "device_path", "device_bucket")
     assert sparse.size() == len(SPARSE_ALGORITHMS) * plain.size()
     assert {c.sparse_algorithm for c in sparse.grid()} == set(range(len(SPARSE_ALGORITHMS)))
     c = Config(4 * MB, 256 << 10, 2, 0, 2, 0, 3)
-    assert c.sparse_name == "zen" and c.all_values()[-3:] == (3, 0, 0)
+    assert c.sparse_name == "zen" and c.all_values()[-4:] == (3, 0, 0, 0)
     assert c.describe(sparse=True).endswith(", sparse zen") and "sparse" not in c.describe()
     assert not plain.contains(c) and sparse.contains(c) and plain.nearest(c).sparse_algorithm == 0
     assert {n.sparse_algorithm for n in sparse.neighbours(c)} == {2, 3, 4}

@@ -68,6 +68,7 @@ def _forget_plain_cpu() -> None:
 
 
 _runtime.register_job_state(_forget_plain_cpu)
+_device._path_listeners.append(_forget_plain_cpu)  # the GPU path switched (the autotuner's choice)
 
 
 def _detour(tensors, in_place, dts, name, op, prescale_factor, postscale_factor, process_set, single):

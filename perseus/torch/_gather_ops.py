@@ -6,6 +6,7 @@ import torch
 
 from perseus.common import collectives as _c
 from perseus.common.api import rank
+from perseus.common.partition import even_counts
 from perseus.common.process_sets import global_process_set
 from perseus.common.reduce_ops import Average, ReduceOp, Sum
 from perseus.torch import device_collectives as _dc
@@ -228,8 +229,6 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 def _share(tensor, process_set) -> torch.Tensor:
     """This rank's reducescatter result for ``tensor``: its share of the first dimension (earlier ranks one
     more row where it does not divide), on ``tensor``'s device."""
-    from perseus.common.partition import even_counts
-
     rows = even_counts(tensor.shape[0], process_set.size())[process_set.rank()]
     return torch.empty((rows,) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
 

@@ -41,10 +41,13 @@ def synchronize(handle):
     try:
         return _runtime.engine.wait(handle)
     except BaseException:
-        from perseus.torch import device
-
-        device.forget(handle)  # a device request's tensors, if the launcher still holds them
+        for forget in _failed_wait_hooks:  # (perseus.torch.device: the launcher lets go of the request's tensors)
+            forget(handle)
         raise
+
+
+#: called with the handle when synchronize() raises
+_failed_wait_hooks: list = []
 
 
 _runtime = _c.runtime()

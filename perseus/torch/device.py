@@ -3,9 +3,9 @@
 The engine negotiates and fuses device requests like any other (every rank gets the same units in the same
 order) but does not move their data: it hands each unit to this module's launcher thread (one per process),
 which moves it with a torch.distributed backend and gives the unit back. All-reduces are packed and bucketed
-here; broadcast, allgather, alltoall and reducescatter run one request a unit
-(:mod:`perseus.torch.device_collectives`). What NCCL cannot do (Adasum, int16, integer averages, sparse and
-compressed paths) is staged through host memory (:mod:`perseus.torch.staging`).
+here; broadcast, allgather, alltoall and reducescatter run one request a unit (submitted by
+:mod:`perseus.torch.device_collectives`, run by :mod:`perseus.torch.device_ops`). What NCCL cannot do (Adasum,
+int16, integer averages, sparse and compressed paths) is staged through host memory (:mod:`perseus.torch.staging`).
 
 - Process groups: ``PERSEUS_NUM_NCCL_STREAMS`` (horovodrun's ``--num-nccl-streams``) per process set, each with
   its own NCCL communicator and stream; unit k goes to group k modulo their number. They are built over
@@ -45,7 +45,7 @@ from perseus.common import collectives as _c
 from perseus.common.state import runtime
 from perseus.common.knobs import external, set_external_default
 from perseus.common.process_sets import global_process_set
-from perseus.torch import device_collectives as _dc
+from perseus.torch import _tensors, device_ops as _ops
 
 __all__ = ["backend", "routes_cpu", "takes", "allreduce_async", "stats", "Streams", "CudaStreams", "HostStreams"]
 
@@ -275,7 +275,7 @@ def allreduce_async(inputs, outputs, dtypes, name, op, prescale_factor, postscal
 # -- the launcher ------------------------------------------------------------------------------------------
 # The launcher's kinds of memory (the request signature's device code, which every rank must agree on).
 _CUDA, _CPU = 0, 1
-_ALLREDUCE = 0  # the unit's op type (perseus.engine.messages.OpType); the others run in device_collectives
+_ALLREDUCE = 0  # the unit's op type (perseus.engine.messages.OpType); the others run in device_ops
 
 
 class _Launcher:
@@ -410,7 +410,7 @@ class _Launcher:
             group = groups[channel]
             with streams.launch((ps_id, channel), self._device):
                 streams.wait(real[0].ready)
-                work, finish = _dc.launch(group, op_type, real[0], reduce_op, prescale, postscale, group.size(),
+                work, finish = _ops.launch(group, op_type, real[0], reduce_op, prescale, postscale, group.size(),
                                           group.rank(), _OPTIONS)
                 return self._queued(streams, work, finish, real)
         with streams.launch((ps_id, channel), self._device):
@@ -685,14 +685,17 @@ def use_path(code: int) -> None:
     choice (perseus.autotune.space.PATH), applied by the optimizer at a step boundary every rank agreed on: every
     rank must switch at the same point."""
     global _nccl, _gloo
-    from perseus.torch import _allreduce_ops
-
     on = int(code) == 0
     if backend() == "gloo":
         _gloo = on
     else:
         _nccl = on and torch.distributed.is_available() and torch.distributed.is_nccl_available()
-    _allreduce_ops._plain_cpu = None  # read again
+    for changed in _path_listeners:
+        changed()
+
+
+#: called after use_path() (perseus.torch._allreduce_ops reads its routing flags again)
+_path_listeners: list = []
 
 
 def forget(handle) -> None:
@@ -700,6 +703,9 @@ def forget(handle) -> None:
     launcher = _launcher
     if launcher is not None:
         launcher.forget(handle)
+
+
+_tensors._failed_wait_hooks.append(forget)
 
 
 _launcher_lock = threading.Lock()

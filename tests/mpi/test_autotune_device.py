@@ -92,7 +92,8 @@ def test_bucket_budget_is_searched_and_applied_on_every_rank(hvd):
         restart(hvd, {"PERSEUS_AUTOTUNE": None, "PERSEUS_DEVICE_BACKEND": None})
         ref = model()
         _train(hvd, ref, steps=steps)
-        torch.testing.assert_close(_flat(net), _flat(ref), rtol=1e-5, atol=1e-6)
+        # (Gloo and perseus's channels sum 3 or more ranks in different orders: rounding, over tens of steps)
+        torch.testing.assert_close(_flat(net), _flat(ref), rtol=1e-4, atol=2e-4)
     finally:
         restart(hvd, old)
 
@@ -138,7 +139,8 @@ def test_gpu_path_is_searched_and_switches_at_the_same_step(hvd):
         restart(hvd, {"PERSEUS_AUTOTUNE": None, "PERSEUS_DEVICE_BACKEND": None})
         ref = model()
         _train(hvd, ref, steps=steps)
-        torch.testing.assert_close(_flat(net), _flat(ref), rtol=1e-5, atol=1e-6)
+        # (Gloo and perseus's channels sum 3 or more ranks in different orders: rounding, over tens of steps)
+        torch.testing.assert_close(_flat(net), _flat(ref), rtol=1e-4, atol=2e-4)
     finally:
         device._Launcher._launch = real
         restart(hvd, old)

@@ -95,7 +95,9 @@ class CudaOps(DeviceOps):
     def host_empty(self, shape, dtype):
         return torch.empty(shape, dtype=dtype, pin_memory=True)
 
-    def to_host(self, host, src):
+    def _copy_out(self, host, src):
+        """Queue the copy of ``src`` into ``host`` on the device's side stream, after the work queued on the
+        caller's stream; return its (blocking-sync) done event and the side stream."""
         with torch.cuda.device(src.device):
             side = self._side(src.device)
             side.wait_stream(torch.cuda.current_stream(src.device))
@@ -103,20 +105,18 @@ class CudaOps(DeviceOps):
                 host.copy_(src, non_blocking=True)
                 done = torch.cuda.Event(blocking=True)
                 done.record(side)
+        return done, side
+
+    def to_host(self, host, src):
+        done, _ = self._copy_out(host, src)
         # The GIL is released while waiting; src is not touched again after this returns.
         done.synchronize()
 
     def to_host_queued(self, host, src):
-        with torch.cuda.device(src.device):
-            side = self._side(src.device)
-            side.wait_stream(torch.cuda.current_stream(src.device))
-            with torch.cuda.stream(side):
-                host.copy_(src, non_blocking=True)
-                done = torch.cuda.Event(blocking=True)
-                done.record(side)
-            # Work the caller queues from now on (which may overwrite src) comes after the copy: a stream wait,
-            # not a host wait.
-            torch.cuda.current_stream(src.device).wait_event(done)
+        done, side = self._copy_out(host, src)
+        # Work the caller queues from now on (which may overwrite src) comes after the copy: a stream wait, not
+        # a host wait.
+        torch.cuda.current_stream(src.device).wait_event(done)
         src.record_stream(side)  # its memory is not reused before the copy has read it
         return done
 

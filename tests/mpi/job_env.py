@@ -30,3 +30,24 @@ def autotune_env(**extra):
            "PERSEUS_DEAR_THRESHOLD_BYTES": None}
     env.update(extra)
     return env
+
+
+def steps_until_tuned(hvd, tuner, step, steps=None, max_steps=400, name="until_tuned"):
+    """Call ``step()`` until the job's tuner is done on every rank, then 3 times more (or ``steps`` times when
+    given); return how many times. Collective: every rank agrees each step (a MIN all-reduce) on whether every
+    tuner is done, so every rank stops at the same step."""
+    import torch
+
+    n, extra = 0, None
+    while (steps is not None and n < steps) or (steps is None and (extra is None or extra > 0)):
+        if steps is None:
+            if extra is None:
+                done = hvd.allreduce(torch.tensor([1.0 if tuner.done else 0.0]), name=name, op=hvd.Min)
+                if done.item() == 1.0 and n >= 5:
+                    extra = 3
+            else:
+                extra -= 1
+        step()
+        n += 1
+        assert n < max_steps, "the tuner did not finish within its budget"
+    return n

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from job_env import autotune_env, restart
+from job_env import autotune_env, restart, steps_until_tuned
 
 pytest.importorskip("optuna")
 
@@ -28,7 +28,7 @@ def model():
                          nn.ReLU(), nn.Linear(1024, 4))
 
 
-def _train(hvd, net, schedule, steps=None, max_steps=400):
+def _train(hvd, net, schedule, steps=None):
     from perseus.common.state import runtime
 
     tuner = runtime().service("tuner")
@@ -36,15 +36,9 @@ def _train(hvd, net, schedule, steps=None, max_steps=400):
                                    named_parameters=net.named_parameters(), schedule=schedule)
     g = torch.Generator().manual_seed(100 + hvd.rank())
     rng = random.Random(hvd.rank())
-    record, n, extra = [], 0, None
-    while (steps is not None and n < steps) or (steps is None and (extra is None or extra > 0)):
-        if steps is None:
-            if extra is None:
-                done = hvd.allreduce(torch.tensor([1.0 if tuner.done else 0.0]), name="dear.tuned", op=hvd.Min)
-                if done.item() == 1.0 and n >= 5:
-                    extra = 3
-            else:
-                extra -= 1
+    record = []
+
+    def step():
         x = torch.randn(8, 512, generator=g)
         opt.zero_grad()
         net(x).square().mean().backward()
@@ -56,8 +50,7 @@ def _train(hvd, net, schedule, steps=None, max_steps=400):
             follower = following.follower if following is not None else None
             record.append((len(opt.dear_groups()), opt._dear_threshold,
                            None if follower is None else follower.finished))
-        n += 1
-        assert n < max_steps, "the tuner did not finish within its budget"
+    n = steps_until_tuned(hvd, tuner, step, steps, name="dear.tuned")
     opt.synchronize()  # the last deferred update
     return tuner, record, n
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from job_env import autotune_env, restart
+from job_env import autotune_env, restart, steps_until_tuned
 
 pytest.importorskip("optuna")
 
@@ -32,7 +32,7 @@ def model():
     return nn.Sequential(*layers, nn.Linear(512, 10))
 
 
-def _train(hvd, net, steps=None, max_steps=400, on_step=None):
+def _train(hvd, net, steps=None, on_step=None):
     """SGD steps until the tuner is done on every rank (and 3 more), or ``steps``; returns the tuner, the budget
     in force after each step and the steps taken. ``on_step()`` runs after each step."""
     from perseus.common.state import runtime
@@ -43,15 +43,9 @@ def _train(hvd, net, steps=None, max_steps=400, on_step=None):
                                    named_parameters=net.named_parameters())
     g = torch.Generator().manual_seed(100 + hvd.rank())
     rng = random.Random(hvd.rank())
-    budgets, n, extra = [], 0, None
-    while (steps is not None and n < steps) or (steps is None and (extra is None or extra > 0)):
-        if steps is None:
-            if extra is None:
-                done = hvd.allreduce(torch.tensor([1.0 if tuner.done else 0.0]), name="dev.tuned", op=hvd.Min)
-                if done.item() == 1.0 and n >= 5:
-                    extra = 3
-            else:
-                extra -= 1
+    budgets = []
+
+    def step():
         x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
         opt.zero_grad()
         F.cross_entropy(net(x), y).backward()
@@ -61,8 +55,7 @@ def _train(hvd, net, steps=None, max_steps=400, on_step=None):
         budgets.append(engine.params(0)[6])
         if on_step is not None:
             on_step()
-        n += 1
-        assert n < max_steps, "the tuner did not finish within its budget"
+    n = steps_until_tuned(hvd, tuner, step, steps, name="dev.tuned")
     return tuner, budgets, n
 
 

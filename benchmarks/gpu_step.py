@@ -124,7 +124,7 @@ def build(mode, name, batch, device):
     y = torch.randint(0, classes, (batch,), device=device)
 
     launcher = mode not in ("perseus_stage", "perseus_host")
-    blocking = False
+    blocking = _device.CudaStreams.blocking  # (the default)
     cycle_us = 2000 if mode == "perseus_nccl_cycle2ms" else 0
     budget = 0 if mode == "perseus_rounds" else None  # None: the budget perseus chose (measured)
 
@@ -171,11 +171,12 @@ def small_allreduce(mode, device, calls):
     t = torch.ones(256, device=device)
     if mode.startswith("perseus_nccl"):
         _device._nccl = True
-        _device.CudaStreams.blocking = mode == "perseus_nccl_blocking"
+        _device.CudaStreams.blocking = mode == "perseus_nccl_blocking"  # (the finalizer's wait only)
         set_cycle_time(0)
 
-        def once(i):
+        def once(i):  # (completion is stream-ordered: the host waits for the stream, as torch's does below)
             hvd.allreduce_(t, op=hvd.Sum, name="small")
+            torch.cuda.current_stream().synchronize()
     else:
         def once(i):  # synchronous too: the call returns when the result is there
             dist.all_reduce(t)

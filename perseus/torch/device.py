@@ -108,13 +108,13 @@ class CudaStreams(Streams):
     """CUDA tensors: a stream per process group, events between it and the callers' streams; stream-ordered
     completion (``synchronize`` makes the caller's current stream wait for the unit's done event).
 
-    The finalizer waits for a unit's done event (to let its tensors go) in CUDA with the GIL released:
-    spinning by default (a core is busy only while a unit is in flight), or sleeping until the device signals
-    when ``blocking`` is set.
+    The finalizer waits for a unit's done event (to let its tensors go) in CUDA with the GIL released: sleeping
+    until the device signals (blocking-sync events, the default: nothing but the release of memory waits for
+    it, and units may stay queued for long while the host runs ahead), or spinning when ``blocking`` is False.
     """
 
     ordered = True
-    blocking = False
+    blocking = True
 
     def __init__(self):
         self._streams: dict = {}

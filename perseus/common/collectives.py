@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from perseus.common.exceptions import BadArgumentTypeError
 from perseus.common.state import runtime
 from perseus.common.partition import even_counts
 from perseus.common.process_sets import ProcessSet, global_process_set
@@ -296,15 +297,15 @@ def alltoall_splits(splits, rows: int, size: int) -> np.ndarray:
     summing to the first dimension ``rows``.
 
     Raises:
-        TypeError: the splits are not integers.
+        BadArgumentTypeError (a TypeError and a ValueError, as Horovod raises): the splits are not integers.
         ValueError: the wrong number of counts, a negative count, or a sum other than ``rows``.
     """
     if splits is None:
         return even_splits(rows, size)
     raw = np.asarray(splits)
     if raw.dtype.kind not in "iu" and raw.size:
-        raise TypeError(f"perseus.alltoall: splits must be integers (the rows for each rank), got "
-                        f"{raw.dtype} {raw.tolist()!r}")
+        raise BadArgumentTypeError(f"perseus.alltoall: splits must be integers (the rows for each rank), got "
+                                   f"{raw.dtype} {raw.tolist()!r}")
     out = raw.astype(np.int64).reshape(-1)
     if out.size != size:
         raise ValueError(f"perseus.alltoall: splits has {out.size} entries but the process set has {size} "

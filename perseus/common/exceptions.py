@@ -1,6 +1,7 @@
 """Exceptions raised by perseus, with Horovod's names kept as aliases of the same classes."""
 
 __all__ = [
+    "BadArgumentTypeError",
     "HorovodInternalError",
     "PerseusInternalError",
     "HostsUpdatedInterrupt",
@@ -28,6 +29,11 @@ class MismatchError(PerseusInternalError):
 
 class StallError(PerseusInternalError):
     """Ranks waited longer than the stall shutdown time for a tensor that some ranks never submitted."""
+
+
+class BadArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type (floats where a count is due) where Horovod raises ValueError: an instance of
+    both, so that code catching either keeps working."""
 
 
 class NotAMemberError(ValueError):

@@ -14,6 +14,7 @@ import math
 import random
 import secrets
 import threading
+import warnings
 import time
 from typing import Any, Callable, Dict, List, Optional
 
@@ -105,7 +106,8 @@ class ElasticRayExecutor:
     """An elastic perseus job on Ray (see the module doc), with Horovod's API.
 
     Args:
-        settings: from :meth:`create_settings` (``min_np``, ``max_np``, ``reset_limit``, ``elastic_timeout``, ...).
+        settings: from :meth:`create_settings` (``min_num_proc``, ``max_num_proc``, ``reset_limit``,
+            ``elastic_timeout``, ...).
         use_gpu, cpus_per_slot, gpus_per_slot: what one slot (one rank) takes.
         env_vars: variables for every rank.
         override_discovery: use :class:`RayHostDiscovery` even when ``settings.discovery`` is set (Horovod's
@@ -113,13 +115,39 @@ class ElasticRayExecutor:
     """
 
     @staticmethod
-    def create_settings(min_np: int = 1, max_np: Optional[int] = None, reset_limit: Optional[int] = None,
+    def create_settings(min_num_proc: int = 1, max_num_proc: Optional[int] = None, reset_limit: Optional[int] = None,
                         elastic_timeout: float = 600, timeout_s: float = 30, ssh_identity_file: Optional[str] = None,
-                        nics=None, cooldown_range=None, verbose: int = 0, **_ignored) -> Settings:
-        """Settings for an elastic job (the ssh arguments are accepted; no ssh is used)."""
+                        nics=None, min_np: Optional[int] = None, max_np: Optional[int] = None, *,
+                        cooldown_range=None, verbose: int = 0, **kwargs) -> Settings:
+        """Settings for an elastic job, with Horovod's arguments in Horovod's order: at least ``min_num_proc``
+        and at most ``max_num_proc`` ranks (``min_np``/``max_np``: Horovod's older names, deprecated there too),
+        ``reset_limit``, ``elastic_timeout``, ``timeout_s``, ``nics``, and of Horovod's settings passed on by
+        keyword, ``cooldown_range`` and ``verbose``. ``ssh_identity_file`` and ``ssh_port`` are accepted; no ssh
+        is used.
+
+        Raises:
+            TypeError: another keyword of Horovod's settings, which perseus's Ray executor cannot honour (named).
+            ValueError: ``min_num_proc`` below 1, or ``max_num_proc`` below it.
+        """
+        if min_np is not None:
+            warnings.warn("min_np is deprecated, use min_num_proc instead", DeprecationWarning, stacklevel=2)
+            min_num_proc = min_np
+        if max_np is not None:
+            warnings.warn("max_np is deprecated, use max_num_proc instead", DeprecationWarning, stacklevel=2)
+            max_num_proc = max_np
+        kwargs.pop("ssh_port", None)  # (no ssh)
+        if kwargs:
+            raise TypeError(f"ElasticRayExecutor.create_settings: perseus's Ray executor cannot honour "
+                            f"{', '.join(sorted(kwargs))}; leave {'them' if len(kwargs) > 1 else 'it'} out")
+        if min_num_proc is None or int(min_num_proc) < 1:
+            raise ValueError(f"ElasticRayExecutor.create_settings: min_num_proc must be at least 1, not "
+                             f"{min_num_proc!r}")
+        if max_num_proc is not None and int(max_num_proc) < int(min_num_proc):
+            raise ValueError(f"ElasticRayExecutor.create_settings: max_num_proc ({max_num_proc}) is below "
+                             f"min_num_proc ({min_num_proc})")
         return make_settings(ssh_identity_file, None, timeout_s=timeout_s, nics=nics, verbose=verbose, elastic=True,
-                             min_np=min_np, max_np=max_np, reset_limit=reset_limit, cooldown_range=cooldown_range,
-                             elastic_timeout=elastic_timeout)
+                             min_np=int(min_num_proc), max_np=None if max_num_proc is None else int(max_num_proc),
+                             reset_limit=reset_limit, cooldown_range=cooldown_range, elastic_timeout=elastic_timeout)
 
     def __init__(self, settings: Settings, use_gpu: bool = False, cpus_per_slot: float = 1,
                  gpus_per_slot: Optional[float] = None, env_vars: Optional[dict] = None,

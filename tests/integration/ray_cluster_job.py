@@ -85,7 +85,7 @@ def main(mode, address):
         finally:
             executor.shutdown()
     else:
-        settings = ElasticRayExecutor.create_settings(min_np=2, max_np=4, elastic_timeout=60)
+        settings = ElasticRayExecutor.create_settings(min_num_proc=2, max_num_proc=4, elastic_timeout=60)
         executor = ElasticRayExecutor(settings, cpus_per_slot=1)
         executor.start()
         killed = []

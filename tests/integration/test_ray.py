@@ -189,6 +189,21 @@ def test_bad_sizes_are_refused():
         RayExecutor(settings, max_workers=2)
 
 
+def test_elastic_settings_take_horovods_names_and_refuse_what_they_cannot_honour():
+    s = ElasticRayExecutor.create_settings(min_num_proc=2, max_num_proc=4, reset_limit=3, ssh_port=22)
+    assert (s.min_np, s.max_np, s.reset_limit, s.elastic) == (2, 4, 3, True)
+    assert ElasticRayExecutor.create_settings(2, 4).max_np == 4  # Horovod's positional order
+    with pytest.warns(DeprecationWarning, match="min_num_proc"):
+        s = ElasticRayExecutor.create_settings(min_np=3, max_np=5)
+    assert (s.min_np, s.max_np) == (3, 5)
+    with pytest.raises(TypeError, match="extra_mpi_args"):
+        ElasticRayExecutor.create_settings(min_num_proc=2, extra_mpi_args="-x A")
+    with pytest.raises(ValueError, match="below min_num_proc"):
+        ElasticRayExecutor.create_settings(min_num_proc=4, max_num_proc=2)
+    with pytest.raises(ValueError, match="at least 1"):
+        ElasticRayExecutor.create_settings(min_num_proc=0)
+
+
 def elastic_train():
     import torch
 
@@ -216,7 +231,7 @@ def elastic_train():
 
 
 def test_elastic_executor_runs_an_elastic_function():
-    settings = ElasticRayExecutor.create_settings(min_np=2, max_np=2, elastic_timeout=START_S)
+    settings = ElasticRayExecutor.create_settings(min_num_proc=2, max_num_proc=2, elastic_timeout=START_S)
     executor = ElasticRayExecutor(settings, cpus_per_slot=2)
     executor.start()
     try:
@@ -239,7 +254,7 @@ def raises_outside_the_elastic_loop():
 def test_elastic_function_raising_outside_its_loop_ends_the_job_at_once():
     from perseus.runner.run_func import RunError
 
-    settings = ElasticRayExecutor.create_settings(min_np=2, max_np=2, elastic_timeout=600)
+    settings = ElasticRayExecutor.create_settings(min_num_proc=2, max_num_proc=2, elastic_timeout=600)
     executor = ElasticRayExecutor(settings, cpus_per_slot=2)
     executor.start()
     try:

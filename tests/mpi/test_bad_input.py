@@ -294,6 +294,9 @@ OTHERS = [
     Case("alltoall.splits_fractional", lambda h, o, n, s: _alltoall(h, h.size(), [1.5] + [1.0] * (h.size() - 2)
                                                                     + [0.5], n), ALL,
          raises(TypeError, "splits must be integers", "float64")),
+    # (the same error is a ValueError too: Horovod raises ValueError there, and its users catch that)
+    Case("alltoall.splits_float_tensor", lambda h, o, n, s: _alltoall(h, h.size(), torch.ones(h.size()), n), ALL,
+         raises(ValueError, "splits must be integers", "float32")),
     Case("alltoall.splits_text", lambda h, o, n, s: _alltoall(h, h.size(), "ab", n), ALL,
          raises(TypeError, "splits must be integers")),
     Case("alltoall.splits_tensor", lambda h, o, n, s: _alltoall(h, h.size(), torch.ones(h.size(), dtype=torch.int32),

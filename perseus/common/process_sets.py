@@ -11,7 +11,7 @@ __all__ = ["ProcessSet", "global_process_set", "entries", "check_ranks", "comm_r
 class ProcessSet:
     """A set of ranks (of the job's global communicator) that run collectives together.
 
-    Build it from a sequence of ranks, or from an mpi4py communicator (only at ``init(process_sets=...)``).
+    Build it from a sequence of ranks, or from an mpi4py communicator (each rank its own; MPI.COMM_NULL outside).
     The object becomes usable once registered: at ``init(process_sets=[...])``, or by
     ``add_process_set()`` with ``HOROVOD_DYNAMIC_PROCESS_SETS=1``, when it gets its id.
     """

@@ -518,21 +518,47 @@ class Runtime:
     def add_process_set(self, process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         """Register a process set after init. Collective: every rank calls it with the same ranks.
 
+        A set built from an mpi4py communicator (``ProcessSet(comm)``, or the communicator itself) is collective
+        over the job too: each rank passes its own communicator (``MPI.COMM_NULL`` on a rank outside it), the
+        ranks are exchanged, and every distinct set they make is registered on every rank, in the order of their
+        ranks; each rank gets back the set it belongs to (a rank in none: the first).
+
         Raises:
             ValueError: not initialised, dynamic process sets not enabled, a set with these ranks exists,
-                or a rank is out of range.
-            NotImplementedError: the set was built from an mpi4py communicator.
+                a rank is out of range, or a communicator has processes outside the job's.
         """
         if not isinstance(process_set, ProcessSet):
             process_set = ProcessSet(process_set)
-        if process_set.mpi_comm is not None:
-            raise NotImplementedError("perseus: add_process_set() from an mpi4py communicator is not supported; "
-                                      "pass the ranks, or give the communicator to init(process_sets=[...])")
         self.engine
         if not self.settings.dynamic_process_sets:
             raise ValueError("Set HOROVOD_DYNAMIC_PROCESS_SETS=1 (or call init(process_sets='dynamic')) to add "
                              "process sets after init().")
+        if process_set.mpi_comm is not None and process_set.ranks is None:
+            return self._add_comm_set(process_set)
         return self.register(process_set)
+
+    def _add_comm_set(self, process_set: ProcessSet) -> ProcessSet:
+        """add_process_set() of a communicator-defined set (see there). Collective over the job."""
+        MPI = load_mpi()
+        try:
+            mine = psets.comm_ranks(MPI, process_set.mpi_comm, self._base)
+        except ValueError as exc:
+            mine = str(exc)
+        every = self._base.allgather(mine)
+        failed = [(r, v) for r, v in enumerate(every) if isinstance(v, str)]
+        if failed:
+            raise ValueError(f"perseus.add_process_set: rank {failed[0][0]}: {failed[0][1]}")
+        sets = sorted({tuple(v) for v in every if v})
+        if not sets:
+            raise ValueError("perseus.add_process_set: every rank passed MPI.COMM_NULL; no set to add")
+        chosen = tuple(mine) if mine else sets[0]
+        for ranks in sets:
+            if ranks == chosen:
+                process_set.ranks = list(ranks)
+                self.register(process_set)
+            else:
+                self.register(ProcessSet(list(ranks)))
+        return process_set
 
     def remove_process_set(self, process_set: ProcessSet) -> bool:
         """Deregister ``process_set``; return False for the global set or an unregistered set."""

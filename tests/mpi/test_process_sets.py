@@ -15,6 +15,35 @@ def test_global_set(hvd):
     assert ids[0] == list(range(hvd.size()))
 
 
+def test_dynamic_sets_from_mpi4py_communicators(hvd):
+    """add_process_set(comm): each rank passes its own communicator (Split: one per colour; Create_group: null
+    outside it); every distinct set is registered on every rank, each rank gets its own."""
+    from mpi4py import MPI
+
+    from perseus.common.state import runtime
+
+    size, rank = hvd.size(), hvd.rank()
+    before = set(runtime()._sets)
+    split = MPI.COMM_WORLD.Split(rank % 2, rank)
+    first = MPI.COMM_WORLD.Create_group(MPI.COMM_WORLD.Get_group().Incl([0]))
+    try:
+        mine = hvd.add_process_set(split)
+        assert mine.ranks == list(range(rank % 2, size, 2)) and mine.included()
+        added = sorted(ps.ranks for ps_id, ps in runtime()._sets.items() if ps_id not in before)
+        assert added == sorted([list(range(c, size, 2)) for c in range(min(size, 2))])
+        out = hvd.allreduce(torch.full((3,), float(rank)), op=hvd.Sum, name="ps_comm", process_set=mine)
+        assert out.tolist() == [float(sum(mine.ranks))] * 3
+        if size > 2:  # ([0] alone is one of the split sets at 1 and 2 ranks)
+            solo = hvd.add_process_set(hvd.ProcessSet(first))
+            assert solo.ranks == [0] and solo.included() == (rank == 0)
+    finally:
+        for ps_id in sorted(set(runtime()._sets) - before):  # (the same order on every rank)
+            assert hvd.remove_process_set(runtime()._sets[ps_id])
+        split.Free()
+        if first != MPI.COMM_NULL:
+            first.Free()
+
+
 def test_dynamic_sets(hvd):
     size, rank = hvd.size(), hvd.rank()
     evens = hvd.add_process_set(list(range(0, size, 2)))

@@ -8,7 +8,9 @@ are reduced across the ranks before they are applied:
 - **Keras 3** (``keras>=3``, what ``tf.keras`` is in TensorFlow >= 2.16): ``apply`` (which ``apply_gradients``
   and ``model.fit`` call) reduces the gradients it is given, then applies them. The TensorFlow backend is
   supported (eagerly and in ``model.fit``'s compiled step; not under XLA ``jit_compile=True``); the JAX and
-  PyTorch backends raise NotImplementedError.
+  PyTorch backends raise NotImplementedError. Keras resolves ``model.compile(jit_compile="auto")`` (its
+  default) to XLA when TensorFlow sees a GPU; a model whose optimizer is one of these resolves it to no XLA
+  instead, and an explicit ``jit_compile=True`` raises NotImplementedError at ``compile`` (:func:`no_auto_xla`).
 - **tf-keras 2** (``TF_USE_LEGACY_KERAS=1`` with the ``tf-keras`` package, or ``import tf_keras``), new and
   legacy optimizers: as in Horovod, the gradients are reduced where they are computed (``minimize``,
   ``compute_gradients``/``_compute_gradients``, ``get_gradients``); ``apply_gradients`` applies what it gets.
@@ -35,7 +37,7 @@ from perseus.tensorflow.gradient_tape import _make_allreduce_grads_fn
 from perseus.tensorflow.keras_momentum import local_step_for, plain_sgd_mixin, plain_step, sgd_kind
 
 __all__ = ["distributed_optimizer", "create_distributed_optimizer", "distributed_class", "is_keras3_optimizer",
-           "CallableList", "load_model", "check_keras_op"]
+           "CallableList", "load_model", "check_keras_op", "no_auto_xla"]
 
 
 class CallableList(list):
@@ -239,6 +241,45 @@ def _variables_is_property(cls) -> bool:
     return False
 
 
+def _is_distributed(optimizer) -> bool:
+    """Whether ``optimizer`` is a perseus DistributedOptimizer (or Keras' loss-scale wrapper of one)."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    return isinstance(optimizer, _DistributedBase) or isinstance(inner, _DistributedBase)
+
+
+def no_auto_xla() -> None:
+    """Keras 3: ``model.compile(jit_compile="auto")`` (the default) resolves to XLA when TensorFlow sees a GPU,
+    and perseus's collectives cannot run under XLA. From the first Keras 3 DistributedOptimizer on, a model whose
+    optimizer is a perseus DistributedOptimizer resolves "auto" to no XLA, and ``jit_compile=True`` raises
+    NotImplementedError naming the fix; other models are left as Keras makes them. Idempotent."""
+    try:
+        from keras.src.trainers.trainer import Trainer
+    except ImportError:  # (another Keras layout: nothing to adjust)
+        return
+    resolve = Trainer._resolve_auto_jit_compile
+    if getattr(resolve, "_perseus", False):
+        return
+
+    def _resolve_auto_jit_compile(self):
+        if _is_distributed(getattr(self, "optimizer", None)):
+            return False
+        return resolve(self)
+
+    prop = Trainer.jit_compile
+
+    def _set_jit_compile(self, value):
+        if value and _is_distributed(getattr(self, "optimizer", None)):
+            raise NotImplementedError(
+                "perseus: this model's optimizer is a perseus DistributedOptimizer, whose collectives cannot run "
+                "under XLA; compile with jit_compile=False (or leave the default, jit_compile='auto', which then "
+                "means no XLA)")
+        prop.fset(self, value)
+
+    _resolve_auto_jit_compile._perseus = True
+    Trainer._resolve_auto_jit_compile = _resolve_auto_jit_compile
+    Trainer.jit_compile = property(prop.fget, _set_jit_compile, prop.fdel, prop.__doc__)
+
+
 def distributed_class(cls, settings: _Settings):
     """The distributed subclass of optimizer class ``cls`` (same ``__name__`` and ``__module__``)."""
     keras3 = is_keras3_optimizer(cls)
@@ -246,6 +287,7 @@ def distributed_class(cls, settings: _Settings):
     if keras3:
         mixin = _Keras3Distributed
         body = {}
+        no_auto_xla()
     else:
         mixin = _Keras2Distributed
         if _variables_is_property(cls):

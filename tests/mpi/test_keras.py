@@ -344,3 +344,31 @@ def test_optimizer_lr_is_keras2s_name_of_learning_rate():
     assert float(opt.learning_rate) == pytest.approx(0.25) and float(opt.lr) == pytest.approx(0.25)
     opt.lr = 0.5
     assert float(opt.learning_rate) == pytest.approx(0.5)
+
+
+def test_default_jit_compile_on_a_machine_with_a_gpu_trains(monkeypatch):
+    """Keras 3 resolves compile(jit_compile="auto") to XLA when TensorFlow lists a GPU; with a perseus optimizer it
+    resolves to no XLA and fit trains, other models keep Keras' choice, and jit_compile=True says what to do.
+    (TensorFlow is made to list a GPU on this CPU machine.)"""
+    real = tf.config.list_physical_devices
+
+    def with_a_gpu(device_type=None):
+        devices = real(device_type)
+        if device_type in (None, "GPU"):
+            devices = list(devices) + [tf.config.PhysicalDevice(name="/physical_device:GPU:0", device_type="GPU")]
+        return devices
+    monkeypatch.setattr(tf.config, "list_physical_devices", with_a_gpu)
+    plain = make_model()
+    plain.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    assert plain.jit_compile is True, "the simulated GPU did not make Keras choose XLA"
+    x, y = data(12)
+    model = make_model()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss="mse")
+    assert model.jit_compile is False
+    before = flat(model)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    assert not np.allclose(flat(model), before)
+    assert_same_on_all_ranks(flat(model))
+    with pytest.raises(NotImplementedError, match="jit_compile=False"):
+        make_model().compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss="mse",
+                             jit_compile=True)

@@ -61,7 +61,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     Details and exceptions: perseus/tensorflow/keras_momentum.py.
 
     Every rank of ``process_set`` must wrap the same optimizer and train the same model. Keras 3 with the
-    TensorFlow backend, or tf-keras 2; XLA-compiled steps (``jit_compile=True``) raise NotImplementedError.
+    TensorFlow backend, or tf-keras 2; XLA-compiled steps (``jit_compile=True``) raise NotImplementedError
+    (Keras 3's default ``jit_compile="auto"`` then means no XLA, even on a GPU).
     """
     return _frontend.distributed_optimizer(optimizer, name, device_dense, device_sparse, compression,
                                            sparse_as_dense, gradient_predivide_factor, op,

@@ -5,7 +5,7 @@ and inside ``tf.function`` (through ``tf.py_function``; XLA ``jit_compile=True``
 differentiable. A cross-rank mismatch raises ``tf.errors.FailedPreconditionError`` on every rank.
 
 ``DistributedOptimizer`` wraps Keras optimizers (perseus.tensorflow.keras) and TF1
-``tf.compat.v1.train.Optimizer`` objects; ``BroadcastGlobalVariablesHook`` (TF1 sessions) is not supported.
+``tf.compat.v1.train.Optimizer`` objects; ``BroadcastGlobalVariablesHook`` serves TF1 sessions.
 ``SyncBatchNormalization`` is a ``tf.keras`` layer with global batch statistics.
 """
 
@@ -20,8 +20,8 @@ from perseus.tensorflow import compression, elastic, functions, gradient_tape, m
 from perseus.tensorflow._core import PerseusFailedPreconditionError, PerseusUnknownError
 from perseus.tensorflow._reduce import allreduce, grouped_allreduce, grouped_reducescatter, reducescatter
 from perseus.tensorflow.compression import Compression
-from perseus.tensorflow.functions import (allgather_object, broadcast_global_variables, broadcast_object,
-                                         broadcast_object_fn, broadcast_variables)
+from perseus.tensorflow.functions import (BroadcastGlobalVariablesHook, allgather_object, broadcast_global_variables,
+                                          broadcast_object, broadcast_object_fn, broadcast_variables)
 from perseus.tensorflow.keras_optimizer import distributed_optimizer as _keras_distributed_optimizer
 from perseus.tensorflow.gradient_tape import (DistributedGradientTape, PartialDistributedGradientTape,
                                               _make_allreduce_grads_fn, split_list)
@@ -47,7 +47,8 @@ __all__ = [
     "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "ProcessSet",
     "global_process_set", "add_process_set", "remove_process_set", "Average", "Sum", "Adasum", "Min", "Max",
     "Product", "ReduceOp", "broadcast_variables", "broadcast_object", "broadcast_object_fn",
-    "allgather_object", "broadcast_global_variables", "DistributedGradientTape", "PartialDistributedGradientTape",
+    "allgather_object", "broadcast_global_variables", "BroadcastGlobalVariablesHook", "DistributedGradientTape",
+    "PartialDistributedGradientTape",
     "DistributedOptimizer",
     "HorovodInternalError", "PerseusInternalError", "PerseusFailedPreconditionError", "PerseusUnknownError",
     "gpu_available", "split_list", "handle_average_backwards_compatibility", "check_num_rank_power_of_2",

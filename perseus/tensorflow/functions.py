@@ -10,7 +10,7 @@ from perseus.tensorflow.mpi_ops import broadcast_
 from perseus.tensorflow.util import _executing_eagerly
 
 __all__ = ["broadcast_variables", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
-           "allgather_object"]
+           "allgather_object", "BroadcastGlobalVariablesHook"]
 
 
 def broadcast_variables(variables, root_rank, process_set=global_process_set, inplace=False):
@@ -38,6 +38,33 @@ def broadcast_global_variables(root_rank):
         raise RuntimeError("hvd.broadcast_global_variables() does not support eager execution. Please use "
                            "`hvd.broadcast_variables(<model/optimizer variables>)` instead.")
     return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
+
+
+class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
+    """TF1 sessions (``MonitoredTrainingSession``, Estimators): once the session is created (its variables
+    initialized or restored from a checkpoint), every global variable is overwritten with ``root_rank``'s value,
+    so that every rank starts from the same weights.
+
+    ``device`` places the broadcast op (as Horovod's). Collective: every rank of ``process_set`` uses the hook
+    with a graph of the same global variables.
+    """
+
+    def __init__(self, root_rank, device="", process_set=global_process_set):
+        super().__init__()
+        self.root_rank = root_rank
+        self.device = device
+        self.process_set = process_set
+        self.bcast_op = None
+
+    def begin(self):
+        """The broadcast op, built in the session's graph (anew when the hook is used with another graph)."""
+        if self.bcast_op is None or self.bcast_op.graph is not tf.compat.v1.get_default_graph():
+            with tf.device(self.device):
+                self.bcast_op = broadcast_variables(tf.compat.v1.global_variables(), self.root_rank,
+                                                    process_set=self.process_set)
+
+    def after_create_session(self, session, coord):
+        session.run(self.bcast_op)
 
 
 def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=global_process_set):

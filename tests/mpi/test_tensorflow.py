@@ -473,3 +473,25 @@ def test_tf1_optimizer_averages_gradients_in_a_session():
         hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.5), backward_passes_per_step=2)
     with pytest.raises(ValueError):
         hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.5), op=hvd.Adasum)
+
+
+def test_broadcast_global_variables_hook_in_a_monitored_session():
+    """Horovod's TF1 hook: in a MonitoredTrainingSession every rank starts from rank 0's initial values, and a
+    training step afterwards keeps them equal."""
+    r, n = hvd.rank(), hvd.size()
+    graph = tf.Graph()
+    with graph.as_default():
+        w = tf.compat.v1.get_variable("w", initializer=tf.constant([float(r + 1), -float(r)]), use_resource=True)
+        step = tf.compat.v1.train.get_or_create_global_step()
+        loss = tf.reduce_sum(w * w)
+        opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1))
+        train = opt.minimize(loss, global_step=step)
+        hooks = [hvd.BroadcastGlobalVariablesHook(0)]
+        with tf.compat.v1.train.MonitoredTrainingSession(hooks=hooks) as sess:
+            start = sess.run(w)
+            sess.run(train)
+            after = sess.run(w)
+    np.testing.assert_allclose(start, [1.0, 0.0])
+    np.testing.assert_allclose(after, [0.8, 0.0], rtol=1e-6)
+    gathered = hvd.allgather_object(after.tolist())
+    assert all(g == gathered[0] for g in gathered) and n == len(gathered)

@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [
     ("perseus.common.exceptions", 1), ("perseus.common.knobs", 1), ("perseus.common.reduce_ops", 1),
     ("perseus.common.partition", 1), ("perseus.common.util", 1), ("perseus.common.dtypes", 1),
-    ("perseus._version", 1),
+    ("perseus._version", 1), ("perseus._horovod_alias", 1),
     # What the elastic launcher and the ranks both speak: the message format and the shared-memory layout of
     # commits (leaf modules, importing no other perseus module).
     ("perseus.elastic.protocol", 1), ("perseus.elastic.shm", 1),

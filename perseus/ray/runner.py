@@ -16,6 +16,7 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Optional
 
+from perseus import _horovod_alias as horovod_alias
 from perseus.ray.elastic import ElasticRayExecutor
 from perseus.ray.settings import Settings, connect, make_settings, place
 from perseus.ray.worker import BaseHorovodWorker, WorkerError
@@ -216,7 +217,8 @@ class RayExecutor:
         self._queue = Queue(actor_options={"num_cpus": 0})
         ray.get([w.assign.remote(r, self._where[r], node_envs[n.name], self._queue)
                  for r, (w, (_, n)) in enumerate(zip(self.workers, _node_of_rank(nodes)))])
-        rank_env = {**{str(k): str(v) for k, v in env.items()}, LINKS_ENV: ",".join(i["link"] for i in infos)}
+        rank_env = {**{str(k): str(v) for k, v in env.items()}, LINKS_ENV: ",".join(i["link"] for i in infos),
+                    **horovod_alias.env()}  # the ranks resolve horovod.* as this process does
         nics = self.settings.nic_list()
         if nics:
             rank_env["PERSEUS_NETWORK_INTERFACE"] = ",".join(nics)

@@ -13,6 +13,7 @@ import socket
 import sys
 import traceback
 
+from perseus._horovod_alias import install_if_asked
 from perseus.common.knobs import read_knob
 from perseus.runner.common.util.env import get_env_rank_and_size
 from perseus.runner.remote import rank as remote_rank
@@ -69,8 +70,14 @@ def main(argv=None) -> int:
         if rank == 0:
             remote_rank._link = sock  # what rank 0 logs (perseus.ray.ray_logger.log) goes to the caller
 
+        install_if_asked()  # (the caller had the horovod alias: the function may import horovod.*)
         try:
-            func, args, kwargs = pickle.loads(payload)
+            try:
+                func, args, kwargs = pickle.loads(payload)
+            except BaseException as exc:  # noqa: BLE001 - named for the caller
+                raise RuntimeError(f"perseus.run: rank {rank} cannot unpickle the function it was sent: "
+                                   f"{type(exc).__name__}: {exc} (a module the function needs that this rank's "
+                                   "Python does not have?)") from exc
             value = func(*args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
             text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))

@@ -23,6 +23,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
+from perseus import _horovod_alias as horovod_alias
 from perseus.runner.remote import job as remote_job
 from perseus.runner.remote.agent import write_job_file
 from perseus.runner.run_frames import TOKEN_ENV as RUN_TOKEN_ENV
@@ -101,6 +102,7 @@ def _run_job(session: JobSession, nodes: list[Machine], body: bytes, options: di
         write_job_file(job_file, session.token, {m.name: m.service for m in nodes})
         rank_env = {str(k): str(v) for k, v in dict(options["env"] or {}).items()}
         rank_env[RUN_TOKEN_ENV] = run_token
+        rank_env.update(horovod_alias.env())  # the ranks resolve horovod.* as this process does
         if options["nics"]:
             rank_env["PERSEUS_NETWORK_INTERFACE"] = ",".join(options["nics"])
         command = [options["executable"], "-m", "perseus.runner.run_task", session.address, str(server.port)]

@@ -274,3 +274,28 @@ def test_horovod_ray_is_perseus_ray_through_the_alias():
     from horovod.ray import ray_logger  # noqa: F401
 
     assert R is RayExecutor and E is ElasticRayExecutor
+
+
+def _horovod_in_the_body():
+    import horovod.torch as hvd
+    import torch
+
+    hvd.init()
+    total = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()
+    return hvd.rank(), total, hvd.__name__
+
+
+def test_a_function_importing_horovod_in_its_body_runs_when_the_caller_has_the_alias():
+    """Horovod's Ray docs write the import in the function: the ranks get the caller's alias."""
+    from perseus.compat import horovod_alias
+
+    installed = horovod_alias.HorovodAlias in {type(f) for f in sys.meta_path}
+    horovod_alias.install()
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=START_S), num_workers=2)
+    try:
+        executor.start()
+        assert executor.run(_horovod_in_the_body) == [(0, 2.0, "perseus.torch"), (1, 2.0, "perseus.torch")]
+    finally:
+        executor.shutdown()
+        if not installed:
+            horovod_alias.uninstall()

@@ -44,6 +44,29 @@ def test_results_in_rank_order_with_args_and_a_collective():
     assert lines["RESULT1"] == "[42]", out
 
 
+def test_horovod_run_of_a_function_importing_horovod_in_its_body():
+    """Horovod's docs write the import inside the function: with the alias in the caller (here through
+    ``import horovod`` after the alias module), every rank resolves ``horovod.torch`` too; a rank that cannot
+    unpickle the function is named with the cause."""
+    code, out, err = script("""
+        import perseus.compat.horovod_alias  # noqa: F401
+        import horovod
+
+        def fn():
+            import horovod.torch as hvd
+            import torch
+            hvd.init()
+            total = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()
+            rank = hvd.rank()
+            hvd.shutdown()
+            return rank, total, hvd.__name__
+
+        print("RESULT", horovod.run(fn, np=2))
+    """)
+    assert code == 0, out + err
+    assert "RESULT [(0, 2.0, 'perseus.torch'), (1, 2.0, 'perseus.torch')]" in out, out + err
+
+
 def test_an_exception_on_one_rank_names_it_and_is_chained():
     code, out, err = script("""
         import perseus

@@ -409,3 +409,26 @@ def test_horovod_spark_imports_through_the_alias():
             horovod_alias.uninstall()
             for name in [n for n in sys.modules if n == "horovod" or n.startswith("horovod.")]:
                 del sys.modules[name]
+
+
+def _horovod_in_the_body():
+    import horovod.torch as hvd
+    import torch
+
+    hvd.init()
+    total = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()
+    return hvd.rank(), total, hvd.__name__
+
+
+def test_a_function_importing_horovod_in_its_body_runs_when_the_caller_has_the_alias(spark):
+    """Horovod's Spark docs write the import in the function: the ranks get the caller's alias."""
+    from perseus.compat import horovod_alias
+
+    installed = horovod_alias.HorovodAlias in {type(f) for f in sys.meta_path}
+    horovod_alias.install()
+    try:
+        assert perseus.spark.run(_horovod_in_the_body, num_proc=2, start_timeout=START_S) == [
+            (0, 2.0, "perseus.torch"), (1, 2.0, "perseus.torch")]
+    finally:
+        if not installed:
+            horovod_alias.uninstall()

@@ -19,6 +19,7 @@ import sys
 import threading
 from typing import Any, Callable, Optional, Sequence
 
+from perseus import _horovod_alias as horovod_alias
 from perseus.common.knobs import read_knob
 from perseus.runner import mpi_run
 from perseus.runner.elastic.discovery import Blacklist, DiscoveryError
@@ -119,7 +120,8 @@ def run_elastic(func: Callable[..., Any], args: tuple, kwargs: dict, nodes: Call
         sizes.append(np)
         plan = remote_job.plan([remote_job.Node(h.host, discovery.service(h.host), h.slots) for h in hosts],
                                [sys.executable, "-m", "perseus.runner.run_task", driver_address, str(server.port)],
-                               job_file, env={**dict(env or {}), **elastic_env, RUN_TOKEN_ENV: token}, nics=nics,
+                               job_file, nics=nics,
+                               env={**dict(env or {}), **elastic_env, **horovod_alias.env(), RUN_TOKEN_ENV: token},
                                mpi_args=["--with-ft", "ulfm"] if ulfm else [], mpirun=mpirun, np_=np)
         return remote_job.start(plan, verbose=verbose)
 

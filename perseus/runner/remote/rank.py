@@ -26,6 +26,7 @@ import threading
 import traceback
 from typing import Any, Optional
 
+from perseus._horovod_alias import install_if_asked
 from perseus.common.knobs import read_knob
 from perseus.runner.common.util.env import get_env_rank_and_size
 from perseus.runner.remote.service import die_with_parent
@@ -67,9 +68,20 @@ def _serve(sock: socket.socket, rank: int) -> int:
     obj: Any = None
     while True:
         try:
-            message = pickle.loads(recv_frame(sock))
+            frame = recv_frame(sock)
         except (OSError, ConnectionError, EOFError, ValueError):
             return 3  # the worker is gone: so is this rank, at once (no MPI_Finalize, which could wait for ever)
+        try:
+            message = pickle.loads(frame)
+        except BaseException as exc:  # noqa: BLE001 - the call is told why, naming this rank
+            text = (f"rank {rank} cannot unpickle the call it was sent: {type(exc).__name__}: {exc} (a module the "
+                    "function needs that this rank's Python does not have?)\n"
+                    + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+            sys.stderr.write(text)
+            sys.stderr.flush()
+            with _link_lock:
+                send_frame(sock, _reply(rank, False, None, text, None))
+            return 1
         op = message[0]
         if op == "exit":
             return 0
@@ -96,6 +108,7 @@ def main() -> int:
     """Connect to this rank's worker and serve it (see the module doc); the exit status."""
     global _link
     die_with_parent()
+    install_if_asked()  # (the caller had the horovod alias: the functions it sends may import horovod.*)
     found = get_env_rank_and_size()
     rank = found[0] if found else 0
     given = str(read_knob("remote_links")[0])

@@ -7,7 +7,9 @@
 #   - run both console scripts (perseus-convert --help, perseusrun --check-build);
 #   - import every perseus module whose framework is installed there;
 #   - train examples/pytorch_digits.py on 2 ranks with perseusrun, then again with HOROVOD_AUTOTUNE=1 (the
-#     tuner and its log work with what the wheel's own dependencies bring).
+#     tuner and its log work with what the wheel's own dependencies bring);
+#   - build the perseus-horovod wheel (compat/horovod), install it there, and run a script that imports
+#     horovod.torch under its horovodrun on 2 ranks (then uninstall it again).
 # The wheel is built from a clean copy of the sources and kept while they are the same; the environment is made
 # anew whenever the dependencies' inputs change (the constraints, setup.py, pyproject.toml), so that a dependency
 # missing from setup.py is seen, and otherwise kept, with the newest wheel reinstalled (tools/env_inputs.sh).
@@ -111,4 +113,25 @@ timeout 600 env HOROVOD_AUTOTUNE=1 "$BIN/perseusrun" -np 2 --autotune-log-file t
 rows=$(($(wc -l < tune.csv) - 1))
 [ "$rows" -ge 3 ] || { echo "the autotune log has $rows samples, expected at least 3"; exit 1; }
 echo "   $rows samples in the autotune log"
+echo "-- the perseus-horovod distribution: Horovod code unchanged under horovodrun"
+"$BIN/python" -m pip wheel -q --no-deps --no-build-isolation "$ROOT/compat/horovod" -w "$WORK/compat" >/dev/null
+"$BIN/python" -m pip install -q --no-deps --force-reinstall "$WORK"/compat/perseus_horovod-*.whl
+cat > horovod_script.py <<'PYEOF'
+import horovod.torch as hvd
+import torch
+
+hvd.init()
+model = torch.nn.Linear(4, 2)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+opt.zero_grad()
+model(torch.randn(3, 4) + hvd.rank()).sum().backward()
+opt.step()
+flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+same = bool((hvd.allgather(flat.unsqueeze(0)) == flat).all())
+print(f"rank {hvd.rank()} of {hvd.size()}: {hvd.__name__}, parameters identical: {same}")
+assert hvd.__name__ == "perseus.torch" and same
+PYEOF
+timeout 600 "$BIN/horovodrun" -np 2 "$BIN/python" horovod_script.py
+"$BIN/python" -m pip uninstall -q -y perseus-horovod
 echo "wheel check: passed"

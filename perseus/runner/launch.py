@@ -161,26 +161,6 @@ def _split(flag: str, text: str | None) -> list[str]:
         raise LaunchError(f"{flag} {text!r} cannot be split: {exc}; check its quoting") from None
 
 
-def _loopback(name: str) -> bool:
-    return name == "lo" or name.startswith("lo") and name[2:].isdigit()
-
-
-def _mpi_nics(nics: Sequence[str], remote: bool) -> list[str]:
-    """The interfaces MPI is told to use. Loopback interfaces only: refused when ranks run on other hosts (they
-    cannot reach them); on one host, perseus's channels use them and MPI keeps its own choice (Open MPI's
-    daemons refuse to talk over loopback alone).
-
-    Raises:
-        LaunchError: only loopback interfaces for a job across hosts.
-    """
-    if not nics or not all(_loopback(n) for n in nics):
-        return list(nics)
-    if remote:
-        raise LaunchError(f"--network-interface {','.join(nics)}: a loopback interface cannot reach the other "
-                          "hosts; name an interface they share (e.g. eth0)")
-    return []
-
-
 def _check_local_nics(nics: Sequence[str]) -> None:
     """Raise :class:`LaunchError` for a --network-interface that this host (which runs ranks) lacks."""
     have = sorted(name for _, name in socket.if_nameindex())
@@ -415,7 +395,10 @@ def _launch(args: argparse.Namespace, env_extra: Mapping[str, str] | None = None
                           f"directory to PATH")
     flavour = _flavour(mpirun, args.mpi)
     remote = hostlib.remote_hosts((h.host for h in hosts), float(args.start_timeout or _RESOLVE_TIMEOUT_S))
-    mpi_nics = _mpi_nics(args.nics, bool(remote))
+    try:
+        mpi_nics = mpi_run.mpi_nics(args.nics, bool(remote))
+    except mpi_run.MpiError as exc:
+        raise LaunchError(str(exc)) from None
     if not args.dry_run:
         _check_ssh(args, remote)
     prefix = None

@@ -280,6 +280,26 @@ def build_command(mpirun: str, flavour: MpiFlavour, *, num_proc: int, hosts: Seq
     return LaunchPlan(argv + list(mpi_args) + list(command), plan_env)
 
 
+def _loopback(name: str) -> bool:
+    return name == "lo" or (name.startswith("lo") and name[2:].isdigit())
+
+
+def mpi_nics(nics: Sequence[str], multi_host: bool) -> list[str]:
+    """The network interfaces MPI is told to use, of those chosen for the job. Loopback interfaces only are
+    refused when ranks run on other hosts (they cannot reach them); on one host perseus's channels use them and
+    MPI keeps its own choice (Open MPI's daemons refuse to talk over loopback alone, status 213).
+
+    Raises:
+        MpiError: only loopback interfaces for a job across hosts.
+    """
+    if not nics or not all(_loopback(n) for n in nics):
+        return list(nics)
+    if multi_host:
+        raise MpiError(f"--network-interface {','.join(nics)}: a loopback interface cannot reach the other hosts; "
+                       "name an interface they share (e.g. eth0)")
+    return []
+
+
 def tcp_env() -> dict[str, str]:
     """The variables that keep a job's traffic on TCP (horovodrun --tcp): NCCL off InfiniBand, MPICH's
     libfabric on its TCP provider and UCX on TCP (and shared memory inside a host)."""

@@ -149,10 +149,8 @@ def test_run_host_names_of_a_good_list():
 def test_loopback_interfaces_only():
     """Only loopback interfaces: refused across hosts (one sentence), kept for perseus's channels on one host
     while MPI keeps its own choice (Open MPI's daemons refuse loopback alone, with exit status 213)."""
-    from perseus.runner import launch
-
-    with pytest.raises(launch.LaunchError, match="cannot reach the other hosts"):
-        launch._mpi_nics(["lo"], remote=True)
-    assert launch._mpi_nics(["lo"], remote=False) == []
-    assert launch._mpi_nics(["eth0", "lo"], remote=True) == ["eth0", "lo"]
-    assert launch._mpi_nics([], remote=True) == []
+    with pytest.raises(mpi_run.MpiError, match="cannot reach the other hosts"):
+        mpi_run.mpi_nics(["lo"], multi_host=True)
+    assert mpi_run.mpi_nics(["lo"], multi_host=False) == []
+    assert mpi_run.mpi_nics(["eth0", "lo"], multi_host=True) == ["eth0", "lo"]
+    assert mpi_run.mpi_nics([], multi_host=True) == []

@@ -102,7 +102,8 @@ def plan(nodes: Sequence[Node], command: Sequence[str], job_file: str, *, env: O
     total = sum(n.slots for n in nodes)
     return mpi_run.build_command(
         mpirun, flavour, num_proc=min(total, np_ or total), hosts=hosts, env=full, command=list(command),
-        launcher_env=launcher, nics=nics, output_filename=output_filename,
+        launcher_env=launcher, nics=mpi_run.mpi_nics(nics, len({n.name for n in nodes}) > 1),
+        output_filename=output_filename,
         mpi_args=agent + ["--leave-session-attached"] + list(mpi_args),
         as_root=hasattr(os, "geteuid") and os.geteuid() == 0, timestamp=timestamp)
 

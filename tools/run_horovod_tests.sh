@@ -10,7 +10,8 @@
 # DEFAULT_FILES below; test_xla*.py are out of scope: XLA's jit_compile raises NotImplementedError here).
 # Each file runs under mpirun with $NP ranks (default 2); test_mxnet*.py files run from .venv-mxnet. With
 # TF_USE_LEGACY_KERAS=1, tf-keras 2 is installed and used as tf.keras. Each file's pytest summary line is
-# printed after its name; the counts go to docs/compatibility.md.
+# printed after its name; the counts go to docs/compatibility.md, and at 2 ranks the run ends by comparing them
+# with that table (tools/check_horovod_counts.py): a file worse than recorded makes the script exit 1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$(pwd)"
@@ -30,6 +31,7 @@ if [ "${TF_USE_LEGACY_KERAS:-0}" = "1" ]; then
   TF_MINOR="$("$MAIN_BIN/python" -c 'import tensorflow as tf; print(".".join(tf.__version__.split(".")[:2]))')"
   "$MAIN_BIN/python" -m pip install -q --no-deps "tf-keras==${TF_MINOR}.*"
 fi
+LOG="$(mktemp "${TMPDIR:-/tmp}/perseus-horovod-tests.XXXXXX")"
 cd "$HVD/test/parallel"
 for f in "${FILES[@]}"; do
   BIN="$MAIN_BIN"
@@ -44,5 +46,11 @@ for f in "${FILES[@]}"; do
   # A short stall shutdown: a test that leaves ranks diverged fails in 30 s instead of holding the file.
   TF_USE_LEGACY_KERAS="${TF_USE_LEGACY_KERAS:-0}" PERSEUS_STALL_SHUTDOWN_TIME_SECONDS=30 \
     PYTHONPATH="$HVD/test/utils:$ROOT" timeout 3600 "${MPIRUN[@]}" "$BIN/python" -m pytest \
-    -p perseus.compat.horovod_alias -p no:cacheprovider --color=no -q -rs --timeout 120 "$f" || true
+    -p perseus.compat.horovod_alias -p no:cacheprovider --color=no -q -rs --timeout 120 "$f" 2>&1 | tee -a "$LOG" || true
 done
+# The counts against docs/compatibility.md's table: a file that passes fewer or fails more tests than recorded
+# makes this script exit 1 (at NP=2, where the table's counts were taken).
+if [ "$NP" = 2 ]; then
+  KERAS=3; [ "${TF_USE_LEGACY_KERAS:-0}" = "1" ] && KERAS=tf-keras
+  "$MAIN_BIN/python" "$ROOT/tools/check_horovod_counts.py" "$LOG" --keras "$KERAS"
+fi

@@ -202,6 +202,23 @@ class ElasticRayExecutor:
             self._agents[address] = (actor, name, service)
         return self._agents[address]
 
+    def _check_hosts(self) -> None:
+        """Every host the discovery names now must be a Ray node's address (a node the job could never use would
+        otherwise be left out without a word).
+
+        Raises:
+            ValueError: naming the hosts that match no node, and Ray's nodes.
+        """
+        import ray
+
+        known = {n["NodeManagerAddress"] for n in ray.nodes()}
+        unknown = sorted(h for h in self.settings.discovery.find_available_hosts_and_slots() if h not in known)
+        if unknown:
+            raise ValueError(f"ElasticRayExecutor: the discovery names {', '.join(unknown)}, which "
+                             f"{'is' if len(unknown) == 1 else 'are'} not the address of any Ray node (Ray's nodes: "
+                             f"{', '.join(sorted(known))}); a discovery for Ray names nodes by their address "
+                             "(ray.nodes()' NodeManagerAddress)")
+
     def _nodes(self) -> List[HostedNode]:
         out = []
         for address, slots in self.settings.discovery.find_available_hosts_and_slots().items():
@@ -219,12 +236,14 @@ class ElasticRayExecutor:
         Raises:
             perseus.runner.run_func.RunError: the job failed (a rank raised; too few slots for ``elastic_timeout``;
                 the reset limit was reached): the message says which and why.
+            ValueError: the settings' discovery names a host that is not the address of any Ray node.
         """
         import ray
 
         if not self._started:
             self.start()
         s = self.settings
+        self._check_hosts()
 
         def on_log(info):
             for cb in callbacks or ():

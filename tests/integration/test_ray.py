@@ -299,3 +299,19 @@ def test_a_function_importing_horovod_in_its_body_runs_when_the_caller_has_the_a
         executor.shutdown()
         if not installed:
             horovod_alias.uninstall()
+
+
+class _NamesAHostRayDoesNotHave:
+    def find_available_hosts_and_slots(self):
+        return {"node-that-is-not-in-ray": 2}
+
+
+def test_a_discovery_host_that_is_no_ray_node_is_an_error_naming_it():
+    settings = ElasticRayExecutor.create_settings(min_num_proc=1, max_num_proc=2, elastic_timeout=START_S)
+    settings.discovery = _NamesAHostRayDoesNotHave()
+    executor = ElasticRayExecutor(settings, override_discovery=False)
+    try:
+        with pytest.raises(ValueError, match="node-that-is-not-in-ray.*not the address of any Ray node"):
+            executor.run(lambda: 1)
+    finally:
+        executor.shutdown()

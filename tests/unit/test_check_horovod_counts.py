@@ -24,3 +24,9 @@ def test_counts_as_recorded_pass_and_a_worse_file_fails(tmp_path):
     assert worse.returncode == 1 and "WORSE" in worse.stdout and "test_torch.py" in worse.stderr
     unknown = check(tmp_path, "== test_new.py\n1 failed, 1 passed in 1.00s\n")
     assert unknown.returncode == 0 and "not in docs/compatibility.md" in unknown.stdout
+
+
+def test_summaries_with_subtests_and_warnings_are_read(tmp_path):
+    done = check(tmp_path, "== test_tensorflow.py\n4 failed, 143 passed, 112 skipped, 134 warnings, 172 subtests "
+                           "passed in 123.56s (0:02:03)\n")
+    assert done.returncode == 0 and "test_tensorflow.py: 143 passed, 4 failed, 112 skipped;" in done.stdout

@@ -160,6 +160,8 @@ class RayExecutor:
         self.workers: list = []
         self._where: list[str] = []
         self._pg = None
+        self._own_pg = True  # the executor made self._pg (and removes it); False: the caller's current group
+        self.use_current_placement_group = use_current_placement_group
         self._queue = None
         self._alive = False
 
@@ -183,8 +185,14 @@ class RayExecutor:
         if self.workers:
             self.shutdown()
         token = secrets.token_hex(16)
-        self._pg, bundles = place(self.num_workers, self.num_hosts, self.num_workers_per_host, self.cpus_per_worker,
-                                  self.gpus_per_worker, self.settings.placement_group_timeout_s)
+        current = self._current_group()
+        if current is not None:  # the caller's group (e.g. a Ray Tune trial's): its bundles, in order
+            self._pg, self._own_pg, bundles = current, False, list(range(self.num_workers))
+        else:
+            self._pg, bundles = place(self.num_workers, self.num_hosts, self.num_workers_per_host,
+                                      self.cpus_per_worker, self.gpus_per_worker,
+                                      self.settings.placement_group_timeout_s)
+            self._own_pg = True
         self.workers = self._create_actors(token, bundles, extra_env_vars or {})
         try:
             self._launch(token, extra_env_vars or {})
@@ -194,6 +202,18 @@ class RayExecutor:
         except BaseException:
             self.shutdown()
             raise
+
+    def _current_group(self):
+        """The placement group this code runs in, when ``use_current_placement_group`` and it has a bundle per
+        worker (a fixed-size job by ``num_workers``); else None (the executor makes its own)."""
+        import ray
+
+        if not self.use_current_placement_group or self.num_hosts:
+            return None
+        current = ray.util.get_current_placement_group()
+        if current is None or len(current.bundle_specs) < self.num_workers:
+            return None
+        return current
 
     def _create_actors(self, token: str, bundles: list, env: dict) -> list:
         import ray
@@ -328,7 +348,8 @@ class RayExecutor:
                 pass
             self._queue = None
         if self._pg is not None:
-            remove_placement_group(self._pg)
+            if self._own_pg:
+                remove_placement_group(self._pg)
             self._pg = None
 
 

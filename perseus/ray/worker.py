@@ -14,6 +14,7 @@ The actor imports neither MPI nor a framework: the functions the executor sends 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -49,15 +50,17 @@ def _node_ip() -> str:
 
 
 class BaseHorovodWorker:
-    """One rank's actor (see the module doc). Created by the executor; not meant to be created by hand.
+    """One rank's actor (see the module doc). Created by the executor; Horovod's helper methods (``hostname``,
+    ``node_id``, ``get_gpu_ids``, ``update_env_vars``, ``env_vars``) work on an actor made by hand too.
 
     Args:
-        token: the job's secret.
+        token: the job's secret (None: a new one, for an actor made by hand).
         env: variables given to the daemon (and its ranks) this actor starts.
     """
 
-    def __init__(self, token: str, env: Optional[dict] = None):
+    def __init__(self, token: Optional[str] = None, env: Optional[dict] = None):
         self.ip = _node_ip()
+        token = token if token is not None else secrets.token_hex(16)
         self.token = token
         self.service = NodeService(token, self.ip, env={str(k): str(v) for k, v in (env or {}).items()})
         self.endpoint = RankEndpoint(token, self.ip)
@@ -78,6 +81,26 @@ class BaseHorovodWorker:
     def hostname(self) -> str:
         """This actor's host name (Horovod's ``BaseHorovodWorker.hostname``)."""
         return socket.gethostname()
+
+    def node_id(self) -> str:
+        """The Ray node this actor runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def get_gpu_ids(self) -> list:
+        """The GPUs Ray gave this actor."""
+        import ray
+
+        return ray.get_gpu_ids()
+
+    def update_env_vars(self, env_vars: dict) -> None:
+        """Set variables in this actor's process (values made strings)."""
+        os.environ.update({str(k): str(v) for k, v in env_vars.items()})
+
+    def env_vars(self) -> dict:
+        """This actor's process environment."""
+        return dict(os.environ)
 
     def assign(self, rank: int, node: str, node_env: dict, queue=None) -> None:
         """Take ``rank`` on ``node`` for the next job; ``node_env``: variables for the daemon started here."""

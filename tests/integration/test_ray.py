@@ -315,3 +315,37 @@ def test_a_discovery_host_that_is_no_ray_node_is_an_error_naming_it():
             executor.run(lambda: 1)
     finally:
         executor.shutdown()
+
+
+def test_an_executor_inside_a_placement_group_uses_its_bundles():
+    """use_current_placement_group (Horovod's default): inside a group with a bundle per worker (all of the
+    cluster's free CPUs here, so a group of its own could not be placed) the workers take that group's bundles."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    free = int(ray.available_resources().get("CPU", 0))
+    assert free >= 2, ray.available_resources()
+    pg = placement_group([{"CPU": 1}] * 2 + [{"CPU": 1}] * (free - 2), strategy="PACK")
+    ray.get(pg.ready(), timeout=120)
+    start_s = START_S
+
+    def in_the_group():  # (defined here: Ray pickles it by value; the actor cannot import this test module)
+        from perseus.ray import RayExecutor
+
+        def rank_and_size():
+            import perseus.torch as hvd
+
+            hvd.init()
+            return hvd.rank(), hvd.size()
+        executor = RayExecutor(RayExecutor.create_settings(timeout_s=start_s), num_workers=2)
+        try:
+            executor.start()
+            return executor._own_pg, executor.run(rank_and_size)
+        finally:
+            executor.shutdown()
+    try:
+        runner = ray.remote(in_the_group).options(num_cpus=0, placement_group=pg,
+                                                  placement_group_capture_child_tasks=True)
+        own, values = ray.get(runner.remote(), timeout=300)
+        assert own is False and values == [(0, 2), (1, 2)]
+    finally:
+        remove_placement_group(pg)

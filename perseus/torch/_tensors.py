@@ -26,7 +26,9 @@ def poll(handle):
     if type(handle) is _Deferred:  # a staged request the stager may not have submitted yet
         if not handle.ready.is_set():
             return False
-        handle = handle.resolve()
+        if handle.error is not None:  # (finished: synchronize raises the submission's error)
+            return True
+        handle = handle.handle
     return _c.poll(handle)
 
 

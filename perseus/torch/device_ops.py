@@ -97,8 +97,8 @@ def _alltoall(group, entry, rows, rest, size):
     entry.received = counts
     out = _own(entry, torch.empty((sum(counts),) + rest, dtype=rows.dtype, device=device))
     entry.output = out
-    return group.alltoall_base(out.view(out.shape[0], -1) if out.dim() else out, rows, counts,
-                               entry.splits.tolist(), dist.AllToAllOptions()), _nothing
+    return group.alltoall_base(out.view(out.shape[0], rows.shape[1]), rows, counts, entry.splits.tolist(),
+                               dist.AllToAllOptions()), _nothing
 
 
 def _reducescatter(group, entry, rows, reduce_op, prescale, postscale, size, rank, options):

@@ -95,6 +95,11 @@ def test_alltoall_with_splits(hvd, on_launcher):
     assert n == 1 and wire == 0
     even = hvd.alltoall(torch.arange(size * 2.0) + 10 * rank, name="dc.a2a_even")
     assert even.tolist() == sum([[10.0 * s + 2 * rank, 10.0 * s + 2 * rank + 1] for s in range(size)], [])
+    # Rank 0 receives nothing at all (every rank sends it 0 rows).
+    give = [0] + [1] * (size - 1)
+    got, received = hvd.alltoall(torch.ones(size - 1, 3), splits=give, name="dc.a2a_none")
+    assert received.tolist() == ([0] * size if rank == 0 else [1] * size)
+    assert got.shape == ((0, 3) if rank == 0 else (size, 3))
     with pytest.raises(ValueError, match="splits"):
         hvd.alltoall(rows, splits=[1] * (size + 1), name="dc.a2a_bad")
 

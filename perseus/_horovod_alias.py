@@ -5,7 +5,8 @@ horovod.torch`` returns the very module object ``perseus.torch``, each module lo
 first on ``sys.meta_path`` and sets ``PERSEUS_HOROVOD_ALIAS=1`` in this process's environment, so that the
 processes it starts inherit the wish: every rank started by ``perseus.run``, ``perseus.spark.run``, a
 ``RayExecutor`` or ``perseusrun`` calls :func:`install_if_asked` before it unpickles a function (which may
-refer to ``horovod`` modules by name). A leaf module: it imports no other perseus module.
+refer to ``horovod`` modules by name). It imports no other perseus module but the environment's gate,
+:mod:`perseus.common.knobs`.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import os
 import sys
+
+from perseus.common.knobs import external, set_external
 
 __all__ = ["HorovodAlias", "install", "uninstall", "active", "install_if_asked", "env", "ENV"]
 
@@ -57,19 +59,19 @@ def install() -> None:
     (``PERSEUS_HOROVOD_ALIAS=1``). Idempotent."""
     if not active():
         sys.meta_path.insert(0, HorovodAlias())
-    os.environ[ENV] = "1"
+    set_external(ENV, "1")
 
 
 def uninstall() -> None:
     """Take the alias off ``sys.meta_path`` (modules already imported as ``horovod.*`` stay) and stop asking the
     processes this one starts for it."""
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, HorovodAlias)]
-    os.environ.pop(ENV, None)
+    set_external(ENV, None)
 
 
 def install_if_asked() -> None:
     """A rank: install the alias when the process that started the job had it (``PERSEUS_HOROVOD_ALIAS=1``)."""
-    if os.environ.get(ENV) == "1":
+    if external(ENV) == "1":
         install()
 
 

@@ -532,6 +532,11 @@ def set_external(name: str, value: Optional[str]) -> None:
         os.environ[name] = value
 
 
+def environment() -> dict[str, str]:
+    """A copy of this process's environment (Horovod's Ray worker reports it)."""
+    return dict(os.environ)
+
+
 def set_external_default(name: str, value: str) -> None:
     """Set the environment variable ``name`` for libraries loaded later in this process (MPI reads its
     ``OMPI_MCA_*`` parameters at initialisation), unless the user already chose a value."""

@@ -20,6 +20,7 @@ import socket
 import subprocess
 from typing import Any, Optional
 
+from perseus.common.knobs import environment, set_external
 from perseus.runner.remote import job as remote_job
 from perseus.runner.remote.agent import TOKEN_ENV, write_job_file
 from perseus.runner.remote.link import RankEndpoint, RankGone
@@ -96,11 +97,12 @@ class BaseHorovodWorker:
 
     def update_env_vars(self, env_vars: dict) -> None:
         """Set variables in this actor's process (values made strings)."""
-        os.environ.update({str(k): str(v) for k, v in env_vars.items()})
+        for k, v in env_vars.items():
+            set_external(str(k), str(v))
 
     def env_vars(self) -> dict:
         """This actor's process environment."""
-        return dict(os.environ)
+        return environment()
 
     def assign(self, rank: int, node: str, node_env: dict, queue=None) -> None:
         """Take ``rank`` on ``node`` for the next job; ``node_env``: variables for the daemon started here."""

@@ -28,7 +28,7 @@ from perseus.engine.messages import DType, OpType, Request, dtype_of
 __all__ = [
     "allreduce_async", "grouped_allreduce_async", "allgather_async", "grouped_allgather_async",
     "broadcast_async", "alltoall_async", "reducescatter_async", "grouped_reducescatter_async",
-    "barrier", "join", "poll", "synchronize", "on_done", "even_splits", "alltoall_splits", "unnamed", "Result",
+    "barrier", "join", "poll", "synchronize", "on_done", "even_splits", "alltoall_splits", "root_in_set", "unnamed", "Result",
     "device_allreduce_async",
 ]
 
@@ -274,15 +274,25 @@ def broadcast_async(array: np.ndarray, output: np.ndarray, root_rank: int, name=
     ``root_rank`` is a rank of the job (as in Horovod), and must belong to ``process_set``.
     """
     ps_id, size, _ = _info(process_set)
+    root = root_in_set(root_rank, ps_id)
+    dt = dtype if dtype is not None else _check(array, "broadcast")
+    item = Request(name=_name("broadcast", name, ps_id), dtype=int(dt), shape=array.shape, input=array,
+                   output=output, root_rank=root, priority=int(priority))
+    return runtime().engine.submit(ps_id, _BROADCAST, [item], finish, (array, output))
+
+
+def root_in_set(root_rank, ps_id: int) -> int:
+    """A broadcast's ``root_rank`` (a job rank) as its index in process set ``ps_id``.
+
+    Raises:
+        TypeError: not an int (see :func:`root_index`). ValueError: not a rank of the set.
+    """
     root_rank = root_index(root_rank)
     members = runtime().process_set_ranks(ps_id)
     if root_rank not in members:
         raise ValueError(f"perseus.broadcast: root_rank {root_rank} is not a rank of the process set "
                          f"(ranks {members}); pass the root's global rank")
-    dt = dtype if dtype is not None else _check(array, "broadcast")
-    item = Request(name=_name("broadcast", name, ps_id), dtype=int(dt), shape=array.shape, input=array,
-                   output=output, root_rank=members.index(root_rank), priority=int(priority))
-    return runtime().engine.submit(ps_id, _BROADCAST, [item], finish, (array, output))
+    return members.index(root_rank)
 
 
 def even_splits(first_dim: int, size: int, what: str = "alltoall") -> np.ndarray:

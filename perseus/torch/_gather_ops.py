@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from perseus.common import collectives as _c
@@ -190,8 +191,6 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
         if isinstance(splits, torch.Tensor):
             splits = splits.detach().cpu().numpy()
     if _dc.takes([tensor], _dc.ALLTOALL):
-        import numpy as np
-
         return _dc.submit(_dc.ALLTOALL, [tensor], name, process_set, splits=splits,
                           finish=lambda entries: (entries[0].output,
                                                   _received_splits(np.asarray(entries[0].received, np.int64))))

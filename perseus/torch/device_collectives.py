@@ -100,14 +100,7 @@ def submit(op_type: int, tensors, name=None, process_set=global_process_set, *, 
     code = _device._CUDA if device.type == "cuda" else _device._CPU
     base = _c._name(_PREFIX[op_type], name, ps_id)
     names = [base] if single else [f"{base}.{i}" for i in range(len(tensors))]
-    root = -1
-    if op_type == BROADCAST:
-        root = _c.root_index(root_rank)
-        members = runtime().process_set_ranks(ps_id)
-        if root not in members:
-            raise ValueError(f"perseus.broadcast: root_rank {root} is not a rank of the process set (ranks "
-                             f"{members}); pass the root's global rank")
-        root = members.index(root)
+    root = _c.root_in_set(root_rank, ps_id) if op_type == BROADCAST else -1
     pre, post, op = 1.0, 1.0, int(reduce_op)
     if op_type == REDUCESCATTER:
         pre, post = _c._factors(prescale_factor, postscale_factor, "reducescatter")
@@ -124,8 +117,9 @@ def submit(op_type: int, tensors, name=None, process_set=global_process_set, *, 
         if op_type == ALLTOALL:
             sent = _c.alltoall_splits(splits, shape[0], size)  # (validated as for host tensors)
         entries.append(OpEntry(inp, out, None, root, sent, stream))
-        items.append(Request(name=n, dtype=_dtype_code(inp), shape=shape, input=inp.data_ptr(), output=None if out is None else out.data_ptr(),
-                             reduce_op=op, root_rank=root, prescale=pre, postscale=post, priority=int(priority),
+        items.append(Request(name=n, dtype=int(_dtype(inp)), shape=shape, input=inp.data_ptr(),
+                             output=None if out is None else out.data_ptr(), reduce_op=op, root_rank=root,
+                             prescale=pre, postscale=post, priority=int(priority),
                              splits=None if sent is None else sent.tolist()))
     streams = launcher.streams[code]
     ready = streams.ready(tensors[0])  # after the outputs were made on the caller's stream
@@ -141,7 +135,3 @@ def submit(op_type: int, tensors, name=None, process_set=global_process_set, *, 
     handle = runtime().engine.submit(ps_id, op_type, items, done, entries, int(code))
     launcher.register(ps_id, names, entries, process_set, handle)
     return handle
-
-
-def _dtype_code(t: torch.Tensor) -> int:
-    return int(_dtype(t))

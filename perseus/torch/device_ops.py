@@ -50,7 +50,7 @@ def _nothing():
     pass
 
 
-def _own(entry: OpEntry, t: torch.Tensor) -> torch.Tensor:
+def _own(entry, t: torch.Tensor) -> torch.Tensor:
     """A result made on the launcher's stream, marked as used by the caller's (CUDA), so that its memory is not
     reused before the caller's work on it is done."""
     if entry.stream is not None:

@@ -277,7 +277,8 @@ class _Stager:
         marker.resolve()
 
     def close(self) -> None:
-        """Submit what is queued, then stop (at shutdown, before the engine stops)."""
+        """Stop once what is queued has been dealt with (at shutdown: the engine has stopped, so submissions
+        still queued fail, and their handles raise at synchronize)."""
         self._queue.put(None)
         self._thread.join(30.0)
 

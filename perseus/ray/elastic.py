@@ -230,8 +230,8 @@ class ElasticRayExecutor:
     def run(self, worker_fn: Callable[..., Any], callbacks: Optional[List[Callable]] = None,
             args: Optional[List] = None, kwargs: Optional[Dict] = None) -> List[Any]:
         """Run ``worker_fn(*args, **kwargs)`` elastically (it uses ``hvd.elastic.run``); returns the values of the
-        final generation's ranks in rank order. ``callbacks`` get each value rank 0 logs
-        (``perseus.ray.ray_logger.log``).
+        final generation's ranks in rank order. ``callbacks`` get each value any rank logs
+        (``perseus.ray.ray_logger.log``), as Horovod's elastic executor forwards every worker's.
 
         Raises:
             perseus.runner.run_func.RunError: the job failed (a rank raised; too few slots for ``elastic_timeout``;

@@ -2,7 +2,8 @@
 
 Inside a function that :class:`~perseus.ray.RayExecutor` runs, ``ray_logger.log({"loss": ...})`` sends the dict
 to the rank's actor; the values rank 0 logs reach the ``callbacks`` given to ``run``/``execute`` on the driver
-while the function runs. Elsewhere (a plain script) the call warns once and does nothing.
+while the function runs. Under :class:`~perseus.ray.ElasticRayExecutor` every rank's values reach them, as
+Horovod's elastic executor forwards every worker's. Elsewhere (a plain script) the call warns once and does nothing.
 """
 
 from __future__ import annotations

@@ -33,18 +33,23 @@ def run(func: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, 
     what the matching perseusrun flags mean. ``use_mpi`` is accepted (MPI is what perseus launches with);
     ``disable_cache`` is accepted and has no effect (there is no launch cache).
 
+    **Elastic jobs**, as in Horovod: ``min_np``/``min_num_proc``, ``max_np``/``max_num_proc``,
+    ``host_discovery_script`` (or a fixed ``hosts``/``hostfile`` list), ``slots``, ``reset_limit`` and
+    ``cooldown_range`` run the function as ``perseusrun --host-discovery-script`` runs a script: each generation's
+    ranks run ``func`` (which uses ``hvd.elastic.run`` to resume from the last commit), and the values returned
+    are those of the generation that finished, the first ``min_np`` of them (Horovod's contract).
+
     Collective in effect: every rank runs ``func``; a rank that waits in a collective for a rank that
     failed is ended by the launcher.
 
     Raises:
         perseus.runner.run_func.RunError: a rank raised (the message names every failed rank and has the
             first one's traceback; its exception is chained when it could be transported) or ended without a
-            result (crash, kill, launch error).
-        NotImplementedError: elastic arguments (``min_np``/``max_np``/``host_discovery_script``,
-            ``reset_limit``, ``cooldown_range``, ``slots``; ``perseusrun --host-discovery-script`` runs elastic jobs)
-            and ``use_gloo=True``: not supported.
-        ValueError: ``np`` and ``num_proc`` disagree, fewer than 1 process, or ``hosts``/``hostfile`` is
-            malformed, unreadable or both are given.
+            result (crash, kill, launch error; an elastic job that could not go on: the reason is printed).
+        NotImplementedError: ``use_gloo=True``: perseus launches with MPI only.
+        ValueError: ``np`` and ``num_proc`` disagree, fewer than 1 process, ``hosts``/``hostfile`` is
+            malformed, unreadable or both are given, elastic arguments with neither a discovery script nor
+            hosts, or a malformed ``cooldown_range``.
     """
     # Imported on call, not with the package: run_func imports launch, and `python -m perseus.runner.launch`
     # imports this package before it runs launch as __main__; launch loaded here would then load twice.
@@ -55,20 +60,16 @@ def run(func: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, 
     count = int(np if np is not None else (num_proc if num_proc is not None else 1))
     if count < 1:
         raise ValueError(f"perseus.run: at least 1 process is needed, got {count}")
-    elastic = {"min_np": min_np if min_np is not None else min_num_proc,
-               "max_np": max_np if max_np is not None else max_num_proc,
-               "host_discovery_script": host_discovery_script, "reset_limit": reset_limit,
-               "cooldown_range": cooldown_range, "slots": slots}
-    given = [k for k, v in elastic.items() if v is not None]
-    if given:
-        raise NotImplementedError(f"perseus.run: elastic launching ({', '.join(given)}) is not supported by "
-                                  "perseus.run; run a fixed number of processes (np=..., hosts=...), or start an "
-                                  "elastic job with perseusrun --host-discovery-script (docs/elastic.md)")
     if use_gloo:
         raise NotImplementedError("perseus.run: use_gloo=True: perseus launches with MPI only; leave use_gloo unset")
+    elastic = run_func.Elastic(min_np=min_np if min_np is not None else min_num_proc,
+                               max_np=max_np if max_np is not None else max_num_proc,
+                               host_discovery_script=host_discovery_script, slots=slots, reset_limit=reset_limit,
+                               cooldown_range=cooldown_range)
     nics = list(network_interfaces or [])
     if network_interface:
         nics += [n for n in str(network_interface).split(",") if n]
     return run_func.run(func, args, kwargs, count, hosts=hosts, hostfile=hostfile, start_timeout=start_timeout,
                         ssh_port=ssh_port, ssh_identity_file=ssh_identity_file, output_filename=output_filename,
-                        verbose=verbose, mpi_args=mpi_args, network_interfaces=nics, executable=executable)
+                        verbose=verbose, mpi_args=mpi_args, network_interfaces=nics, executable=executable,
+                        elastic=elastic if elastic.given() else None)

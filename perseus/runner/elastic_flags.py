@@ -38,15 +38,18 @@ def _int(args, dest: str, low: int) -> Optional[int]:
 def check_elastic_args(args: argparse.Namespace) -> dict:
     """The elastic settings from perseusrun's flags, checked.
 
+    The hosts come from ``--host-discovery-script`` or, as with horovodrun, from a fixed ``-H``/``--hostfile``
+    list (the job still re-forms without a failed host, and shrinks to ``--min-np``).
+
     Raises:
-        LaunchError: an elastic flag without ``--host-discovery-script``, ``-H``/``--hostfile`` with it, or a
-            value out of range (``--min-np`` > ``--max-np``, a cool-down range with LO > HI, ...).
+        LaunchError: an elastic flag with neither ``--host-discovery-script`` nor ``-H``/``--hostfile``, both of
+            them, or a value out of range (``--min-np`` > ``--max-np``, a cool-down range with LO > HI, ...).
     """
     given = [flag for dest, flag in ELASTIC_FLAGS.items() if getattr(args, dest, None) is not None]
-    if args.host_discovery_script is None:
-        raise LaunchError(f"{', '.join(given)} need(s) --host-discovery-script: an elastic job learns its hosts "
-                          f"from a script printing 'host:slots' lines")
-    if args.hosts or args.hostfile:
+    if args.host_discovery_script is None and not (args.hosts or args.hostfile):
+        raise LaunchError(f"{', '.join(given)} need(s) --host-discovery-script (a script printing 'host:slots' "
+                          f"lines) or -H/--hostfile (a fixed host list): an elastic job must know its hosts")
+    if args.host_discovery_script is not None and (args.hosts or args.hostfile):
         raise LaunchError("--host-discovery-script cannot be combined with -H/--hosts or --hostfile: an elastic "
                           "job's hosts come from the script")
     min_np, max_np = _int(args, "min_np", 1), _int(args, "max_np", 1)

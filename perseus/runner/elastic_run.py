@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 from perseus.common.knobs import read_knob
 from perseus.runner import hosts as hostlib
 from perseus.runner import mpi_run
-from perseus.runner.elastic.discovery import Blacklist, HostDiscovery
+from perseus.runner.elastic.discovery import Blacklist, FixedHosts, HostDiscovery
 from perseus.runner.elastic.driver import ElasticDriver
 from perseus.runner.elastic.keeper_process import start_keeper
 from perseus.runner.elastic_flags import check_elastic_args
@@ -74,11 +74,26 @@ def launch_elastic(args: argparse.Namespace, settings: dict[str, str], mpi_args:
         return start_keeper(host, token, ssh_args=ssh, local=hostlib.is_local(host), toward=driver_address)
 
     driver = ElasticDriver(
-        start=start, discovery=HostDiscovery(args.host_discovery_script, opts["slots_per_host"]),
+        start=start, discovery=_discovery(args, opts["slots_per_host"]),
         np_=opts["np_"], min_np=opts["min_np"], max_np=opts["max_np"], reset_limit=opts["reset_limit"],
         blacklist=Blacklist(opts["cooldown"]), elastic_timeout=opts["elastic_timeout"], heartbeat_timeout=heartbeat,
         in_process=in_process, start_keeper=keeper, kill_remote=lambda host, pid: _kill_remote(host, pid, ssh))
     return _run_driver(driver)
+
+
+def _discovery(args: argparse.Namespace, slots_per_host: int | None) -> HostDiscovery | FixedHosts:
+    """The job's hosts: the discovery script, or the fixed ``-H``/``--hostfile`` list.
+
+    Raises:
+        LaunchError: the host list or file is malformed or unreadable.
+    """
+    if args.host_discovery_script is not None:
+        return HostDiscovery(args.host_discovery_script, slots_per_host)
+    try:
+        hosts = hostlib.parse_hosts(args.hosts) if args.hosts else hostlib.parse_hostfile(args.hostfile)
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
+    return FixedHosts(hosts, slots_per_host)
 
 
 def _generation_starter(args: argparse.Namespace, mpirun: str, flavour: mpi_run.MpiFlavour,

@@ -9,13 +9,20 @@ the function calls ``hvd.init()`` itself, as in a script.
 
 Frames on the connection (:mod:`perseus.runner.run_frames`): 8-byte big-endian length, then the bytes.
 Worker -> caller: the token, then (after running) a pickled ``(rank, ok, value_or_error_text,
-exception_or_None)``, after any number of ``("log", value)`` (values rank 0 logs for the caller's callbacks); caller -> worker: the payload.
+exception_or_None, generation, size)``, after any number of ``("log", value)`` (values rank 0 logs for the
+caller's callbacks); caller -> worker: the payload.
+
+Elastic jobs (``min_np``, ``host_discovery_script``, ...) run under perseusrun's elastic driver: each generation's
+ranks fetch the function again (they restore the last commit inside ``hvd.elastic.run``), ranks that leave for a
+re-form send nothing, and the values returned are those of the generation that finished.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import pickle
+import re
 import secrets
 import socket
 import struct
@@ -27,26 +34,64 @@ from typing import Any, Callable, Optional
 from perseus.common.knobs import read_knob
 from perseus.runner import hosts as hostlib
 from perseus.runner import launch
+from perseus.runner.elastic.discovery import DiscoveryError, HostDiscovery
+from perseus.runner.elastic_flags import check_elastic_args
+from perseus.runner.errors import LaunchError
 from perseus.runner.handshake import HelloServer, Refused
 from perseus.runner.run_frames import TOKEN_ENV, recv_frame, send_frame
 
-__all__ = ["run", "RunError"]
+__all__ = ["run", "RunError", "Elastic"]
 
 
 class RunError(RuntimeError):
     """perseus.run(): some rank failed, or the job ended without every rank's result."""
 
 
-def _address_towards(hosts: list[str], interface: Optional[str]) -> str:
-    """The address of this machine that the ranks can reach: 127.0.0.1 for local jobs; else that of
-    ``interface`` when given, else the source address the kernel picks to reach the first remote host."""
+@dataclasses.dataclass(frozen=True)
+class Elastic:
+    """``perseus.run``'s elastic arguments (Horovod's names); all None: a fixed-size job."""
+
+    min_np: Optional[int] = None
+    max_np: Optional[int] = None
+    host_discovery_script: Optional[str] = None
+    slots: Optional[int] = None
+    reset_limit: Optional[int] = None
+    cooldown_range: Optional[tuple] = None
+
+    def given(self) -> bool:
+        return any(v is not None for v in dataclasses.astuple(self))
+
+    def argv(self, num_proc: int) -> list[str]:
+        """perseusrun's elastic flags for these arguments. ``-np`` is at least ``min_np``: Horovod's
+        ``num_proc`` (default 1) is only the number of slots waited for at the start."""
+        argv = ["-np", str(max(num_proc, int(self.min_np or 1)))]
+        for flag, value in (("--min-np", self.min_np), ("--max-np", self.max_np), ("--slots-per-host", self.slots),
+                            ("--reset-limit", self.reset_limit), ("--host-discovery-script", self.host_discovery_script)):
+            if value is not None:
+                argv += [flag, str(value)]
+        if self.cooldown_range is not None:
+            try:
+                low, high = self.cooldown_range
+            except (TypeError, ValueError):
+                raise ValueError(f"perseus.run: cooldown_range takes (low, high) seconds, got "
+                                 f"{self.cooldown_range!r}") from None
+            argv += ["--blacklist-cooldown-range", str(low), str(high)]
+        return argv
+
+
+def _address_towards(hosts: list[str], interface: Optional[str], may_grow: bool = False) -> str:
+    """The address of this machine that the ranks can reach: 127.0.0.1 for local jobs (unless ``may_grow``, an
+    elastic job whose later hosts are not known yet, and ``interface`` is given); else that of ``interface``
+    when given, else the source address the kernel picks to reach the first remote host."""
     remote = [h for h in hosts if not hostlib.is_local(h)]
-    if not remote:
+    if not remote and not (may_grow and interface):
         return "127.0.0.1"
     if interface:
         addr = _interface_address(interface.split(",")[0])
         if addr:
             return addr
+    if not remote:
+        return "127.0.0.1"
     try:
         target = socket.getaddrinfo(remote[0], None, socket.AF_INET)[0][4][0]
         probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -84,8 +129,10 @@ class _Server:
     def __init__(self, bind: str, payload: bytes, token: str, num_proc: int, hello_deadline_s: float = 30.0,
                  on_log=None):
         self.payload, self.token, self.num_proc, self.on_log = payload, token, num_proc, on_log
-        self.results: dict[int, tuple] = {}
+        self.results: dict[int, tuple] = {}  # rank -> (ok, value, error) of the newest generation that replied
         self.arrival: list[int] = []  # ranks in the order their replies came
+        self.generation = -1  # the elastic generation of the replies in results (0 outside elastic jobs)
+        self.size: Optional[int] = None  # the ranks of that generation, as they said
         self.problems: list[str] = []
         self._lock = threading.Lock()
         self._reading = 0  # connections whose reply is still being read
@@ -129,15 +176,28 @@ class _Server:
                         break
                     if self.on_log is not None:  # a value rank 0 logged (perseus.ray.ray_logger.log)
                         self.on_log(reply[1])
-                with self._lock:
-                    self.results[int(reply[0])] = tuple(reply[1:])
-                    self.arrival.append(int(reply[0]))
+                self._keep(reply)
         except (OSError, ConnectionError, EOFError, ValueError) as exc:
             with self._lock:
                 self.problems.append(str(exc))
         except Exception as exc:  # noqa: BLE001 - a reply that cannot be unpickled here
             with self._lock:
                 self.problems.append(f"a result could not be read: {type(exc).__name__}: {exc}")
+
+    def _keep(self, reply: tuple) -> None:
+        """Keep a rank's reply; a reply of a later elastic generation drops those of earlier ones (whose ranks
+        left for a re-form), a reply of an earlier one is dropped."""
+        rank, ok, value, error, generation, size = reply
+        with self._lock:
+            if generation < self.generation:
+                return
+            if generation > self.generation:
+                self.results.clear()
+                self.arrival.clear()
+                self.generation = generation
+            self.size = int(size)
+            self.results[int(rank)] = (ok, value, error)
+            self.arrival.append(int(rank))
 
     def close(self) -> None:
         self._server.close()
@@ -147,13 +207,16 @@ def run(func: Callable[..., Any], args: tuple = (), kwargs: Optional[dict] = Non
         *, hosts: Optional[str] = None, hostfile: Optional[str] = None, start_timeout: Optional[int] = None,
         ssh_port: Optional[int] = None, ssh_identity_file: Optional[str] = None,
         output_filename: Optional[str] = None, verbose: Optional[int] = None, mpi_args: Optional[str] = None,
-        network_interfaces: Optional[list] = None, executable: Optional[str] = None) -> list:
-    """Run ``func(*args, **kwargs)`` on ``num_proc`` processes (see :func:`perseus.runner.run`).
+        network_interfaces: Optional[list] = None, executable: Optional[str] = None,
+        elastic: Optional[Elastic] = None) -> list:
+    """Run ``func(*args, **kwargs)`` on ``num_proc`` processes (see :func:`perseus.runner.run`); with
+    ``elastic``, as an elastic job under perseusrun's elastic driver.
 
-    Returns the return values in rank order. Raises :class:`RunError` naming the ranks that failed (with the
-    first failure's traceback; the original exception is chained when it could be transported), or that
-    ended without a result (crashed, killed, or the job could not start: perseusrun's error is printed);
-    ValueError for a malformed ``hosts``/``hostfile``, before anything starts.
+    Returns the return values in rank order (of an elastic job: its last generation's first ``min_np``, or
+    ``num_proc`` without ``min_np``, as Horovod returns). Raises :class:`RunError` naming the ranks that failed
+    (with the first failure's traceback; the original exception is chained when it could be transported), or
+    that ended without a result (crashed, killed, or the job could not start: perseusrun's error is printed);
+    ValueError for a malformed ``hosts``/``hostfile`` or elastic argument, before anything starts.
     """
     import cloudpickle  # only perseus.run's caller needs it (14 ms to import)
 
@@ -164,15 +227,15 @@ def run(func: Callable[..., Any], args: tuple = (), kwargs: Optional[dict] = Non
     except Exception as exc:  # noqa: BLE001 - anything cloudpickle raises
         raise RunError(f"perseus.run: the function or its arguments cannot be pickled: {exc}") from exc
     nics = ",".join(network_interfaces or [])
-    host_names = _host_names(hosts, hostfile)
-    address = _address_towards(host_names, nics or str(read_knob("network_interface")[0]))
+    host_names = _host_names(hosts, hostfile, elastic.host_discovery_script if elastic else None)
+    address = _address_towards(host_names, nics or str(read_knob("network_interface")[0]), may_grow=bool(elastic))
     token = secrets.token_hex(16)
     try:
         server = _Server(address, payload, token, num_proc)  # where the ranks connect, not every interface
     except OSError as exc:
         raise RunError(f"perseus.run: cannot listen for the ranks on {address} ({exc}); pass "
                        "network_interface= naming the interface that connects the hosts") from None
-    argv = ["-np", str(num_proc)]
+    argv = elastic.argv(num_proc) if elastic else ["-np", str(num_proc)]
     if hosts:
         argv += ["-H", hosts]
     if hostfile:
@@ -192,21 +255,40 @@ def run(func: Callable[..., Any], args: tuple = (), kwargs: Optional[dict] = Non
     if nics:
         argv += ["--network-interfaces", nics]
     argv += [executable or sys.executable, "-m", "perseus.runner.run_task", address, str(server.port)]
+    if elastic:
+        try:  # what perseusrun would refuse is a ValueError here, before anything starts
+            check_elastic_args(launch.parse_args(argv))
+        except LaunchError as exc:
+            server.close()
+            raise ValueError(f"perseus.run: {_argument_names(str(exc))}") from None
     try:
         code = launch.main(argv, env_extra={TOKEN_ENV: token})  # forwarded to every rank
     finally:
         server.close()
     server.settle()
-    return _collect(server, num_proc, code)
+    values = _collect(server, num_proc, code)
+    return values[:elastic.min_np or num_proc] if elastic else values
 
 
-def _host_names(hosts: Optional[str], hostfile: Optional[str]) -> list[str]:
-    """The host names of ``hosts`` (``"node1:4,node2:4"``) or ``hostfile``; ``["localhost"]`` when neither is
-    given.
+#: perseusrun's elastic flags as perseus.run's arguments, for messages
+_ARGUMENTS = {"--min-np": "min_np", "--max-np": "max_np", "--slots-per-host": "slots", "--reset-limit": "reset_limit",
+              "--host-discovery-script": "host_discovery_script", "--blacklist-cooldown-range": "cooldown_range",
+              "-H/--hostfile": "hosts/hostfile", "-H/--hosts or --hostfile": "hosts/hostfile", "-np": "num_proc"}
+
+
+def _argument_names(message: str) -> str:
+    """A perseusrun message about elastic flags in perseus.run's words (``--min-np`` -> ``min_np``)."""
+    pattern = "|".join(re.escape(k) for k in sorted(_ARGUMENTS, key=len, reverse=True))
+    return re.sub(rf"(?<![\w-])({pattern})(?![\w-])", lambda m: _ARGUMENTS[m.group(1)], message)
+
+
+def _host_names(hosts: Optional[str], hostfile: Optional[str], discovery_script: Optional[str] = None) -> list[str]:
+    """The host names of ``hosts`` (``"node1:4,node2:4"``), ``hostfile`` or what ``discovery_script`` lists
+    now; ``["localhost"]`` when none is given.
 
     Raises:
-        ValueError: both are given, or the list or file is malformed, empty or unreadable (the message names
-            the entry or line and the expected form).
+        ValueError: both lists are given, a list or file is malformed, empty or unreadable (the message names
+            the entry or line and the expected form), or the discovery script fails.
     """
     if hosts and hostfile:
         raise ValueError("perseus.run: hosts and hostfile were both given; use one of them")
@@ -215,13 +297,18 @@ def _host_names(hosts: Optional[str], hostfile: Optional[str]) -> list[str]:
             return [h.host for h in hostlib.parse_hosts(hosts)]
         if hostfile:
             return [h.host for h in hostlib.parse_hostfile(hostfile)]
-    except ValueError as exc:
+        if discovery_script:
+            return [h.host for h in HostDiscovery(discovery_script).run()] or ["localhost"]
+    except (ValueError, DiscoveryError) as exc:
         raise ValueError(f"perseus.run: {exc}") from None
     return ["localhost"]
 
 
 def _collect(server: _Server, num_proc: int, code: int, what: str = "perseus.run") -> list:
+    """The values of ``server``'s newest generation in rank order (``num_proc`` ranks, unless they said how many
+    they were), or :class:`RunError` naming the ranks that raised or returned nothing."""
     results = dict(server.results)
+    num_proc = server.size or num_proc
     failed = sorted(r for r, (ok, _, _) in results.items() if not ok)
     missing = [r for r in range(num_proc) if r not in results]
     if not failed and not missing and code == 0:

@@ -208,8 +208,10 @@ def elastic_train():
     import torch
 
     import perseus.torch as hvd
+    from perseus.ray import ray_logger
 
     hvd.init()
+    ray_logger.log({"started": hvd.rank()})
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -231,15 +233,18 @@ def elastic_train():
 
 
 def test_elastic_executor_runs_an_elastic_function():
+    """...and its callbacks get every rank's logged values, as Horovod's elastic executor forwards them."""
     settings = ElasticRayExecutor.create_settings(min_num_proc=2, max_num_proc=2, elastic_timeout=START_S)
     executor = ElasticRayExecutor(settings, cpus_per_slot=2)
     executor.start()
+    logged = []
     try:
-        results = executor.run(elastic_train)
+        results = executor.run(elastic_train, callbacks=[logged.append])
     finally:
         executor.shutdown()
     assert [r[:3] for r in results] == [(0, 2, 12), (1, 2, 12)]
     assert results[0][3] == results[1][3]
+    assert sorted(v["started"] for v in logged) == [0, 1], logged
 
 
 def raises_outside_the_elastic_loop():

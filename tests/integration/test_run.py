@@ -104,12 +104,15 @@ def test_unpicklable_result_and_bad_arguments():
             perseus.run(threading.Lock, np=1)
         except RunError as exc:
             print("LOCK", "cannot be pickled" in str(exc))
-        for kwargs, kind in ((dict(np=2, min_np=1), NotImplementedError), (dict(np=2, num_proc=3), ValueError),
-                             (dict(np=0), ValueError), (dict(use_gloo=True), NotImplementedError)):
+        for kwargs, kind in ((dict(np=2, min_np=1), ValueError), (dict(np=2, num_proc=3), ValueError),
+                             (dict(np=0), ValueError), (dict(use_gloo=True), NotImplementedError),
+                             (dict(min_np=3, max_np=2, hosts="localhost:3"), ValueError),
+                             (dict(min_np=1, hosts="localhost:1", cooldown_range=5), ValueError),
+                             (dict(min_np=1, host_discovery_script="exit 3"), ValueError)):
             try:
                 perseus.run(print, **kwargs)
             except kind as exc:
-                print("ARG", kind.__name__, str(exc).split(":")[0])
+                print("ARG", kind.__name__, str(exc))
         try:
             perseus.run(lambda: 1, np=1, hosts="bad host:x")
         except ValueError as exc:  # refused before anything starts
@@ -117,4 +120,59 @@ def test_unpicklable_result_and_bad_arguments():
     """)
     assert code == 0, out + err
     assert "LOCK True" in out, out + err
-    assert out.count("ARG ") == 4 and "HOSTS True" in out, out + err
+    assert out.count("ARG ") == 7 and "HOSTS True" in out, out + err
+    # elastic arguments are refused in perseus.run's words, before anything starts
+    assert "min_np need(s) host_discovery_script (a script printing 'host:slots' lines) or hosts/hostfile" in out, out
+    assert "perseus.run: min_np 3 is larger than max_np 2" in out, out
+    assert "cooldown_range takes (low, high) seconds, got 5" in out, out
+    assert "host discovery script 'exit 3' exited with status 3" in out, out
+
+
+def test_elastic_run_as_horovod_run_returns_the_last_generations_values():
+    """horovod.run's elastic arguments (Horovod's test_elastic_run cases: fixed hosts, a discovery script), and a
+    rank killed mid-training: the job re-forms without its host (two names of this machine: the survivors share
+    its memory transport, so the launcher relaunches) and returns the finishing generation's first min_np
+    values."""
+    code, out, err = script("""
+        import os
+        import stat
+        import tempfile
+
+        import perseus
+        from perseus.runner.common.util.env import get_env_rank_and_size
+
+        def env_place():
+            return get_env_rank_and_size()
+
+        print("HOSTS", perseus.run(env_place, num_proc=2, min_num_proc=2, max_num_proc=2,
+                                   hosts="localhost:2,127.0.0.1:2"))
+        with tempfile.NamedTemporaryFile("w", suffix=".sh", delete=False) as f:
+            f.write("echo localhost:2; echo 127.0.0.1:2")
+        os.chmod(f.name, stat.S_IRWXU)
+        print("SCRIPT", perseus.run(env_place, num_proc=2, min_num_proc=2, max_num_proc=2,
+                                    host_discovery_script=f.name))
+
+        def train():
+            import torch
+            import perseus.torch as hvd
+            hvd.init()
+
+            @hvd.elastic.run
+            def loop(state):
+                while state.epoch < 4:
+                    hvd.allreduce(torch.ones(1), name="step")
+                    if state.epoch == 2 and hvd.size() == 3 and hvd.rank() == 2:
+                        os._exit(1)  # dies between two commits
+                    state.epoch += 1
+                    state.commit()
+                return hvd.rank(), hvd.size(), state.epoch
+
+            return loop(hvd.elastic.TorchState(epoch=0))
+
+        print("KILLED", perseus.run(train, num_proc=3, min_np=2, max_np=3, hosts="localhost:2,127.0.0.1:1"))
+    """)
+    assert code == 0, out + err
+    assert "HOSTS [(0, 2), (1, 2)]" in out and "SCRIPT [(0, 2), (1, 2)]" in out, out + err
+    assert "KILLED [(0, 2, 4), (1, 2, 4)]" in out, out + err
+    assert "blacklisting host 127.0.0.1" in err and "generation 1: 2 rank(s) on localhost:2" in err, err
+    assert "did not re-form the job in process" not in err, err

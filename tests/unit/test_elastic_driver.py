@@ -12,7 +12,9 @@ import textwrap
 import pytest
 
 from perseus.elastic import protocol
-from perseus.runner.elastic.discovery import Blacklist, DiscoveryError, HostDiscovery, parse_discovery_output
+from perseus.runner import run_func
+from perseus.runner.elastic.discovery import (Blacklist, DiscoveryError, FixedHosts, HostDiscovery,
+                                              parse_discovery_output)
 from perseus.runner.elastic.driver import ElasticDriver, JobFailed
 from perseus.runner.hosts import HostSlots
 
@@ -150,5 +152,40 @@ def test_wrong_token_is_refused(tmp_path):
         sock.settimeout(5)
         assert sock.recv(1) == b""  # closed
         assert server.events.empty()
+    finally:
+        server.close()
+
+
+def test_fixed_hosts_stand_in_for_a_script():
+    """``-H``/``--hostfile`` with elastic flags (horovodrun's fixed-host elastic mode): the same hosts every time,
+    capped at ``--slots-per-host``."""
+    fixed = FixedHosts([HostSlots("a", 4), HostSlots("b", 1)], slots_per_host=2)
+    assert fixed.run() == [HostSlots("a", 2), HostSlots("b", 1)] == fixed.run()
+    assert FixedHosts([HostSlots("a", 4)]).run() == [HostSlots("a", 4)]
+
+
+def test_a_generation_without_init_that_exits_0_is_done(tmp_path, capsys):
+    """Ranks that never call init() (a function returning its environment's rank) and all exit 0 finished the job;
+    the same with a failing status is a launch failure."""
+    for status, outcome in ((0, 0), (3, 1)):
+        d = make_driver(tmp_path, hosts="localhost:2\n", np_=2, min_np=2,
+                        start=lambda hosts, np_, env, status=status: subprocess.Popen(["sh", "-c", f"exit {status}"]))
+        assert d.run() == outcome
+    assert "before any rank of generation 0 reported" in capsys.readouterr().err
+
+
+def test_run_keeps_the_newest_generations_replies():
+    """perseus.run's server: replies of a later elastic generation replace those of earlier ones (whose ranks left
+    for a re-form); a late reply of an earlier generation is dropped; the expected count is what the ranks said."""
+    server = run_func._Server("127.0.0.1", b"payload", "token", 3)
+    try:
+        server._keep((0, True, "g0 r0", None, 0, 3))
+        server._keep((1, True, "g1 r1", None, 1, 2))
+        server._keep((2, True, "g0 r2", None, 0, 3))
+        server._keep((0, True, "g1 r0", None, 1, 2))
+        assert run_func._collect(server, 3, 0) == ["g1 r0", "g1 r1"]
+        server._keep((0, True, "g2 r0", None, 2, 2))
+        with pytest.raises(run_func.RunError, match="rank 1 returned no result"):
+            run_func._collect(server, 3, 0)
     finally:
         server.close()

@@ -367,12 +367,24 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip() == __version__
 
 
-def test_run_refuses_elastic_arguments():
-    # (perseus.run itself: tests/integration/test_run.py)
+def test_run_checks_elastic_arguments_before_starting():
+    # (elastic jobs themselves: tests/integration/test_run.py)
     from perseus.runner import run
 
-    with pytest.raises(NotImplementedError, match="elastic launching"):
+    with pytest.raises(ValueError, match="min_np need.s. host_discovery_script .* or hosts/hostfile"):
         run(print, np=2, min_np=1)
+    with pytest.raises(ValueError, match="slots must be an integer >= 1, got '0'"):
+        run(print, np=2, min_np=1, slots=0, hosts="localhost:2")
+
+
+@pytest.mark.parametrize("hosts", [["-H", "localhost:2"], ["--hostfile", "{hostfile}"]])
+def test_elastic_flags_with_a_fixed_host_list(capsys, tmp_path, hosts):
+    """horovodrun's fixed-host elastic mode: -H/--hostfile stand in for a discovery script (this elastic job
+    gets as far as --dry-run, which elastic jobs refuse)."""
+    (tmp_path / "hosts").write_text("localhost slots=2\n")
+    hosts = [h.format(hostfile=tmp_path / "hosts") for h in hosts]
+    line = error_line(capsys, "-np", "2", "--min-np", "1", *hosts, "--dry-run", "python", "train.py")
+    assert "--dry-run is not available for elastic jobs" in line, line
 
 
 def test_runner_imports_no_mpi():

@@ -126,7 +126,7 @@ class Target:
                 assert event.kind == "message" and event.header["op"] == "exit", event
             else:
                 assert recv_frame(sock) == b"the payload"
-                send_frame(sock, pickle.dumps((rank, True, rank * 10, None)))
+                send_frame(sock, pickle.dumps((rank, True, rank * 10, None, 0, 1)))
             return time.monotonic() - start
         finally:
             sock.close()
@@ -457,7 +457,7 @@ def test_the_elastic_driver_listens_on_its_address_and_strangers_do_not_delay_th
 def test_perseus_run_listens_where_the_ranks_connect(monkeypatch, where):
     address = "127.0.0.1" if where == "local" else need_non_loopback()
     if where == "cluster":
-        monkeypatch.setattr(run_func, "_address_towards", lambda hosts, nic: address)
+        monkeypatch.setattr(run_func, "_address_towards", lambda hosts, nic, may_grow=False: address)
     seen = {}
 
     def fake_launch(argv, env_extra):
@@ -470,7 +470,7 @@ def test_perseus_run_listens_where_the_ranks_connect(monkeypatch, where):
             send_frame(sock, env_extra["PERSEUS_RUN_TOKEN"].encode())
             func, args, kwargs = pickle.loads(recv_frame(sock))
             seen["served_s"] = time.monotonic() - start
-            send_frame(sock, pickle.dumps((0, True, func(*args, **kwargs), None)))
+            send_frame(sock, pickle.dumps((0, True, func(*args, **kwargs), None, 0, 1)))
             sock.close()
         finally:
             for s in strangers:

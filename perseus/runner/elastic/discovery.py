@@ -20,7 +20,7 @@ from typing import Optional
 
 from perseus.runner.hosts import HostSlots
 
-__all__ = ["DiscoveryError", "parse_discovery_output", "HostDiscovery", "Blacklist"]
+__all__ = ["DiscoveryError", "parse_discovery_output", "HostDiscovery", "FixedHosts", "Blacklist"]
 
 _LINE_RE = re.compile(r"^([A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?)(?::(\d+))?$")
 
@@ -91,6 +91,17 @@ class HostDiscovery:
             raise DiscoveryError(f"host discovery script {self.script!r}: {exc}") from None
         self.last = hosts
         return hosts
+
+
+class FixedHosts:
+    """A fixed host list in place of a discovery script (``perseusrun -H ... --min-np N``, as horovodrun): the
+    same hosts at every poll, each capped at ``slots_per_host`` slots; the blacklist still drops failed ones."""
+
+    def __init__(self, hosts: list[HostSlots], slots_per_host: Optional[int] = None):
+        self.last = [HostSlots(h.host, min(h.slots, slots_per_host) if slots_per_host else h.slots) for h in hosts]
+
+    def run(self) -> list[HostSlots]:
+        return list(self.last)
 
 
 class Blacklist:

@@ -96,7 +96,8 @@ class ElasticDriver:
     Args:
         start: ``start(hosts, np, env) -> Popen`` starts one generation's ``mpirun`` (in its own session) with
             the ``PERSEUS_ELASTIC_*`` variables in ``env`` forwarded to every rank.
-        discovery: the host discovery script runner.
+        discovery: where the hosts come from: ``run() -> [HostSlots]`` (the discovery script's runner, a fixed
+            host list, an engine's nodes).
         np_: ranks wanted at the start (the first generation waits up to ``elastic_timeout`` for them).
         min_np, max_np: the job's bounds (``max_np`` None: as many as the hosts offer).
         reset_limit: re-forms allowed (None: no limit).
@@ -407,7 +408,9 @@ class ElasticDriver:
         say(f"{link} died: its connection closed without a report")
         self._blacklist(link.host)
         live = gen.live()
-        same_host = [l for l in live if l.host == link.host]
+        # MPI's shared-memory transport cannot shrink around a dead process of the same machine (the survivors
+        # wait for ever): relaunch then. Two names of this machine (localhost, 127.0.0.1) are one machine.
+        same_host = [l for l in live if l.host == link.host or (is_local(l.host) and is_local(link.host))]
         if len(live) < self.min_np:
             say(f"{len(live)} rank(s) left, fewer than --min-np {self.min_np}: stopping this generation")
             return self._leave(gen, f"{link} died")
@@ -505,6 +508,8 @@ class ElasticDriver:
             # usable, as after a rank's death.
             say(f"generation {gen.number}'s ranks were terminated by mpirun (status {code}; a daemon or host lost?)")
             return "ranks terminated"
+        if not gen.links and code == 0:
+            return "done"  # every rank exited 0 without init(): a job with nothing to re-form, and it finished
         if not gen.links:
             self.failed_starts += 1
             if gen.number == 0 or self.failed_starts > _FAILED_STARTS:

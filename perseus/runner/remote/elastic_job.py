@@ -112,7 +112,6 @@ def run_elastic(func: Callable[..., Any], args: tuple, kwargs: dict, nodes: Call
     sizes: list[int] = []
 
     def start(hosts: list[HostSlots], np: int, elastic_env: dict):
-        server.results.clear()  # a new generation's values replace the last one's
         try:
             discovery.run()  # the nodes' services as of now (a worker replaced since the last poll)
         except DiscoveryError:

@@ -7,8 +7,11 @@ Every collective returns once its result is in the output NDArray (see :mod:`per
 cross-rank mismatch raises an ``mxnet.base.MXNetError`` on every rank that is also a perseus
 ``MismatchError`` (a ``HorovodInternalError``).
 
+``DistributedOptimizer`` and ``DistributedTrainer`` also take ``op=hvd.Adasum`` (a perseus addition): each
+rank's own update, the ranks' updates combined with Adasum (:mod:`perseus.mxnet.adasum`).
+
 Not implemented (raise ``NotImplementedError``): NDArrays on a GPU context (the NCCL transport), op=Adasum
-in reducescatter and the optimizers, parameters replicated on several contexts of one process in ``DistributedTrainer``.
+in reducescatter, parameters replicated on several contexts of one process in ``DistributedTrainer``.
 """
 
 from perseus.common.api import wire_bytes

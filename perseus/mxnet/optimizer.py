@@ -15,6 +15,9 @@ Compression: ``Compression.fp16`` sends floating-point gradients as float16; a c
 through its own collective, keyed by the gradient's name (the parameter's index), under which it keeps the
 gradient's residual. With SGD or NAG and a sparsifying compressor (top-k, random-k, hierarchical top-k), the
 momentum moves into the compressor (momentum correction, :mod:`perseus.mxnet.momentum`).
+
+``op=hvd.Adasum`` (a perseus addition: Horovod's MXNet optimizers take no ``op``) combines each rank's model
+update instead of averaging gradients (:mod:`perseus.mxnet.adasum`, docs/adasum.md).
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ import numpy as np
 
 from perseus.common import guard as _guard
 from perseus.common.process_sets import global_process_set
-from perseus.common.reduce_ops import Average
+from perseus.common.reduce_ops import Adasum, Average
 from perseus.common.util import split_list
 from perseus.compression import Reducer
+from perseus.mxnet.adasum import AdasumDeltas, check_op
 from perseus.mxnet.compression import Compression
 from perseus.mxnet.momentum import MomentumMover
 from perseus.mxnet.mpi_ops import _start_allreduce, reduce_with
@@ -130,6 +134,10 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
             ``Compression.none``, ``Compression.fp16``, or a communicating compressor such as
             ``Compression.topk(0.01)`` (docs/compression.md), which keeps a residual per gradient (give each
             optimizer its own instance).
+        op: a perseus addition: ``hvd.Average`` (the default) averages the gradients; ``hvd.Adasum`` runs the
+            wrapped update on the rank's own gradients and combines the ranks' updates with Adasum
+            (:mod:`perseus.mxnet.adasum`; Compression.none or fp16 only, no ``num_groups``, no float16
+            multi-precision weights).
 
     Momentum correction: when ``optimizer`` is SGD or NAG with momentum in (0, 1) and the compressor takes
     the momentum (``topk``, ``randomk``, ``hitopk``, or ``cupcake`` of one of them, with error feedback),
@@ -142,17 +150,22 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
     Collective: every rank of the set makes the same updates in the same order.
     """
 
-    _OWN = ("_optimizer", "_averager", "_mover")
+    _OWN = ("_optimizer", "_averager", "_mover", "_adasum")
 
     def __init__(self, optimizer, gradient_predivide_factor=1.0, num_groups=0, process_set=global_process_set,
-                 compression=None):
+                 compression=None, op=Average):
         _guard.refuse("the MXNet DistributedOptimizer")
         if not isinstance(optimizer, mx.optimizer.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps an mx.optimizer.Optimizer, got {type(optimizer).__name__}")
+        adasum = None
+        if check_op(op, "DistributedOptimizer") == Adasum:
+            adasum = AdasumDeltas(process_set, compression, num_groups, gradient_predivide_factor,
+                                  "DistributedOptimizer")
         object.__setattr__(self, "_optimizer", optimizer)
         object.__setattr__(self, "_averager", _GradientAverager(gradient_predivide_factor, num_groups,
                                                                 process_set, compression))
         object.__setattr__(self, "_mover", MomentumMover(compression))
+        object.__setattr__(self, "_adasum", adasum)
 
     def __getattr__(self, item):
         if item in DistributedOptimizer._OWN or item.startswith("__"):
@@ -166,13 +179,16 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
             setattr(self._optimizer, key, value)
 
     def __getstate__(self):
-        return {"_optimizer": self._optimizer, "_averager": self._averager, "_mover": self._mover}
+        return {"_optimizer": self._optimizer, "_averager": self._averager, "_mover": self._mover,
+                "_adasum": self._adasum}
 
     def __setstate__(self, state):
         for key, value in state.items():
             object.__setattr__(self, key, value)
         if "_mover" not in state:  # pickled before momentum correction
             object.__setattr__(self, "_mover", MomentumMover(self._averager.compression))
+        if "_adasum" not in state:  # pickled before Adasum
+            object.__setattr__(self, "_adasum", None)
 
     @property
     def learning_rate(self):
@@ -196,10 +212,22 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         averager.reduce([str(i) for i in indices], grads, "DistributedOptimizer", local)
         return local is not None
 
+    def _adasum_update(self, update, index, weight, grad, state) -> None:
+        """``update`` (the wrapped optimizer's) on this rank's own gradients, then the ranks' updates combined
+        with Adasum. Collective: every rank of the set."""
+        indices, weights = (list(index), list(weight)) if isinstance(index, (list, tuple)) else ([index], [weight])
+        names = [str(i) for i in indices]
+        self._adasum.remember(names, weights)
+        update(index, weight, grad, state)
+        self._adasum.combine(names, weights)
+
     def update(self, index, weight, grad, state):
         """Average ``grad`` over the process set in place, then apply the wrapped optimizer's update (a plain
-        step with momentum correction, see the class docstring)."""
-        if self._allreduce(index, weight, grad):
+        step with momentum correction, see the class docstring); with ``op=Adasum`` the local update, then
+        the updates combined."""
+        if self._adasum is not None and self._adasum.active():
+            self._adasum_update(self._optimizer.update, index, weight, grad, state)
+        elif self._allreduce(index, weight, grad):
             with self._mover.plain(self._optimizer):
                 self._optimizer.update(index, weight, grad, state)
         else:
@@ -207,8 +235,20 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
 
     def update_multi_precision(self, index, weight, grad, state):
         """Average ``grad`` in place, then apply the wrapped optimizer's multi-precision update (a plain step
-        with momentum correction)."""
-        if self._allreduce(index, weight, grad):
+        with momentum correction); with ``op=Adasum`` see :meth:`update`.
+
+        Raises:
+            NotImplementedError: ``op=Adasum`` with float16 weights and ``multi_precision``: their float32
+                master copies would not follow the combined update.
+        """
+        if self._adasum is not None and self._adasum.active():
+            weights = list(weight) if isinstance(weight, (list, tuple)) else [weight]
+            if self._optimizer.multi_precision and any(w.dtype == np.float16 for w in weights):
+                raise NotImplementedError("perseus.mxnet.DistributedOptimizer(op=Adasum): float16 weights with "
+                                          "multi_precision=True are not supported; train in float32 or turn "
+                                          "multi_precision off")
+            self._adasum_update(self._optimizer.update_multi_precision, index, weight, grad, state)
+        elif self._allreduce(index, weight, grad):
             with self._mover.plain(self._optimizer):
                 self._optimizer.update_multi_precision(index, weight, grad, state)
         else:
@@ -270,6 +310,10 @@ class DistributedTrainer(mx.gluon.Trainer):
         num_groups: 0 to reduce each gradient on its own (still fused by the engine); N to submit them as
             N grouped allreduces (split by dtype).
         process_set: the ranks to average over; ranks outside it train on their local gradients.
+        op: a perseus addition: ``hvd.Average`` (the default) averages the gradients; ``hvd.Adasum`` updates
+            every parameter with this rank's own gradients and combines the ranks' updates with Adasum
+            (:mod:`perseus.mxnet.adasum`; Compression.none or fp16 only, no ``num_groups``). ``allreduce_grads``
+            then leaves the gradients local and ``update`` does the whole step.
 
     Momentum correction: with ``'sgd'``/``'nag'`` and a momentum in (0, 1), and a compressor that takes the
     momentum (``topk``, ``randomk``, ``hitopk``, or ``cupcake`` of one of them, with error feedback), each rank
@@ -285,8 +329,13 @@ class DistributedTrainer(mx.gluon.Trainer):
     """
 
     def __init__(self, params, optimizer, optimizer_params=None, compression=Compression.none,
-                 gradient_predivide_factor=1.0, prefix=None, num_groups=0, process_set=global_process_set):
+                 gradient_predivide_factor=1.0, prefix=None, num_groups=0, process_set=global_process_set,
+                 op=Average):
         _guard.refuse("the MXNet DistributedTrainer")
+        adasum = None
+        if check_op(op, "DistributedTrainer") == Adasum:
+            adasum = AdasumDeltas(process_set, compression, num_groups, gradient_predivide_factor,
+                                  "DistributedTrainer")
         if prefix is not None and not isinstance(prefix, str):
             raise ValueError(f"DistributedTrainer: prefix must be a string, got {type(prefix).__name__}")
         if isinstance(optimizer, DistributedOptimizer):
@@ -299,6 +348,7 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._process_set = process_set
         self._prefix = prefix or ""
         self._averager = averager
+        self._adasum = adasum
         self._mover = MomentumMover(compression)
         self._split_reduce = False      # inside allreduce_grads(): the batch size is not known yet
         self._reduce_in_update = False  # allreduce_grads() left the momentum-corrected reduction to update()
@@ -317,7 +367,7 @@ class DistributedTrainer(mx.gluon.Trainer):
         """Average every gradient over the process set (``step`` and ``allreduce_grads``); a momentum-corrected
         reduction asked for by ``allreduce_grads`` is left to ``update``. Collective: every rank of the set.
         Raises NotImplementedError for a parameter on several contexts, and the collective's errors."""
-        if not self._averager.active():
+        if not self._averager.active() or self._adasum is not None:  # Adasum combines updates, in _update
             return
         local = self._mover.spec(self._optimizer)
         if local is not None and self._split_reduce:
@@ -328,7 +378,14 @@ class DistributedTrainer(mx.gluon.Trainer):
 
     def _update(self, ignore_stale_grad=False):
         """Run a reduction left by ``allreduce_grads`` (collective), then Gluon's update: a plain SGD step
-        (no momentum, weight decay, rescaling, clipping) when the gradients are momentum-corrected updates."""
+        (no momentum, weight decay, rescaling, clipping) when the gradients are momentum-corrected updates.
+        With ``op=Adasum``: the local update, then the ranks' updates combined (collective)."""
+        if self._adasum is not None and self._adasum.active():
+            names, weights = self._trained()
+            self._adasum.remember(names, weights)
+            result = super()._update(ignore_stale_grad)
+            self._adasum.combine(names, weights)
+            return result
         if self._reduce_in_update:
             self._reduce_in_update = False
             self._reduce(self._mover.spec(self._optimizer))
@@ -338,18 +395,34 @@ class DistributedTrainer(mx.gluon.Trainer):
         with self._mover.plain(self._optimizer):
             return super()._update(ignore_stale_grad)
 
-    def _reduce(self, local):
-        """Average every gradient in place; with ``local`` (a LocalStep) momentum-corrected updates."""
-        names, grads, indices, weights = [], [], [], []
+    def _trained(self):
+        """``(names, weights)`` of the parameters that train (their data on their one context).
+
+        Raises:
+            NotImplementedError: a parameter on several contexts.
+        """
+        names, weights = [], []
+        for i, param in self._trained_params():
+            names.append(self._prefix + str(i))
+            weights.append(param.list_data()[0])
+        return names, weights
+
+    def _trained_params(self):
         for i, param in enumerate(self._params):
             if param.grad_req == "null":
                 continue
-            grad_list = param.list_grad()
-            if len(grad_list) != 1:
-                raise NotImplementedError(f"DistributedTrainer: parameter {param.name} lives on {len(grad_list)} "
-                                          "contexts; perseus.mxnet supports one context per process")
+            if len(param.list_ctx()) != 1:
+                raise NotImplementedError(f"DistributedTrainer: parameter {param.name} lives on "
+                                          f"{len(param.list_ctx())} contexts; perseus.mxnet supports one context "
+                                          "per process")
+            yield i, param
+
+    def _reduce(self, local):
+        """Average every gradient in place; with ``local`` (a LocalStep) momentum-corrected updates."""
+        names, grads, indices, weights = [], [], [], []
+        for i, param in self._trained_params():
             names.append(self._prefix + str(i))
-            grads.append(grad_list[0])
+            grads.append(param.list_grad()[0])
             indices.append(i)
             weights.append(param.list_data()[0])
         if not grads:

@@ -70,7 +70,8 @@ DOCS = [
         "`tf.errors.FailedPreconditionError` on every rank. Keras: see [api_keras.md](api_keras.md)."]),
     ("perseus.tensorflow.keras", "api_keras.md", "horovod.tensorflow.keras", KERAS_SECTIONS, [
         "`perseus.keras` (the stand-alone `keras` package) has the same functions; its `allreduce` averages",
-        "by default and its module also exports `Adasum` (which the optimizer rejects), as Horovod's does.",
+        "by default and its module also exports `Adasum`, as Horovod's does (`DistributedOptimizer(op=Adasum)`",
+        "combines each rank's update: [adasum.md](adasum.md)).",
         "Works with Keras 3 (TensorFlow backend) and with tf-keras 2 (`TF_USE_LEGACY_KERAS=1` plus the",
         "`tf-keras` package). Setup, topology and process-set functions are those of perseus.tensorflow."]),
 ]

@@ -15,7 +15,6 @@ from perseus._keras.keras2_api import (accept_compile_run_tf_function, allow_opt
                                        allow_optimizer_variables_call)
 from perseus.common.api import wire_bytes
 from perseus.common.exceptions import HorovodInternalError, PerseusInternalError
-from perseus.common.reduce_ops import reject_adasum
 from perseus.tensorflow import compression, elastic, functions, gradient_tape, mpi_ops, util
 from perseus.tensorflow._core import PerseusFailedPreconditionError, PerseusUnknownError
 from perseus.tensorflow._reduce import allreduce, grouped_allreduce, grouped_reducescatter, reducescatter
@@ -82,12 +81,21 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
     momentum correction with a sparsifying compressor is done for Keras' SGD only (a TF1 momentum optimizer
     applies its momentum to the averaged gradients).
 
+    ``op=Adasum`` (both kinds of optimizer): the gradients are not reduced; each rank's optimizer applies its
+    own gradients, and the resulting updates (``variable - value before the step``) are combined by Adasum, so
+    every rank ends the step at ``value before + Adasum(updates)`` (docs/adasum.md,
+    :mod:`perseus.tensorflow.adasum_optimizer`). ``Compression.fp16``/``bf16`` apply to the updates; with a
+    Keras optimizer ``backward_passes_per_step`` > 1 sums the gradients locally and applies them on the last
+    pass.
+
     Raises:
-        ValueError: ``op=Adasum``, or ``gradient_predivide_factor`` with an op other than Average.
+        ValueError: ``gradient_predivide_factor`` with an op other than Average; an op other than Average, Sum
+            or Adasum with a Keras optimizer.
         NotImplementedError: a TF1 optimizer with ``backward_passes_per_step`` > 1 (local gradient
-            aggregation is implemented for Keras optimizers only).
+            aggregation is implemented for Keras optimizers only); ``op=Adasum`` with ``groups``, a
+            communicating compressor (``Compression.topk``...) or a Keras optimizer made with
+            ``use_ema=True``.
     """
-    reject_adasum(op, "tensorflow.DistributedOptimizer", ValueError)  # ValueError, as Horovod for Keras
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         if gradient_predivide_factor != 1.0 and ReduceOp(op) != Average:
             raise ValueError("gradient_predivide_factor not supported with op != Average")

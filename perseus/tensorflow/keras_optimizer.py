@@ -20,6 +20,11 @@ With ``backward_passes_per_step > 1`` gradients are summed locally and reduced e
 
 With Keras' SGD and a sparsifying compressor (``Compression.topk``...), the momentum moves into the compressor
 (momentum correction, :mod:`perseus.tensorflow.keras_momentum`).
+
+With ``op=Adasum`` nothing is reduced where gradients are computed: the optimizer applies each rank's own
+gradients (summed locally over ``backward_passes_per_step`` passes) and the resulting updates are combined by
+Adasum where they are applied (:mod:`perseus.tensorflow.adasum_optimizer`); registered local variables and
+model-parallel shards keep their local update.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ import tensorflow as tf
 
 from perseus.common import guard as _guard
 from perseus.common.process_sets import global_process_set
-from perseus.common.reduce_ops import Average, ReduceOp, Sum
+from perseus.common.reduce_ops import Adasum, Average, ReduceOp, Sum
+from perseus.tensorflow.adasum_optimizer import apply_adasum, check_adasum_options, local_gradients_fn
 from perseus.tensorflow.compression import Compression
 from perseus.tensorflow.gradient_aggregation import LocalGradientAggregationHelper, is_model_parallel, var_key
 from perseus.tensorflow.gradient_tape import _make_allreduce_grads_fn
@@ -53,11 +59,11 @@ def is_keras3_optimizer(cls) -> bool:
 
 
 def check_keras_op(op):
-    """Keras optimizers reduce with Average or Sum only (ValueError otherwise, as Horovod)."""
+    """``op`` as a ReduceOp: Keras optimizers reduce with Average, Sum or Adasum (ValueError otherwise)."""
     op = ReduceOp(op)
-    if op not in (Average, Sum):
-        raise ValueError(f"perseus: the Keras DistributedOptimizer supports op=Average or op=Sum, not {op.name}"
-                         f" (Adasum, Min, Max and Product are not gradient averages)")
+    if op not in (Average, Sum, Adasum):
+        raise ValueError(f"perseus: the Keras DistributedOptimizer supports op=Average, op=Sum or op=Adasum, not "
+                         f"{op.name} (Min, Max and Product do not combine gradients)")
     return op
 
 
@@ -88,9 +94,13 @@ class _DistributedBase:
     def _perseus_setup(self):
         s = self._perseus
         scope = s.name or f"Distributed{type(self).__name__}"
-        self._allreduce_grads = _make_allreduce_grads_fn(scope, s.device_dense, s.device_sparse, s.compression,
-                                                         s.sparse_as_dense, s.op, s.gradient_predivide_factor,
-                                                         s.groups, s.process_set)
+        self._perseus_scope = scope
+        if s.op == Adasum:  # the gradients stay local; _apply_step combines the updates
+            self._allreduce_grads = local_gradients_fn(s.sparse_as_dense)
+        else:
+            self._allreduce_grads = _make_allreduce_grads_fn(scope, s.device_dense, s.device_sparse,
+                                                             s.compression, s.sparse_as_dense, s.op,
+                                                             s.gradient_predivide_factor, s.groups, s.process_set)
         self._local_vars = set()
         self.process_set = s.process_set
         self.scale_local_gradients = s.scale_local_gradients
@@ -113,6 +123,23 @@ class _DistributedBase:
             return None
         s = self._perseus
         return local_step_for(self, self._perseus_sgd, s.compression, s.process_set)
+
+    def _keeps_local_update(self, var) -> bool:
+        """Whether ``var``'s update stays this rank's own under op=Adasum (a registered local variable or a
+        model-parallel shard)."""
+        helper_locals = self._agg_helper._local_vars if self._agg_helper else ()
+        key = var_key(var)
+        return key in self._local_vars or key in helper_locals or is_model_parallel(var)
+
+    def _apply_step(self, apply_fn, variables):
+        """Run ``apply_fn()`` (the wrapped optimizer's apply of the gradients of ``variables``); with op=Adasum
+        every rank's update is then combined by Adasum (collective). Returns what apply_fn or
+        :func:`perseus.tensorflow.adasum_optimizer.apply_adasum` returns."""
+        s = self._perseus
+        if s.op != Adasum:
+            return apply_fn()
+        return apply_adasum(apply_fn, variables, s.compression, s.process_set, self._perseus_scope,
+                            self._keeps_local_update)
 
     def register_local_var(self, var):
         """Keep ``var``'s gradient local to this rank (divided by the set size when ``scale_local_gradients``)."""
@@ -172,15 +199,18 @@ class _Keras3Distributed(_DistributedBase):
                 self.built = True
         local = self._momentum_step(variables)
         reduced = self._allreduce(grads, variables, local)
+        parent = super()
+
+        def apply_now():
+            return self._apply_step(lambda: parent.apply(reduced, trainable_variables), variables)
         with plain_step(self, local is not None):
             if self._agg_helper is None:
-                return super().apply(reduced, trainable_variables)
-            parent = super()
+                return apply_now()
 
-            def apply_now():
-                parent.apply(reduced, trainable_variables)
+            def apply_cycle():
+                apply_now()
                 return tf.constant(True)
-            return self._agg_helper.apply_gradients(apply_now, self)
+            return self._agg_helper.apply_gradients(apply_cycle, self)
 
 
 class _Keras2Distributed(_DistributedBase):
@@ -219,19 +249,27 @@ class _Keras2Distributed(_DistributedBase):
 
     def apply_gradients(self, *args, **kwargs):
         """Apply (already reduced) gradients; with local aggregation only at the end of a cycle. Gradients
-        computed by this optimizer with momentum correction are applied by a momentum-free SGD step."""
+        computed by this optimizer with momentum correction are applied by a momentum-free SGD step. With
+        op=Adasum the gradients are this rank's own, and every rank's update is combined after the apply
+        (collective)."""
         corrected, self._perseus_corrected = self._perseus_corrected, False
+        if args:
+            args = (list(args[0]),) + tuple(args[1:])
+        elif "grads_and_vars" in kwargs:
+            kwargs["grads_and_vars"] = list(kwargs["grads_and_vars"])
+        pairs = args[0] if args else kwargs.get("grads_and_vars", [])
+        parent = super()
+
+        def apply_now():
+            return self._apply_step(lambda: parent.apply_gradients(*args, **kwargs), [v for _, v in pairs])
         with plain_step(self, corrected):
             if self._agg_helper is None:
-                return super().apply_gradients(*args, **kwargs)
-            if args and not isinstance(args[0], (list, tuple)):
-                args = (list(args[0]),) + tuple(args[1:])
-            parent = super()
+                return apply_now()
 
-            def apply_now():
-                parent.apply_gradients(*args, **kwargs)
+            def apply_cycle():
+                apply_now()
                 return tf.constant(True)
-            return self._agg_helper.apply_gradients(apply_now, self)
+            return self._agg_helper.apply_gradients(apply_cycle, self)
 
 
 def _variables_is_property(cls) -> bool:
@@ -306,12 +344,24 @@ def create_distributed_optimizer(optimizer, name=None, device_dense='', device_s
     """A new optimizer configured like ``optimizer`` whose gradients are reduced across ``process_set``.
 
     The result is built from ``optimizer.get_config()`` (its slot variables are not copied, as in Horovod).
-    Raises ValueError for an op other than Average/Sum, or ``gradient_predivide_factor`` with Sum.
+    ``op=Adasum`` combines each rank's update instead of reducing gradients (module docstring).
+
+    Raises:
+        ValueError: an op other than Average, Sum or Adasum; ``gradient_predivide_factor`` with an op other
+            than Average.
+        NotImplementedError: ``op=Adasum`` with ``groups``, a communicating compressor, or an optimizer made
+            with ``use_ema=True``.
     """
     _guard.refuse("the Keras DistributedOptimizer")
     op = check_keras_op(op)
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if op == Adasum:
+        check_adasum_options(compression, groups, gradient_predivide_factor)
+        if getattr(optimizer, "use_ema", False):
+            raise NotImplementedError("DistributedOptimizer(op=Adasum): use_ema is not supported (the moving "
+                                      "average would follow each rank's local update); create the optimizer "
+                                      "with use_ema=False")
     if groups is not None and not (isinstance(groups, list) or int(groups) > 0):
         raise ValueError("groups should be a non-negative integer or a list of list of variables.")
     if backward_passes_per_step < 1:

@@ -471,8 +471,9 @@ def test_tf1_optimizer_averages_gradients_in_a_session():
     np.testing.assert_allclose(after, [1.0 - 0.5 * mean, 2.0 - mean], rtol=1e-6)
     with pytest.raises(NotImplementedError, match="backward_passes_per_step"):
         hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.5), backward_passes_per_step=2)
-    with pytest.raises(ValueError):
-        hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.5), op=hvd.Adasum)
+    with pytest.raises(ValueError, match="gradient_predivide_factor"):
+        hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.5), op=hvd.Adasum,
+                                 gradient_predivide_factor=2.0)
 
 
 def test_broadcast_global_variables_hook_in_a_monitored_session():

@@ -42,8 +42,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     applied.
 
     Returns a new optimizer of a subclass of ``optimizer``'s class with the same name, configured from
-    ``optimizer.get_config()``. ``op`` is Average or Sum (ValueError otherwise). ``compression`` compresses the
-    gradients on the wire: ``Compression.fp16``/``bf16`` cast them; a communicating compressor
+    ``optimizer.get_config()``. ``op`` is Average, Sum or Adasum (ValueError otherwise). ``compression``
+    compresses the gradients on the wire: ``Compression.fp16``/``bf16`` cast them; a communicating compressor
     (``Compression.topk(0.01)``, ``hitopk``, ``randomk``, ``sign``, ``qsgd``, ``powersgd``, ``cupcake``,
     ``espresso``: docs/compression.md) runs its own collective on each gradient (each group with
     ``groups``) and keeps its residual under the variable's name (give each optimizer its own instance;
@@ -59,6 +59,12 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     the velocities live in the compressor (not in checkpoints). ``Compression.topk(0.01,
     momentum_correction=False)`` keeps the momentum in the optimizer (applied to the averaged gradients).
     Details and exceptions: perseus/tensorflow/keras_momentum.py.
+
+    ``op=Adasum``: the gradients are not reduced; each rank's optimizer applies its own gradients (summed locally
+    over ``backward_passes_per_step`` passes) and the updates (``variable - value before the step``) are combined
+    by Adasum, so every rank ends the step at ``value before + Adasum(updates)`` (docs/adasum.md). Not with
+    ``groups``, a communicating compressor or an optimizer made with ``use_ema=True`` (NotImplementedError),
+    nor with ``gradient_predivide_factor`` (ValueError); ``Compression.fp16``/``bf16`` apply to the updates.
 
     Every rank of ``process_set`` must wrap the same optimizer and train the same model. Keras 3 with the
     TensorFlow backend, or tf-keras 2; XLA-compiled steps (``jit_compile=True``) raise NotImplementedError

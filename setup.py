@@ -292,7 +292,9 @@ setup(
         **MPI_EXTRAS,
         "report": ["matplotlib>=3.5"],  # perseus-autotune-report
         "ray": ["ray>=2.9"],            # perseus.ray (Open MPI on every node)
-        "spark": ["pyspark>=3.3"],      # perseus.spark (a Java 17+ runtime and Open MPI on every node)
+        # perseus.spark (a Java 17+ runtime and Open MPI on every node); the estimators' stores and data: fsspec
+        # (file systems) and pyarrow (Parquet, HDFS)
+        "spark": ["pyspark>=3.3", "fsspec>=2023.1.0", "pyarrow>=11"],
         "convert": [],  # libcst is a base dependency now; kept so that perseus[convert] still resolves
         "examples": EXAMPLES,
         "test": TEST,

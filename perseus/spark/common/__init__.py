@@ -1,2 +1,3 @@
-"""``horovod.spark.common``: the estimators' shared parts. perseus keeps only :mod:`perseus.spark.common.store`,
-whose classes raise NotImplementedError (they serve the estimators, which perseus does not implement)."""
+"""``horovod.spark.common``: the Spark estimators' shared parts: :mod:`~perseus.spark.common.store` (where data and
+checkpoints live), :mod:`~perseus.spark.common.util` (the driver's data preparation and checks) and
+:mod:`~perseus.spark.common.reader` (the ranks' batches of the prepared data)."""

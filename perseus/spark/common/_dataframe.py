@@ -16,6 +16,8 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Optional
 
+from perseus.spark.common.constants import ARRAY, CUSTOM_SPARSE, NOCHANGE
+
 __all__ = ["SCALAR_DTYPES", "Column", "Measures", "column_kinds", "split_flag", "measure", "check_measures",
            "metadata_of", "selected", "converted", "write_split", "VAL_FLAG"]
 
@@ -202,16 +204,16 @@ def metadata_of(columns: list, m: Measures, compress_sparse: bool) -> dict:
         length = m.lengths.get(c.name, (1, 1))[0]
         if c.kind == "scalar":
             entry = dict(spark_data_type=c.type_name, is_sparse_vector_only=False, shape=1,
-                         intermediate_format="nochange", max_size=1)
+                         intermediate_format=NOCHANGE, max_size=1)
         elif c.kind == "array":
             entry = dict(spark_data_type="ArrayType", is_sparse_vector_only=False, shape=length,
-                         intermediate_format="nochange", max_size=length)
+                         intermediate_format=NOCHANGE, max_size=length)
         elif compress_sparse and m.sparse_only.get(c.name):
             entry = dict(spark_data_type="SparseVector", is_sparse_vector_only=True, shape=length,
-                         intermediate_format="custom_sparse_format", max_size=m.max_nonzeros[c.name])
+                         intermediate_format=CUSTOM_SPARSE, max_size=m.max_nonzeros[c.name])
         else:
             entry = dict(spark_data_type="DenseVector", is_sparse_vector_only=False, shape=length,
-                         intermediate_format="array", max_size=length)
+                         intermediate_format=ARRAY, max_size=length)
         entry["dtype"] = c.dtype
         meta[c.name] = entry
     return meta
@@ -234,7 +236,7 @@ def converted(df, columns: list, metadata: dict):
 
     exprs = []
     for c in columns:
-        keep = c.kind != "vector" or metadata[c.name]["intermediate_format"] == "custom_sparse_format"
+        keep = c.kind != "vector" or metadata[c.name]["intermediate_format"] == CUSTOM_SPARSE
         exprs.append(F.col(c.name) if keep else vector_to_array(F.col(c.name), "float64").alias(c.name))
     if VAL_FLAG in df.columns:
         exprs.append(F.col(VAL_FLAG))

@@ -16,7 +16,7 @@ from typing import Any
 
 from pyspark.ml.util import DefaultParamsReader, MLReadable, MLReader, MLWritable, MLWriter
 
-__all__ = ["PerseusParamsWritable", "PerseusParamsReadable", "encode_value", "decode_value"]
+__all__ = ["PerseusParamsWritable", "PerseusParamsReadable", "encode_value", "decode_value", "encode_param"]
 
 _TAG = "__perseus_cloudpickle_base64__"
 _NOT_SAVED = ("store", "backend")
@@ -31,6 +31,14 @@ def encode_value(value: Any) -> Any:
         return value
     except (TypeError, ValueError):
         return {_TAG: base64.b64encode(cloudpickle.dumps(value)).decode("ascii")}
+
+
+def encode_param(name: str, value: Any) -> Any:
+    """A parameter's value as the saved metadata holds it: None for None and for ``store`` and ``backend`` (not
+    saved), else :func:`encode_value`."""
+    if value is None or name in _NOT_SAVED:
+        return None
+    return encode_value(value)
 
 
 def decode_value(value: Any) -> Any:
@@ -52,7 +60,7 @@ class _Writer(MLWriter):
         inst = self.instance
 
         def values(param_map):
-            return {p.name: encode_value(v) for p, v in param_map.items() if p.name not in _NOT_SAVED}
+            return {p.name: inst._encode_param(p.name, v) for p, v in param_map.items()}
 
         metadata = {"class": f"{type(inst).__module__}.{type(inst).__name__}",
                     "timestamp": int(round(time.time() * 1000)), "sparkVersion": self.sc.version, "uid": inst.uid,
@@ -71,7 +79,7 @@ class _Reader(MLReader):
         instance = self.cls()
         instance._resetUid(metadata["uid"])
         for key in ("paramMap", "defaultParamMap"):
-            decoded = {name: decode_value(v) for name, v in metadata[key].items()}
+            decoded = self.cls._decode_params(metadata[key])
             for name, value in decoded.items():
                 if instance.hasParam(name):
                     param = instance.getParam(name)
@@ -88,6 +96,11 @@ class PerseusParamsWritable(MLWritable):
     def write(self) -> MLWriter:
         return _Writer(self)
 
+    def _encode_param(self, name: str, value: Any) -> Any:
+        """How the value of parameter ``name`` is written (:func:`encode_param`); a class whose values need
+        another format (a framework's own saving format) overrides it."""
+        return encode_param(name, value)
+
 
 class PerseusParamsReadable(MLReadable):
     """``Class.read().load(path)`` and ``Class.load(path)``."""
@@ -95,3 +108,9 @@ class PerseusParamsReadable(MLReadable):
     @classmethod
     def read(cls) -> MLReader:
         return _Reader(cls)
+
+    @classmethod
+    def _decode_params(cls, values: dict) -> dict:
+        """The parameter values of one saved map (``{name: written value}``), decoded; the inverse of
+        ``_encode_param``, given the whole map so that one value may depend on another."""
+        return {name: decode_value(v) for name, v in values.items()}

@@ -308,6 +308,17 @@ def _parquet_totals(store, path) -> tuple:
     return rows, size, groups
 
 
+def _get_metadata(df, compress_sparse: bool = False) -> dict:
+    """The metadata of every column of ``df`` (one Spark job over it), as ``prepare_data`` records it (Horovod's
+    name; its tests call it).
+
+    Raises:
+        ValueError: a column of a type a model cannot take (named).
+    """
+    columns = frame.column_kinds(df, list(df.columns))
+    return frame.metadata_of(columns, frame.measure(df, columns, compress_sparse), compress_sparse)
+
+
 def get_dataset_properties(dataset_idx) -> tuple:
     """``(train_rows, val_rows, metadata, avg_row_size)`` of a dataset ``prepare_data`` wrote in this process
     (``avg_row_size``: uncompressed bytes per training row).

@@ -21,11 +21,11 @@ from pyspark.ml.param import Param, Params
 
 from perseus.spark.common import util
 from perseus.spark.common.estimator import HorovodEstimator, HorovodModel
-from perseus.spark.common.params import declare
-from perseus.spark.common.serialization import PerseusParamsReadable, PerseusParamsWritable
+from perseus.spark.common.params import EstimatorParams, declare
+from perseus.spark.common.serialization import PerseusParamsReadable, PerseusParamsWritable, encode_param
 from perseus.spark.torch.remote import RemoteTrainer, TrainSpec
 
-__all__ = ["TorchEstimator", "TorchModel"]
+__all__ = ["TorchEstimator", "TorchModel", "EstimatorParams"]
 
 _TORCH_PARAMS = [
     ("data_module", "the DataModule class that reads the prepared data (default: ParquetDataModule)", None, None,
@@ -34,6 +34,10 @@ _TORCH_PARAMS = [
     ("loss_constructors", "functions that make the losses on each rank (instead of loss)", None, None, None),
     ("train_minibatch_fn", "a function running one training pass (Horovod's protocol)", None, None, None),
 ]
+
+
+#: Horovod's name for how a parameter is saved (perseus.spark.common.serialization.encode_param)
+_torch_param_serialize = encode_param
 
 
 def _optimizer_like(model, optimizer):
@@ -175,18 +179,24 @@ class TorchModel(HorovodModel, PerseusParamsWritable, PerseusParamsReadable):
     def _predictor(self):
         model, shapes = self.getModel(), self.getInputShapes()
 
-        def predict(features: List[np.ndarray]) -> List[np.ndarray]:
-            inputs = []
-            for i, f in enumerate(features):
-                t = torch.as_tensor(np.asarray(f)).float()
-                if shapes and i < len(shapes) and shapes[i] is not None:
-                    t = t.reshape(list(shapes[i]))
-                inputs.append(t)
-            model.eval()
+        # A shape with -1 takes a batch of rows; one without (Horovod's [[2]]) is one row's, so the model is
+        # called row by row, as it was written for.
+        batched = not shapes or all(s is None or -1 in list(s) for s in shapes)
+
+        def run(tensors):
             with torch.no_grad():
-                out = model(*inputs)
-            outs = out if isinstance(out, (list, tuple)) else [out]
-            return [o.detach().cpu().numpy() for o in outs]
+                out = model(*tensors)
+            return [o.detach().cpu().numpy() for o in (out if isinstance(out, (list, tuple)) else [out])]
+
+        def predict(features: List[np.ndarray]) -> List[np.ndarray]:
+            model.eval()
+            tensors = [torch.as_tensor(np.asarray(f)).float() for f in features]
+            if batched:
+                return run([t.reshape(list(shapes[i])) if shapes and shapes[i] is not None else t
+                            for i, t in enumerate(tensors)])
+            rows = [run([t[r].reshape(list(shapes[i])) for i, t in enumerate(tensors)])
+                    for r in range(len(tensors[0]))]
+            return [np.stack([np.asarray(row[j]).reshape(-1) for row in rows]) for j in range(len(rows[0]))]
 
         return predict
 

@@ -1,5 +1,6 @@
-"""perseus.spark.run on a Spark standalone cluster (a master and one worker of 2 cores, started here from
-pyspark's own jars with spark-class): the tasks run in an executor of their own, not in the driver's JVM."""
+"""perseus.spark.run and TorchEstimator.fit on a Spark standalone cluster (a master and one worker of 2 cores,
+started here from pyspark's own jars with spark-class): the tasks run in an executor of their own, not in the
+driver's JVM."""
 
 import os
 import socket
@@ -101,13 +102,43 @@ def _where():
     return hvd.rank(), hvd.size(), socket.gethostname(), in_executor
 
 
+def _mse(output, label):
+    import torch
+
+    return torch.nn.functional.mse_loss(output, label)
+
+
+def _fit_a_linear_model(session, store_dir: str):
+    """TorchEstimator on 2 ranks of the cluster: y = 2 x0 - 3 x1 + 1 from a vector column; the trained model."""
+    import numpy as np
+    import torch
+    from pyspark.ml.linalg import DenseVector, VectorUDT
+    from pyspark.sql import types as T
+
+    from perseus.spark.common.store import LocalStore
+    from perseus.spark.torch import TorchEstimator
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(300, 2))
+    schema = T.StructType([T.StructField("features", VectorUDT()), T.StructField("y", T.DoubleType())])
+    df = session.createDataFrame([(DenseVector(a), float(2 * a[0] - 3 * a[1] + 1)) for a in x], schema)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    estimator = TorchEstimator(num_proc=2, store=LocalStore(store_dir), model=model,
+                               optimizer=torch.optim.SGD(model.parameters(), lr=0.05), loss=_mse,
+                               feature_cols=["features"], label_cols=["y"], input_shapes=[[-1, 2]], batch_size=16,
+                               epochs=4, verbose=0)
+    return estimator.fit(df), df
+
+
 @pytest.mark.timeout(600)  # for a hang: the master, the worker and two Spark jobs start on a busy machine
-def test_run_on_a_standalone_cluster(cluster):
+def test_run_on_a_standalone_cluster(cluster, tmp_path):
     from pyspark.sql import SparkSession
 
     # (SparkSession.builder keeps the options an earlier session of this process was given: set every one
     # this test relies on.)
     url, python_path = cluster
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # the executor's Python workers need this venv's torch
     session = (SparkSession.builder.master(url).appName("perseus-spark-standalone")
                .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
                .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
@@ -133,5 +164,11 @@ def test_run_on_a_standalone_cluster(cluster):
                                              r"start_timeout=5 s \(missing: task\(s\) 0, 1, 2\)"):
             perseus.spark.run(_where, num_proc=3, start_timeout=5)
         assert list(sc.statusTracker().getActiveJobsIds()) == []
+        # The estimators: the data prepared by the cluster's executor, training on its 2 cores, transform there.
+        trained, df = _fit_a_linear_model(session, str(tmp_path / "store"))
+        weight = trained.getModel().weight.detach().numpy().ravel()
+        assert abs(weight[0] - 2) < 0.1 and abs(weight[1] + 3) < 0.1, weight
+        rows = trained.transform(df.limit(20)).collect()
+        assert all(abs(r["y__output"] - r["y"]) < 0.3 for r in rows)
     finally:
         session.stop()

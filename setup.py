@@ -295,6 +295,9 @@ setup(
         # perseus.spark (a Java 17+ runtime and Open MPI on every node); the estimators' stores and data: fsspec
         # (file systems) and pyarrow (Parquet, HDFS)
         "spark": ["pyspark>=3.3", "fsspec>=2023.1.0", "pyarrow>=11"],
+        # perseus.spark.lightning (with "spark"): Horovod's Lightning estimator on Lightning 2 (the pytorch_lightning
+        # package, which Horovod's examples import)
+        "lightning": TORCH + ["pytorch-lightning>=2.0"],
         "convert": [],  # libcst is a base dependency now; kept so that perseus[convert] still resolves
         "examples": EXAMPLES,
         "test": TEST,

@@ -14,7 +14,7 @@ HVD="${1:?usage: $0 /path/to/horovod-checkout [scripts]}"
 shift
 SCRIPTS=("${@:-pytorch/pytorch_spark_mnist.py keras/keras_spark_mnist.py pytorch/pytorch_lightning_spark_mnist.py}")
 read -r -a SCRIPTS <<<"${SCRIPTS[*]}"
-BIN="$(bash tools/setup_env.sh torch,tensorflow-cpu,test,spark)" || exit 1
+BIN="$(bash tools/setup_env.sh torch,tensorflow-cpu,test,spark,lightning)" || exit 1
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/perseus-spark-examples.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
 mkdir -p "$WORK/site" "$WORK/data"

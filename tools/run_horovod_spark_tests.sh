@@ -14,7 +14,7 @@ ROOT="$(pwd)"
 HVD="${1:?usage: $0 /path/to/horovod-checkout [test files under test/integration]}"
 shift
 FILES=("${@:-test_spark_torch.py}")
-BIN="$(bash tools/setup_env.sh torch,tensorflow-cpu,test,spark)"
+BIN="$(bash tools/setup_env.sh torch,tensorflow-cpu,test,spark,lightning)"
 SITE="$(mktemp -d "${TMPDIR:-/tmp}/perseus-spark-site.XXXXXX")"
 trap 'rm -rf "$SITE"' EXIT
 echo "import horovod_test_spark_stubs  # noqa: F401" > "$SITE/sitecustomize.py"

@@ -57,7 +57,7 @@ main() {
       >"$LOG_DIR/java.log" 2>&1 &
     JAVA_PID=$!
   fi
-  BIN="$(bash tools/setup_env.sh torch,tensorflow-cpu,test,ray,spark)"
+  BIN="$(bash tools/setup_env.sh torch,tensorflow-cpu,test,ray,spark,lightning)"
   export PATH="$BIN:$PATH"
   # The ranks of a job share this machine's cores with the other jobs of the run: one compute thread each.
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"

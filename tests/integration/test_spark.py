@@ -1,5 +1,5 @@
-"""perseus.spark (horovod.spark): run() and run_elastic() on a local[2] Spark, their errors, and the estimator
-modules that are not implemented.
+"""perseus.spark (horovod.spark): run() and run_elastic() on a local[2] Spark and their errors (the estimators
+have test files of their own: test_spark_*_estimator.py).
 
 One SparkSession serves the module. Spark's barrier slot check fails at once here (maxFailures=1) instead of
 retrying for 10 minutes, so that a job larger than the cluster fails with Spark's own error. After every test
@@ -373,20 +373,6 @@ def test_registry_times_out_naming_the_missing_tasks_and_tracks_lost_ones():
         registry.end()
 
 
-def test_keras_and_lightning_estimators_are_not_implemented():
-    from perseus.spark import keras, lightning
-
-    classes = [keras.KerasEstimator, keras.KerasModel, lightning.TorchEstimator, lightning.TorchModel,
-               lightning.LightningEstimator]
-    for cls in classes:
-        with pytest.raises(NotImplementedError, match="perseus does not implement Horovod's Spark estimators"):
-            cls(num_proc=2)
-    with pytest.raises(NotImplementedError, match="perseus.spark.run"):
-        keras.KerasEstimator()
-    with pytest.raises(NotImplementedError):
-        keras.KerasModel.load("/tmp/somewhere")
-
-
 def test_horovod_spark_imports_through_the_alias():
     installed = [f for f in sys.meta_path if type(f).__name__ == "HorovodAlias"]
     from perseus.compat import horovod_alias
@@ -398,8 +384,7 @@ def test_horovod_spark_imports_through_the_alias():
         from horovod.spark.common.store import HDFSStore
 
         assert horovod.spark.run is perseus.spark.run and horovod.spark.run_elastic is perseus.spark.run_elastic
-        with pytest.raises(NotImplementedError):
-            KerasEstimator()
+        assert KerasEstimator is perseus.spark.keras.KerasEstimator  # implemented (test_spark_keras_estimator.py)
         assert HDFSStore is perseus.spark.common.store.HDFSStore  # the stores are implemented (test_spark_store.py)
     finally:
         if not installed:  # leave the process as it was

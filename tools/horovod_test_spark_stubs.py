@@ -3,8 +3,9 @@
 
 It installs the horovod alias and stands in for the Horovod internals their shared helper module
 (``test/utils/spark_common.py``) imports at module level and perseus does not have: Horovod's secret-key helper,
-its Spark driver and task services, and two of its DBFS file helpers. The stand-ins raise NotImplementedError
-when used (only Horovod's own service tests use them); the secret key is a random one.
+its Spark driver and task services, two of its DBFS file helpers, and the private helpers of its Keras
+estimator that ``test_spark_keras.py`` imports. The stand-ins raise NotImplementedError when used (only the
+tests of Horovod's own internals use them); the secret key is a random one.
 
     PYTHONPATH=tools:HOROVOD/test/utils python -m pytest -p horovod_test_spark_stubs HOROVOD/test/integration/...
 """
@@ -16,6 +17,7 @@ import types
 import perseus.compat.horovod_alias  # noqa: F401 - horovod.* is perseus.*
 from perseus.runner.common import util as _runner_util
 from perseus.spark.common import util as _util
+from perseus.spark.keras import util as _keras_util
 
 
 def _module(name: str, **attrs) -> types.ModuleType:
@@ -46,6 +48,11 @@ _module("horovod.spark.driver.driver_service",
 _module("horovod.spark.task.task_service",
         SparkTaskService=type("SparkTaskService", (_Internal,), {}),
         SparkTaskClient=type("SparkTaskClient", (_Internal,), {}))
-for _name in ("_wait_file_available_on_dbfs", "_get_spark_df_saved_file_list"):
-    if not hasattr(_util, _name):
-        setattr(_util, _name, _internal_function(_name))  # (in this test process only)
+for _module_, _names in ((_util, ("_wait_file_available_on_dbfs", "_get_spark_df_saved_file_list")),
+                         # test_spark_keras.py imports these helpers of Horovod's Keras estimator at module level
+                         (_keras_util, ("_custom_sparse_to_dense_fn", "_serialize_param_value"))):
+    for _name in _names:
+        if not hasattr(_module_, _name):
+            setattr(_module_, _name, _internal_function(_name))  # (in this process only)
+if not hasattr(_keras_util, "TFKerasUtil"):
+    _keras_util.TFKerasUtil = type("TFKerasUtil", (_Internal,), {})

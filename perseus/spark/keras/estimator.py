@@ -22,14 +22,14 @@ from pyspark import TaskContext, keyword_only
 from perseus.spark.common import util as common_util
 from perseus.spark.common.datamodule import ParquetDataModule
 from perseus.spark.common.estimator import HorovodEstimator, HorovodModel
-from perseus.spark.common.params import declare
+from perseus.spark.common.params import EstimatorParams, declare
 from perseus.spark.common.serialization import (PerseusParamsReadable, PerseusParamsWritable, decode_value,
                                                 encode_value)
 from perseus.spark.keras import util
 from perseus.spark.keras.remote import PROGRESS_SUFFIX, RemoteTrainer, TrainSpec
 from perseus.spark.keras.util import keras
 
-__all__ = ["KerasEstimator", "KerasModel"]
+__all__ = ["KerasEstimator", "KerasModel", "EstimatorParams"]
 
 _DEFAULT_BACKEND_ENV = {"LIBHDFS_OPTS": "-Xms2048m -Xmx2048m"}
 _MODEL_TAG = "__perseus_keras_model_base64__"

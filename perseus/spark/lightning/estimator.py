@@ -190,7 +190,9 @@ class TorchEstimator(HorovodEstimator, PerseusParamsWritable, PerseusParamsReada
         """The LightningModule the ranks train: a copy of the model, or a plain module wrapped."""
         model = self.getModel()
         if isinstance(model, pl.LightningModule):
-            return copy.deepcopy(model)
+            # Not a copy: the model travels in one pickle with whatever its methods refer to, so a
+            # configure_optimizers that names the model object (not self) gets the rank's own model.
+            return model
         labels = list(self.getLabelCols())
         loss = self.getLoss()
         if loss is None:
@@ -200,15 +202,21 @@ class TorchEstimator(HorovodEstimator, PerseusParamsWritable, PerseusParamsReada
                                    sample_weights_col=self.getSampleWeightCol(), validation=self.getValidation(),
                                    input_shapes=self.getInputShapes(), label_shapes=self.getLabelShapes())
 
-    def _checkpoint_to_resume(self, run_id: str):
-        """The store path of the run's checkpoint, or None."""
+    def _checkpoint_path(self, run_id: str):
+        """The store path of the run's Lightning checkpoint (``<run>/<checkpoint_filename>.ckpt``), or None when
+        the store keeps no runs."""
         store = self.getStore()
         directory = store.get_checkpoint_path(run_id)
-        if directory is None:
-            return None
-        path = f"{directory}/{store.get_checkpoint_filename()}.ckpt"
-        if not store.exists(path):
-            return None
+        return None if directory is None else f"{directory}/{store.get_checkpoint_filename()}.ckpt"
+
+    def _has_checkpoint(self, run_id: str) -> bool:
+        path = self._checkpoint_path(run_id)
+        return path is not None and self.getStore().exists(path)
+
+    def _read_checkpoint(self, run_id: str) -> str:
+        """The checkpoint to resume ``run_id`` from (Horovod's name; called when there is one): its store path,
+        which the ranks fetch themselves."""
+        path = self._checkpoint_path(run_id)
         if self.getVerbose():
             print(f"perseus.spark.lightning: resuming run {run_id} from {path}", flush=True)
         return path
@@ -235,7 +243,7 @@ class TorchEstimator(HorovodEstimator, PerseusParamsWritable, PerseusParamsReada
                 train_async_data_loader_queue_size=self.getTrainAsyncDataLoaderQueueSize(),
                 val_async_data_loader_queue_size=self.getValAsyncDataLoaderQueueSize()),
             compression=self.getGradientCompression(), use_gpu=self.getUseGpu(), num_gpus=self.getNumGPUs(),
-            mp_start_method=self.getMpStartMethod(), resume_from=self._checkpoint_to_resume(run_id))
+            mp_start_method=self.getMpStartMethod(), resume_from=self._read_checkpoint(run_id) if self._has_checkpoint(run_id) else None)
 
     def _fit_on_prepared_data(self, backend, train_rows, val_rows, metadata, avg_row_size, dataset_idx=None):
         self._check_params(metadata)

@@ -19,7 +19,9 @@ from perseus.runner.elastic.keeper_process import start_keeper
 
 pytestmark = pytest.mark.timeout(120)
 
-TOKEN = "test-token-0123"
+# One token per test process: a job's shared-memory directory is named after its token, and the keepers of a
+# test running in another pytest-xdist worker remove theirs when they stop.
+TOKEN = f"test-token-{os.getpid()}"
 
 
 @pytest.fixture

@@ -15,12 +15,11 @@ pyspark = pytest.importorskip("pyspark")
 tf = pytest.importorskip("tensorflow")
 
 import cloudpickle  # noqa: E402
-from pyspark.ml.linalg import DenseVector, VectorUDT  # noqa: E402
-from pyspark.sql import types as T  # noqa: E402
 from tensorflow import keras  # noqa: E402
 
 from perseus.spark.common.store import LocalStore  # noqa: E402
 from perseus.spark.keras import KerasEstimator, KerasModel  # noqa: E402
+from spark_support import linear_df, local_spark  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks cannot import this module
 pytestmark = [pytest.mark.timeout(600), pytest.mark.xdist_group("spark_local")]
@@ -28,28 +27,7 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.xdist_group("spark_local")]
 
 @pytest.fixture(scope="module")
 def spark():
-    from pyspark.sql import SparkSession
-
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # Spark's Python workers need this venv's Keras
-    session = (SparkSession.builder.master("local[2]").appName("perseus-spark-keras-estimator-tests")
-               .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-               .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
-               .config("spark.driver.memory", "1g")
-               .config("spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures", "1")
-               .getOrCreate())
-    session.sparkContext.setLogLevel("ERROR")
-    yield session
-    session.stop()
-
-
-def linear_df(spark, rows=400, seed=0):
-    """y = 2 x0 - 3 x1 + 1 (+ small noise), x as a dense vector column; a numeric weight column."""
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(rows, 2))
-    y = 2 * x[:, 0] - 3 * x[:, 1] + 1 + rng.normal(scale=0.01, size=rows)
-    schema = T.StructType([T.StructField("features", VectorUDT()), T.StructField("y", T.DoubleType()),
-                           T.StructField("w", T.DoubleType())])
-    return spark.createDataFrame([(DenseVector(a), float(b), 1.0) for a, b in zip(x, y)], schema)
+    yield from local_spark("perseus-spark-keras-estimator-tests")
 
 
 def squared_error(y_true, y_pred):

@@ -103,8 +103,10 @@ ESTIMATOR_PARAMS = [
 ]
 
 
-class EstimatorParams(Params):
-    """The parameters every estimator has (Horovod's ``EstimatorParams``)."""
+class _Declared(Params):
+    """Params whose defaults come from the class's declared table (:func:`declare`)."""
+
+    _declared_defaults: dict = {}
 
     def __init__(self):
         super().__init__()
@@ -114,6 +116,10 @@ class EstimatorParams(Params):
     def setParams(self, **kwargs):
         """Set several parameters by name; returns this object."""
         return self._set(**kwargs)
+
+
+class EstimatorParams(_Declared):
+    """The parameters every estimator has (Horovod's ``EstimatorParams``)."""
 
     def _check_params(self, metadata: dict) -> None:
         """The checks made before training: a model, and every feature and label column in the prepared data.
@@ -133,20 +139,11 @@ class EstimatorParams(Params):
 declare(EstimatorParams, ESTIMATOR_PARAMS)
 
 
-class ModelParams(Params):
+class ModelParams(_Declared):
     """The parameters every trained model has (Horovod's ``ModelParams``): its history, model, columns, run and
     the prepared data's metadata; ``outputCols`` names the prediction columns."""
 
     outputCols = Param(Params._dummy(), "outputCols", "output column names", typeConverter=_strs)
-
-    def __init__(self):
-        super().__init__()
-        self._setDefault(**type(self)._declared_defaults)
-
-    @keyword_only
-    def setParams(self, **kwargs):
-        """Set several parameters by name; returns this object."""
-        return self._set(**kwargs)
 
     def setOutputCols(self, value):
         """The prediction columns (default ``<label>__output``); returns this object."""

@@ -137,6 +137,7 @@ print("LEGACY-KERAS-OK")
 """
 
 
+@pytest.mark.full  # 2 minutes: the full test run (what CI runs) only
 def test_fit_with_tf_keras_2(tmp_path):
     pytest.importorskip("tf_keras")
     env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "PYSPARK_PYTHON": sys.executable}

@@ -88,16 +88,17 @@ from mpi4py import MPI  # noqa: F401 - perseus loads MPI before its native core,
 import perseus
 if not perseus.__file__.startswith(sys.prefix):
     sys.exit(f"perseus was imported from {perseus.__file__}, not from the new environment")
-# Subpackages that need a framework, and the framework.
-needs = {"perseus.torch": "torch", "perseus.tensorflow": "tensorflow", "perseus.keras": "tensorflow",
-         "perseus._keras": "tensorflow", "perseus.mxnet": "mxnet"}
+# Subpackages that need frameworks, and the frameworks (the Spark ML estimators need pyspark and theirs).
+needs = {"perseus.torch": ("torch",), "perseus.tensorflow": ("tensorflow",), "perseus.keras": ("tensorflow",),
+         "perseus._keras": ("tensorflow",), "perseus.mxnet": ("mxnet",), "perseus.spark.common": ("pyspark",),
+         "perseus.spark.torch": ("pyspark", "torch"), "perseus.spark.keras": ("pyspark", "tensorflow"),
+         "perseus.spark.lightning": ("pyspark", "pytorch_lightning")}
 count = 0
 pending = [perseus]
 while pending:
     package = pending.pop()
     for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
-        framework = needs.get(info.name)
-        if framework and importlib.util.find_spec(framework) is None:
+        if any(importlib.util.find_spec(f) is None for f in needs.get(info.name, ())):
             continue
         module = importlib.import_module(info.name)
         count += 1

@@ -73,6 +73,7 @@ def fit_and_check(spark, tmp_path):
     return model, store, df
 
 
+@pytest.mark.full  # 3 minutes: the full test run (what CI runs) only; the quick run keeps the bad-input test
 def test_fit_trains_on_two_ranks_resumes_and_the_model_saves_and_loads(spark, tmp_path):
     first, store, df = fit_and_check(spark, tmp_path)
     # the same run_id with more epochs resumes after the checkpoint's last epoch

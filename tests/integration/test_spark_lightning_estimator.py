@@ -161,6 +161,7 @@ def test_model_saves_and_loads_with_spark_ml_persistence(trained, tmp_path):
     np.testing.assert_allclose(got, expected, rtol=1e-6)
 
 
+@pytest.mark.full  # the full test run (what CI runs) only: the quick run's Spark group is its longest
 def test_a_run_resumes_after_its_last_checkpointed_epoch(trained, tmp_path):
     df, model, tmp = trained
     first = read_records(tmp / "records")[0]

@@ -1,15 +1,17 @@
-"""Open MPI session directories left behind by dead ``mpirun`` processes.
+"""Open MPI session directories left behind by dead ``mpirun`` processes and MPI daemons.
 
-Open MPI 5 (PRRTE and PMIx) keeps each ``mpirun``'s rendezvous files in ``$TMPDIR/ompi.<pid>`` (``/tmp`` when
-TMPDIR is unset) and removes the directory when that ``mpirun`` ends normally. An ``mpirun`` that is killed
-(SIGKILL, an out-of-memory kill, a job scheduler's time limit) leaves it behind. When a later ``mpirun``
-happens to get the same process id (Linux reuses ids; many machines wrap at 32768), its PMIx server finds
-the old files and ``mpirun`` fails at once with status 213: "The PMIx server's listener thread failed to
-start". The launcher removes such leftovers before it starts ``mpirun``.
+Open MPI 5 (PRRTE and PMIx) keeps each ``mpirun``'s rendezvous files in ``$TMPDIR/ompi.<pid>``, and each MPI
+daemon's (``prted``, started on another node through ssh or perseus's agent) in ``$TMPDIR/prted.<pid>``
+(``/tmp`` when TMPDIR is unset). A process that ends normally removes its directory; one that is killed
+(SIGKILL, an out-of-memory kill, a job scheduler's time limit, a node service ending its command) leaves it
+behind. When a later ``mpirun`` or daemon happens to get the same process id (Linux reuses ids; many
+machines wrap at 32768), its PMIx server finds the old files and fails at once: ``mpirun`` exits with status
+213, "The PMIx server's listener thread failed to start". The launchers remove such leftovers before they
+start ``mpirun``, and a node service before it starts a daemon.
 
-A directory is removed only when all of these hold: its name is exactly ``ompi.<digits>``, it belongs to this
-user, and no process with that id exists (so it cannot be the directory of a running ``mpirun`` in this
-process-id namespace).
+A directory is removed only when all of these hold: its name is exactly ``ompi.<digits>`` or
+``prted.<digits>``, it belongs to this user, and no process with that id exists (so it cannot be the
+directory of a running ``mpirun`` or daemon in this process-id namespace).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from perseus.common.knobs import external
 
 __all__ = ["stale_session_dirs", "remove_stale_session_dirs"]
 
-_NAME = re.compile(r"ompi\.(\d+)")
+_NAME = re.compile(r"(?:ompi|prted)\.(\d+)")
 
 
 def _alive(pid: int) -> bool:
@@ -42,7 +44,7 @@ def _base(tmpdir: Optional[str]) -> str:
 
 def stale_session_dirs(tmpdir: Optional[str] = None) -> list:
     """Paths of this user's Open MPI session directories in ``tmpdir`` (default: $TMPDIR or /tmp) whose
-    ``mpirun`` no longer exists. Never raises: an unreadable directory has no leftovers to report."""
+    ``mpirun`` or daemon no longer exists. Never raises: an unreadable directory has no leftovers to report."""
     base = _base(tmpdir)
     try:
         names = os.listdir(base)

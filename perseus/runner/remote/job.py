@@ -19,6 +19,7 @@ from typing import Mapping, Optional, Sequence
 
 from perseus.runner import mpi_run
 from perseus.runner.hosts import HostSlots
+from perseus.runner.session_dirs import remove_stale_session_dirs
 
 __all__ = ["Node", "node_name", "plan", "start", "agent_argv", "agent_command", "package_env", "job_file_path"]
 
@@ -114,6 +115,8 @@ def start(launch: mpi_run.LaunchPlan, verbose: bool = False, **popen) -> subproc
     Raises:
         OSError: mpirun cannot be started.
     """
+    env = {**os.environ, **launch.env}
+    remove_stale_session_dirs(env.get("TMPDIR"))  # a reused process id would fail mpirun (status 213)
     if verbose:
         print(f"perseus: {shlex.join(launch.argv)}", file=sys.stderr, flush=True)
-    return subprocess.Popen(launch.argv, env={**os.environ, **launch.env}, start_new_session=True, **popen)
+    return subprocess.Popen(launch.argv, env=env, start_new_session=True, **popen)

@@ -30,6 +30,7 @@ from typing import Mapping, Optional
 
 from perseus.runner.handshake import HelloServer, Refused, same_secret
 from perseus.runner.run_frames import recv_frame, send_frame
+from perseus.runner.session_dirs import remove_stale_session_dirs
 
 __all__ = ["NodeService", "STDIN", "STDOUT", "STDERR", "STATUS", "STARTED", "die_with_parent",
            "end_session"]
@@ -97,6 +98,7 @@ class NodeService:
                 env = {**os.environ, **self.env, **{str(k): str(v) for k, v in dict(request.get("env", {})).items()}}
             except (OSError, ConnectionError, ValueError, KeyError, TypeError):
                 return
+            remove_stale_session_dirs(env.get("TMPDIR"))  # a daemon with a reused process id would fail
             try:
                 proc = subprocess.Popen([sys.executable, "-m", _GUARD, command],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

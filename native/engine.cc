@@ -104,6 +104,7 @@ SetOptions Engine::set_options() const {
   o.host_key = s.host_key;
   o.hierarchical_allgather = s.hierarchical_allgather;
   o.huge_pages = s.huge_pages;
+  o.engine_lane_bytes = s.engine_lane_bytes;
   o.links.interfaces = s.network_interfaces;
   o.links.timeout_s = s.link_timeout_s;
   return o;

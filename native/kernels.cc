@@ -210,6 +210,18 @@ PERSEUS_CLONES void combine_bf16(const uint16_t* a, const uint16_t* b, uint16_t*
   combine_16<bf2f, f2bf>(a, b, out, n, k);
 }
 
+// Sum and scale in one pass.
+template <typename T>
+void sum_scaled_float(const T* a, const T* b, T* out, size_t n, T factor) {
+  zip(a, b, out, n, [factor](T x, T y) { return (x + y) * factor; });
+}
+PERSEUS_CLONES void sum_scaled_half(const uint16_t* a, const uint16_t* b, uint16_t* out, size_t n, float factor) {
+  zip(a, b, out, n, [factor](uint16_t x, uint16_t y) { return f2h((h2f(x) + h2f(y)) * factor); });
+}
+PERSEUS_CLONES void sum_scaled_bf16(const uint16_t* a, const uint16_t* b, uint16_t* out, size_t n, float factor) {
+  zip(a, b, out, n, [factor](uint16_t x, uint16_t y) { return f2bf((bf2f(x) + bf2f(y)) * factor); });
+}
+
 void combine_bool(const uint8_t* a, const uint8_t* b, uint8_t* out, size_t n, Kind k) {
   if (k == Kind::SUM || k == Kind::MAX) {
     zip(a, b, out, n, [](uint8_t x, uint8_t y) { return static_cast<uint8_t>((x | y) != 0); });
@@ -275,6 +287,23 @@ void combine(const void* a, const void* b, void* out, size_t count, DType dtype,
   }
 #undef PERSEUS_ARGS
   bad_dtype("combine", dtype);
+}
+
+void combine_scaled(const void* a, const void* b, void* out, size_t count, DType dtype, ReduceOp op,
+                    double factor) {
+  if (factor != 1.0 && kind_of(op) == Kind::SUM) {
+#define PERSEUS_ARGS(T) static_cast<const T*>(a), static_cast<const T*>(b), static_cast<T*>(out), count
+    switch (dtype) {
+      case DType::FLOAT32: return sum_scaled_float(PERSEUS_ARGS(float), static_cast<float>(factor));
+      case DType::FLOAT64: return sum_scaled_float(PERSEUS_ARGS(double), factor);
+      case DType::FLOAT16: return sum_scaled_half(PERSEUS_ARGS(uint16_t), static_cast<float>(factor));
+      case DType::BFLOAT16: return sum_scaled_bf16(PERSEUS_ARGS(uint16_t), static_cast<float>(factor));
+      default: break;
+    }
+#undef PERSEUS_ARGS
+  }
+  combine(a, b, out, count, dtype, op);
+  if (factor != 1.0) scale_into(out, out, count, dtype, factor);
 }
 
 }  // namespace perseus

@@ -18,6 +18,11 @@ void scale_into(const void* src, void* dst, size_t count, DType dtype, double fa
 // bool: SUM/MAX/AVERAGE are OR, MIN/PRODUCT are AND.
 void combine(const void* a, const void* b, void* out, size_t count, DType dtype, ReduceOp op);
 
+// out[i] = op(a[i], b[i]) * factor: combine() and scale_into() in one pass over the data where the dtype is
+// a float and op a sum (float16/bfloat16 then round once, not twice); two passes otherwise.
+void combine_scaled(const void* a, const void* b, void* out, size_t count, DType dtype, ReduceOp op,
+                    double factor);
+
 // Conversions (round to nearest even; NaN stays NaN).
 float half_to_float(uint16_t h);
 uint16_t float_to_half(float f);

@@ -42,6 +42,7 @@ ProcessSet::ProcessSet(SetContext context, const SetOptions& options, int id, st
   // they are created now because creating one is collective.
   for (int i = 0; i < std::max(1, options.channels_created); ++i)
     channels_.emplace_back(new Channel(control_->dup(), config, hooks));
+  lane_ = std::make_unique<EngineLane>(control_->dup(), hooks, options.engine_lane_bytes);
   device_channel_ = std::make_shared<DeviceChannel>(&ctx_.device_queue, hooks, id);
   buckets_.configure(params_.device_bucket_bytes);
 }
@@ -119,6 +120,15 @@ StepResult ProcessSet::step(double now) {
     release_held({ErrorKind::INTERNAL, dead_});
     return {false, false, 1e300};
   }
+  const bool moved = lane_->step();
+  StepResult r = step_rounds(now);
+  r.progressed = r.progressed || moved;
+  r.waiting = r.waiting || lane_->busy();  // polled again at once (a backoff while nothing moves)
+  return r;
+}
+
+// The negotiation state machine's part of a step (process_set.h's rules).
+StepResult ProcessSet::step_rounds(double now) {
   switch (state_) {
     case State::IDLE:
       return maybe_start(now);
@@ -165,6 +175,7 @@ void ProcessSet::release_held(const Error& error) {
     forget(r);
     finish(r, &error);
   }
+  lane_->release();  // its units' requests carry the error already
 }
 
 // -- failure and closing -----------------------------------------------------------------------------------

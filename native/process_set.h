@@ -25,6 +25,7 @@
 #include "channels.h"
 #include "device_buckets.h"
 #include "device_channel.h"
+#include "engine_lane.h"
 #include "handles.h"
 #include "negotiation.h"
 #include "set_context.h"
@@ -56,6 +57,7 @@ class ProcessSet {
   Error submit_join(Handle* h);
 
   // -- engine thread ---------------------------------------------------------------------------------
+  // One engine-thread step: the lane's unit in flight, then the negotiation state machine.
   StepResult step(double now);
   bool has_work();
   // Fail requests of this set: all of them, or (dispatched=false) only those not yet in a channel.
@@ -80,6 +82,7 @@ class ProcessSet {
   enum class State { IDLE, BAND, EXCHANGE, JOINGATHER };
   // process_set.cc
   void release_held(const Error& error);
+  StepResult step_rounds(double now);
   // process_set_rounds.cc
   StepResult maybe_start(double now);
   double start_delay_ms();
@@ -114,6 +117,7 @@ class ProcessSet {
   Negotiator negotiator_;
   UnitPool unit_pool_;
   std::vector<std::unique_ptr<Channel>> channels_;
+  std::unique_ptr<EngineLane> lane_;  // small host all-reduces, moved by the engine thread (engine_lane.h)
   std::shared_ptr<DeviceChannel> device_channel_;  // units of device requests go to the launcher
   TuneParams params_;  // written by the engine thread under mu_
   const int64_t device_fusion_threshold_bytes_;

@@ -52,10 +52,13 @@ void ProcessSet::dispatch(std::vector<Request*>& ready, bool flush) {
   for (Unit* u : units_) {
     u->index = unit_counter_++;
     u->algorithm = params_.algorithm;
-    // Always on the channel's thread, never here: a collective blocks until every peer joins it, and an
-    // engine thread blocked in one could not receive the abort of a peer that failed before joining.
+    // Never a blocking collective here: it waits until every peer joins it, and an engine thread blocked in
+    // one could not receive the abort of a peer that failed before joining.
+    // Small host all-reduces move on this thread, as non-blocking collectives step() polls (engine_lane.h).
     if (u->device >= 0)
       device_channel_->submit(u);  // the framework's launcher moves device memory, in this same order
+    else if (lane_->takes(*u))
+      lane_->submit(u);
     else
       channels_[u->index % n]->submit(u);
   }

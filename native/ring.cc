@@ -10,7 +10,7 @@
 namespace perseus {
 
 void ring_reduce_scatter(PointToPoint& path, void* buf, const std::vector<size_t>& counts, DType dt, ReduceOp op,
-                         const void* src, Scratch& scratch) {
+                         const void* src, Scratch& scratch, double scale) {
   const int n = path.size(), r = path.rank();
   if (n == 1) return;
   auto displs = displacements(counts);
@@ -22,7 +22,8 @@ void ring_reduce_scatter(PointToPoint& path, void* buf, const std::vector<size_t
     const void* origin = (src != nullptr && step == 0) ? src : buf;
     path.sendrecv(element_at(origin, displs[s], dt), counts[s] * itemsize(dt), right, tmp, counts[q] * itemsize(dt), left);
     const void* mine = element_at(src != nullptr ? src : buf, displs[q], dt);
-    combine(mine, tmp, element_at(buf, displs[q], dt), counts[q], dt, op);
+    // The last step completes this rank's own segment (q == r): scale it as it is combined.
+    combine_scaled(mine, tmp, element_at(buf, displs[q], dt), counts[q], dt, op, step == n - 2 ? scale : 1.0);
   }
 }
 
@@ -61,16 +62,18 @@ void ring_allgather(PointToPoint& path, void* buf, const std::vector<size_t>& co
   }
 }
 
-// Each rank scales only the segment it owns, so Average costs 1/size of a pass instead of a whole one.
+// Each rank scales only the segment it owns, in the last combine of the reduce-scatter, so Average costs no
+// pass over the data of its own.
 void ring_allreduce(PointToPoint& path, const void* send, void* recv, size_t count, DType dt, ReduceOp op,
                     double postscale, Scratch& scratch) {
-  const int n = path.size(), r = path.rank();
+  const int n = path.size();
   auto counts = even_counts(count, n);
-  ring_reduce_scatter(path, recv, counts, dt, op, send, scratch);
-  const size_t start = std::accumulate(counts.begin(), counts.begin() + r, size_t(0));
-  void* mine = element_at(recv, start, dt);
-  if (n == 1 && send != nullptr) scale_into(element_at(send, start, dt), mine, counts[r], dt, postscale);
-  else if (postscale != 1.0) scale_into(mine, mine, counts[r], dt, postscale);
+  if (n == 1) {  // no combine to fold the scale into
+    if (postscale != 1.0) scale_into(send != nullptr ? send : recv, recv, count, dt, postscale);
+    else if (send != nullptr && send != recv) copy_bytes(recv, send, count * itemsize(dt));
+    return;
+  }
+  ring_reduce_scatter(path, recv, counts, dt, op, send, scratch, postscale);
   ring_allgather(path, recv, counts, dt);
 }
 

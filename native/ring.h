@@ -14,9 +14,10 @@
 namespace perseus {
 
 // Reduce across the ranks; afterwards rank r holds the reduced segment r (counts[r] elements at their
-// offset) of buf. src (or buf when null) is this rank's input.
+// offset) of buf, times `scale` (applied in the last combine, not as a pass of its own). src (or buf when
+// null) is this rank's input.
 void ring_reduce_scatter(PointToPoint& path, void* buf, const std::vector<size_t>& counts, DType dt, ReduceOp op,
-                         const void* src, Scratch& scratch);
+                         const void* src, Scratch& scratch, double scale = 1.0);
 // The same reduction without a whole-size result buffer: this rank's reduced segment (counts[rank]
 // elements) goes to out; src holds every segment and is only read. Partial sums live in two segment-sized
 // scratch slots (0 and 2), so out may be as small as this rank's segment.

@@ -36,6 +36,7 @@ struct SetOptions {
   int64_t host_key = 0;  // ranks with equal keys are on one host
   bool hierarchical_allgather = false;
   bool huge_pages = true;  // huge_pages.h
+  int64_t engine_lane_bytes = 64 << 10;  // host all-reduce units up to this size run on the engine thread
   LinkOptions links;  // interfaces and timeout of the channels' links (cancel and world_ranks: the set's own)
 };
 

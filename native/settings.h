@@ -32,6 +32,8 @@ struct Settings {
   bool track_steps = false;  // knob autotune
   Algorithm algorithm = Algorithm::AUTO;  // knob allreduce_algorithm, hierarchical_allreduce
   int64_t cache_capacity = 4096;  // knob cache_capacity
+  // host all-reduce units up to this size run on the engine thread (engine_lane.h)
+  int64_t engine_lane_bytes = 64 << 10;  // knob engine_lane_bytes
   bool stall_check_disable = false;  // knob stall_check_disable
   double stall_check_time_s = 60.0;  // knob stall_check_time_s
   double stall_shutdown_time_s = 300.0;  // knob stall_shutdown_time_s
@@ -61,6 +63,7 @@ struct Settings {
   X(track_steps)                   \
   X(algorithm)                     \
   X(cache_capacity)                \
+  X(engine_lane_bytes)             \
   X(stall_check_disable)           \
   X(stall_check_time_s)            \
   X(stall_shutdown_time_s)         \

@@ -59,6 +59,10 @@ class Comm : public PointToPoint {
   // send == nullptr: in place on recv. Reduces every dtype, float16/bfloat16 included (in float32, rounded
   // once per combine), bool with OR for SUM/MAX/AVERAGE and AND for MIN/PRODUCT. op is never AVERAGE/ADASUM.
   virtual void allreduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op) = 0;
+  // The same all-reduce, non-blocking, for a buffer of at most 2^31 - 1 elements (the engine thread moves
+  // small units with it: engine_lane.h). Both buffers stay valid and untouched until test() is true.
+  virtual std::unique_ptr<PendingOp> iallreduce(const void* send, void* recv, size_t count, DType dtype,
+                                                ReduceOp op) = 0;
   // recv gets counts[r] elements from rank r, concatenated in rank order.
   virtual void allgatherv(const void* send, void* recv, const std::vector<size_t>& counts, DType dtype) = 0;
   virtual void broadcast(void* buf, size_t count, DType dtype, int root) = 0;

@@ -332,6 +332,18 @@ class LoopbackComm final : public Comm {
     wire().data(v.sent, v.received);
   }
 
+  std::unique_ptr<PendingOp> iallreduce(const void* send, void* recv, size_t count, DType dtype,
+                                        ReduceOp op) override {
+    Contribution c = reduction(Kind::ALLREDUCE, dtype, op);
+    c.count = count;
+    c.call = "iallreduce(count=" + std::to_string(count) + ", " + c.call + ")";
+    if (c.error.empty()) c.data = bytes_of(send ? send : recv, count * itemsize(dtype), &c.error);
+    auto pending = start(std::move(c), [recv](const Slot& s) { copy_bytes(recv, s.result.data(), s.result.size()); });
+    const WireVolume v = allreduce_volume(static_cast<uint64_t>(count) * itemsize(dtype), size_);
+    wire().data(v.sent, v.received);
+    return pending;
+  }
+
   void allgatherv(const void* send, void* recv, const std::vector<size_t>& counts, DType dtype) override {
     Contribution c;
     c.kind = Kind::ALLGATHERV;

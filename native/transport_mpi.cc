@@ -369,6 +369,18 @@ class MpiComm final : public Comm {
     wire().data(v.sent, v.received);
   }
 
+  std::unique_ptr<PendingOp> iallreduce(const void* send, void* recv, size_t count, DType dtype,
+                                        ReduceOp op) override {
+    const int c = to_count(count, "MPI_Iallreduce", "the count");
+    auto pending = std::make_unique<MpiPendingOp>();
+    const void* s = send == nullptr || send == recv ? MPI_IN_PLACE : send;
+    check(MPI_Iallreduce(s, recv, c, mpi_type(dtype), mpi_op(dtype, op), data_, &pending->state().request),
+          "MPI_Iallreduce");
+    const WireVolume v = allreduce_volume(static_cast<uint64_t>(count) * itemsize(dtype), size_);
+    wire().data(v.sent, v.received);
+    return pending;
+  }
+
   void allgatherv(const void* send, void* recv, const std::vector<size_t>& counts, DType dtype) override {
     check_ranks(counts, "MPI_Allgatherv");
     if (fits_int(counts)) {

@@ -492,6 +492,49 @@ void test_combine() {
 
 // -- repr helpers --------------------------------------------------------------------------------------
 
+// combine_scaled: combine then scale, bit for bit, except that a 16-bit float sum is scaled in float32 and
+// rounded once.
+void test_combine_scaled() {
+  Lcg rng{11};
+  for (DType d : kDTypes) {
+    const size_t isz = itemsize(d);
+    for (ReduceOp op : kOps) {
+      for (double f : {1.0, 0.5, 1.0 / 3.0}) {
+        const size_t n = 517;
+        std::vector<unsigned char> a(n * isz), b(n * isz), out(n * isz + 1, 0xCD), two(n * isz), alias = a;
+        fill(d, a.data(), n, rng);
+        fill(d, b.data(), n, rng);
+        alias = a;
+        combine_scaled(a.data(), b.data(), out.data(), n, d, op, f);
+        combine_scaled(alias.data(), b.data(), alias.data(), n, d, op, f);
+        combine(a.data(), b.data(), two.data(), n, d, op);
+        scale_into(two.data(), two.data(), n, d, f);
+        const bool once = (d == DType::FLOAT16 || d == DType::BFLOAT16) && f != 1.0 &&
+                          (op == ReduceOp::SUM || op == ReduceOp::AVERAGE);
+        int bad = 0;
+        for (size_t i = 0; i < n && bad < 3; ++i) {
+          uint64_t want = word(d, two.data(), i);
+          if (once) {
+            const uint16_t x = static_cast<const uint16_t*>(static_cast<const void*>(a.data()))[i];
+            const uint16_t y = static_cast<const uint16_t*>(static_cast<const void*>(b.data()))[i];
+            const float wx = d == DType::FLOAT16 ? half_to_float(x) : bf16_to_float(x);
+            const float wy = d == DType::FLOAT16 ? half_to_float(y) : bf16_to_float(y);
+            want = round_to(d, static_cast<double>((wx + wy) * static_cast<float>(f)));
+          }
+          const uint64_t got = word(d, out.data(), i), got_alias = word(d, alias.data(), i);
+          if (!same(d, got, want) || !same(d, got_alias, want)) {
+            ++bad;
+            EXPECT(false, "combine_scaled " << dtype_name(d) << " " << reduce_op_title(op) << " x" << f << " [" << i
+                                            << "]: " << hex(got) << " (aliased " << hex(got_alias) << "), want "
+                                            << hex(want));
+          }
+        }
+        EXPECT(out[n * isz] == 0xCD, "combine_scaled wrote past the end");
+      }
+    }
+  }
+}
+
 void test_repr_known() {
   const std::pair<std::string, std::string> strings[] = {
       {"", "''"},
@@ -695,6 +738,7 @@ int main(int argc, char** argv) {
     test_bf16();
     test_scale();
     test_combine();
+    test_combine_scaled();
     test_repr_known();
     if (argc > 1) test_against_numpy(argv[1]);
   } catch (const std::exception& e) {

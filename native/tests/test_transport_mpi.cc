@@ -504,6 +504,36 @@ std::string control_message(int from, int to, int k) {
   return s;
 }
 
+// The engine lane's non-blocking all-reduce: beside a negotiation operation in flight, from a separate send
+// buffer and in place, float32 and float16 (reduced in float32 through the user-defined op).
+void test_iallreduce(Comm& c) {
+  const int size = c.size(), rank = c.rank();
+  for (int round = 0; round < 10; ++round) {
+    std::vector<float> send(7), recv(7, -1.0f);
+    for (int i = 0; i < 7; ++i) send[i] = static_cast<float>(rank + i + round);
+    std::vector<uint16_t> half(5, float_to_half(static_cast<float>(rank + 1)));
+    uint64_t word = ~uint64_t(0);
+    auto band = c.iallreduce_band(&word, 1);
+    auto sum = c.iallreduce(send.data(), recv.data(), recv.size(), DType::FLOAT32, ReduceOp::SUM);
+    auto in_place = c.iallreduce(nullptr, half.data(), half.size(), DType::FLOAT16, ReduceOp::SUM);
+    bool done[3] = {false, false, false};
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (!(done[0] && done[1] && done[2]) && std::chrono::steady_clock::now() < deadline) {
+      done[0] = done[0] || sum->test();
+      done[1] = done[1] || in_place->test();
+      done[2] = done[2] || band->test();
+    }
+    EXPECT(done[0] && done[1] && done[2], "iallreduce did not complete");
+    for (int i = 0; i < 7; ++i) {
+      const float want = static_cast<float>(size * (i + round) + size * (size - 1) / 2);
+      EXPECT(recv[i] == want, "iallreduce float32 [" << i << "] = " << recv[i] << ", want " << want);
+    }
+    EXPECT(send[0] == static_cast<float>(rank + round), "iallreduce changed its send buffer");
+    for (uint16_t h : half)
+      EXPECT(half_to_float(h) == static_cast<float>(size * (size + 1) / 2), "iallreduce float16 in place");
+  }
+}
+
 void test_control_messages(Comm& c) {
   const int size = c.size(), rank = c.rank();
   const int per_peer = 5;
@@ -691,6 +721,7 @@ void run_all(Comm& c, const char* label) {
   test_sendrecv(c);
   test_small_collectives(c);
   test_nonblocking(c);
+  test_iallreduce(c);
   test_control_messages(c);
   test_wire_counters(c);
   test_errors(c);

@@ -118,6 +118,11 @@ KNOBS: tuple[Knob, ...] = (
          flag=Flag("--fusion-threshold-mb", "tuning", "largest all-reduce unit, in MB", scale=1 << 20)),
     Knob("inplace_threshold_bytes", ("PERSEUS_INPLACE_THRESHOLD",), int, 256 << 10, unit="bytes", tunable=True,
          doc="Tensors at least this large are reduced where they lie (no copy into a fusion buffer)."),
+    Knob("engine_lane_bytes", ("PERSEUS_ENGINE_LANE_BYTES",), int, 64 << 10, unit="bytes",
+         doc="Host all-reduce units up to this size that MPI's own algorithm carries are moved by the engine "
+             "thread that negotiated them (a non-blocking all-reduce it polls while it goes on negotiating) "
+             "instead of a channel thread: one thread hand-off less per synchronous round trip. 0: every unit "
+             "goes to a channel."),
     Knob("huge_pages", ("PERSEUS_HUGE_PAGES",), bool, True,
          doc="Ask Linux (6.1+, MADV_COLLAPSE) to back host buffers of at least 1 MiB that all-reduces move again "
              "and again (gradients kept between steps, fusion and scratch buffers) with transparent huge pages, "

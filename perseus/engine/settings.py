@@ -95,6 +95,8 @@ ENGINE_FIELDS: tuple[EngineField, ...] = (
                 note="time training steps for the run-time tuner (ProcessSet::steps)"),
     EngineField("algorithm", "Algorithm", ("allreduce_algorithm", "hierarchical_allreduce"), allreduce_algorithm),
     EngineField("cache_capacity", "int64_t", ("cache_capacity",)),
+    EngineField("engine_lane_bytes", "int64_t", ("engine_lane_bytes",),
+                note="host all-reduce units up to this size run on the engine thread (engine_lane.h)"),
     EngineField("stall_check_disable", "bool", ("stall_check_disable",)),
     EngineField("stall_check_time_s", "double", ("stall_check_time_s",)),
     EngineField("stall_shutdown_time_s", "double", ("stall_shutdown_time_s",)),

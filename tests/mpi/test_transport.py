@@ -1,5 +1,6 @@
-"""The native engine's allreduce algorithms (MPI_Allreduce and the ring) against a reference, every dtype and
-op, through a second engine built for the algorithm on a duplicate of the world communicator."""
+"""The native engine's allreduce algorithms (MPI_Allreduce on a channel thread, the ring, and MPI's non-blocking
+all-reduce on the engine thread's lane) against a reference, every dtype and op, through a second engine built
+for the path on a duplicate of the world communicator."""
 
 import types
 
@@ -21,15 +22,19 @@ def engines(hvd):
     from perseus.engine.native import ENGINE_SETTINGS, Engine
 
     made = {}
-    for algorithm in ("mpi", "ring", "auto"):
+    # path: (algorithm, engine_lane_bytes). "mpi" keeps every unit on a channel thread; "lane" moves every
+    # unit (at most 64 KiB here) on the engine thread; "auto" has the default lane.
+    paths = {"mpi": ("mpi", 0), "ring": ("ring", 0), "lane": ("mpi", 1 << 20),
+             "auto": ("auto", runtime().settings.engine_lane_bytes)}
+    for path, (algorithm, lane_bytes) in paths.items():
         values = {name: getattr(runtime().settings, name) for name in ENGINE_SETTINGS}
         # Small thresholds: a 70000-element tensor is reduced in place in several units.
         values.update(allreduce_algorithm=algorithm, fusion_threshold_bytes=64 << 10,
-                      inplace_threshold_bytes=16 << 10, cycle_time_ms=0.0)
+                      inplace_threshold_bytes=16 << 10, cycle_time_ms=0.0, engine_lane_bytes=lane_bytes)
         engine = Engine(types.SimpleNamespace(**values), MPI.COMM_WORLD.Get_rank())
         engine.add_process_set(0, MPI.COMM_WORLD.Dup(), list(range(MPI.COMM_WORLD.Get_size())))
         engine.start()
-        made[algorithm] = engine
+        made[path] = engine
     yield made
     for engine in made.values():
         engine.shutdown()
@@ -43,7 +48,7 @@ def allreduce(engine, name, src, out, op, postscale=1.0):
     engine.wait(engine.submit(0, OpType.ALLREDUCE, [item], None, (src, out)))
 
 
-@pytest.mark.parametrize("algorithm", ["mpi", "ring"])
+@pytest.mark.parametrize("algorithm", ["mpi", "ring", "lane"])
 @pytest.mark.parametrize("dtype", ["int32", "int64", "float16", "float32", "float64", "bool", "uint8"])
 @pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("in_place", [True, False])
@@ -67,7 +72,7 @@ def test_allreduce_algorithms(hvd, engines, algorithm, dtype, op, in_place):
         np.testing.assert_allclose(out.astype(np.float64), np.asarray(ref, np.float64), rtol=1e-3)
 
 
-@pytest.mark.parametrize("algorithm", ["mpi", "ring", "auto"])
+@pytest.mark.parametrize("algorithm", ["mpi", "ring", "auto", "lane"])
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int32"])
 def test_allreduce_postscale(hvd, engines, algorithm, dtype):
     size, rank = hvd.size(), hvd.rank()

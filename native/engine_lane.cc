@@ -6,6 +6,19 @@
 
 namespace perseus {
 
+namespace {
+
+// A timeline activity for each piece of u, the labels a channel records for the unit's kind (the copies of an
+// in-place unit through the lane's buffer are not shown: they are at most engine_lane_bytes).
+void activity(const ChannelHooks& hooks, const Unit* u, const char* label) {
+  TimelineRecorder* tl = hooks.timeline;
+  if (tl == nullptr || !tl->on()) return;
+  for (const Piece& p : u->pieces)
+    if (!p.request->phantom) tl->record(TimelineKind::ACTIVITY, u->op_type, p.request->name, label);
+}
+
+}  // namespace
+
 EngineLane::EngineLane(std::unique_ptr<Comm> comm, ChannelHooks hooks, int64_t max_bytes)
     : comm_(std::move(comm)), hooks_(std::move(hooks)), max_bytes_(std::max<int64_t>(max_bytes, 0)),
       buffer_(new std::vector<uint8_t>(static_cast<size_t>(std::max<int64_t>(max_bytes_, 1)))) {}
@@ -56,6 +69,7 @@ void EngineLane::start_next() {
       }
       uint8_t* buf = buffer_->data();
       const DType dt = u->dtype;
+      if (u->kind != UnitKind::INPLACE) activity(hooks_, u, "MEMCPY_IN_FUSION_BUFFER");
       for (const Piece& p : u->pieces) {
         const Request* r = p.request;
         const void* src = element_at(r->input != nullptr ? r->input : r->output, p.offset, dt);
@@ -63,6 +77,7 @@ void EngineLane::start_next() {
         if (u->prescale != 1.0) scale_into(src, part, p.count, dt, u->prescale);
         else copy_bytes(part, src, p.count * itemsize(dt));
       }
+      activity(hooks_, u, "MPI_ALLREDUCE");
       op_ = comm_->iallreduce(nullptr, buf, static_cast<size_t>(u->numel), dt, u->reduce_op);
     } catch (const TransportError& e) {
       fail_front(e.what());
@@ -77,16 +92,13 @@ void EngineLane::finish_front() {
   op_.reset();
   const uint8_t* buf = buffer_->data();
   const DType dt = u->dtype;
+  if (u->kind != UnitKind::INPLACE) activity(hooks_, u, "MEMCPY_OUT_FUSION_BUFFER");
   for (const Piece& p : u->pieces) {
     uint8_t* dst = element_at(p.request->output, p.offset, dt);
     const uint8_t* part = element_at(buf, p.buf_offset, dt);
     if (u->postscale != 1.0) scale_into(part, dst, p.count, dt, u->postscale);
     else copy_bytes(dst, part, p.count * itemsize(dt));
   }
-  if (hooks_.timeline != nullptr && hooks_.timeline->on())
-    for (const Piece& p : u->pieces)
-      if (!p.request->phantom) hooks_.timeline->record(TimelineKind::ACTIVITY, u->op_type, p.request->name,
-                                                       "MPI_ALLREDUCE");
   for (const Piece& p : u->pieces) hooks_.piece_done(p.request);
   hooks_.recycle(u);
 }

@@ -57,7 +57,7 @@ DEFAULTS = dict(fusion_threshold_bytes=4 << 20, inplace_threshold_bytes=256 << 1
                 stall_check_disable=True, stall_check_time_s=60.0, stall_shutdown_time_s=0.0, idle_poll_max_ms=5.0,
                 hierarchical_allgather=False, huge_pages=True, network_interface="", link_timeout_s=30.0,
                 max_channels=0, autotune=False, device_fusion_threshold_bytes=64 << 20, device_bucket_bytes=25 << 20,
-                device_cycle_time_ms=1.0)
+                device_cycle_time_ms=1.0, engine_lane_bytes=64 << 10)
 
 # Timeline event kinds (native/timeline.h).
 NEGOTIATE_START, OP_START, ACTIVITY, OP_END, CYCLE = 0, 1, 2, 3, 4

@@ -12,6 +12,7 @@
 #   MPI tests on 2 ranks        tests/mpi under mpirun, every rank running every test
 #   MPI tests on 3 ranks        the modules marked "rank_count" / all of tests/mpi
 #   large tensors               - / above 2 GiB and 2^31 elements, every collective (2 ranks, ~10 GiB)
+#   8 and 16 ranks              - / the collective and optimizer suites, oversubscribed
 #   GPU paths without a GPU     host staging and the NCCL launcher on Gloo: 2 ranks / 2 and 3 ranks
 #   sanitizers                  - / the native core under ASan+UBSan with the engine's MPI tests
 #   native tests                kernels, codec, MPI transport
@@ -147,6 +148,11 @@ main() {
   if [ $FULL = 1 ]; then
     stage "MPI tests on 3 ranks" "${MPIRUN[@]}" -np 3 "${PYTEST[@]}" -q tests/mpi --ignore tests/mpi/test_large_tensors.py
     stage "large tensors on 2 ranks (~10 GiB of memory)" "${MPIRUN[@]}" -np 2 "${PYTEST[@]}" -q tests/mpi/test_large_tensors.py
+    # Past 3 ranks: the collective and optimizer suites on 8 and 16 ranks, oversubscribed (docs/scaling.md).
+    for np in 8 16; do
+      stage "collectives and optimizer on $np ranks (oversubscribed)" "${MPIRUN[@]}" -np $np "${PYTEST[@]}" -q \
+        tests/mpi/test_collectives.py tests/mpi/test_optimizer.py
+    done
   else
     stage "MPI tests on 3 ranks (the rank_count modules)" "${MPIRUN[@]}" -np 3 "${PYTEST[@]}" -q -m rank_count tests/mpi \
       --ignore tests/mpi/test_large_tensors.py

@@ -174,15 +174,18 @@ def profile_table(rows: list[dict], source: str) -> str:
 
 
 def training_table(rows: list[dict], source: str) -> str:
-    lines = ["| model | method | throughput (samples/s) | scaling efficiency | vs Horovod | vs DDP |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| model | method | throughput (samples/s) | scaling efficiency | vs Horovod | vs DDP | "
+             "CPU ms per step beside the training thread |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "method" not in r or "median_throughput" not in r:
             continue
         def g(k, f="{:.2f}"):
             return f.format(r[k]) if r.get(k) is not None else ""
+        beside = [v for v in r.get("beside_cpu_per_step") or [] if v is not None]
+        beside_ms = f"{max(0.0, 1e3 * statistics.median(beside)):.1f}" if beside else ""  # clock ticks: >= 0
         lines.append(f"| {r['model']} | {r['method']} | {g('median_throughput', '{:.1f}')} | {g('efficiency')} | "
-                     f"{g('vs_horovod', '{:.2f}x')} | {g('vs_ddp', '{:.2f}x')} |")
+                     f"{g('vs_horovod', '{:.2f}x')} | {g('vs_ddp', '{:.2f}x')} | {beside_ms} |")
     lines += ["", f"Source: `{source}`."]
     return "\n".join(lines)
 

@@ -27,7 +27,9 @@ isolates what communication (and its overlap) costs. Each job warms up --warmup 
 a barrier, trains --steps steps and takes the slowest rank's elapsed time; a step is that time / --steps and
 the job's throughput is ranks x batch x steps / that time (samples per second for the whole job). Each job
 also records cpu_per_s, the busiest rank's CPU seconds (all its threads) per second of the timed steps: above
-1.0, communication threads took CPU time that the rank's one compute thread then shares a core with.
+1.0, communication threads took CPU time that the rank's one compute thread then shares a core with; and
+beside_cpu_per_step, the CPU seconds per step of every thread but the training thread (the library's engine
+and channel threads, gloo's, torch's own) on the busiest rank.
 
 The driver reports per model and method the median throughput over the rounds, the scaling efficiency
 (median throughput / (ranks x median single throughput)) and the ratios to Horovod and to DDP as medians of
@@ -192,10 +194,12 @@ def job(args) -> int:
     for _ in range(args.warmup):
         step()
     comm.Barrier()
-    t0, c0, threads0 = time.perf_counter(), time.process_time(), thread_cpu()
+    t0, c0, m0, threads0 = time.perf_counter(), time.process_time(), time.thread_time(), thread_cpu()
     for _ in range(args.steps):
         loss = step()
     elapsed, cpu, threads1 = time.perf_counter() - t0, time.process_time() - c0, thread_cpu()
+    beside = cpu - (time.thread_time() - m0)  # every thread but the training thread: the library's, torch's
+    beside_max = comm.allreduce(beside / args.steps, op=MPI.MAX)
     slowest = comm.allreduce(elapsed, op=MPI.MAX)
     busiest = comm.allreduce(cpu / elapsed, op=MPI.MAX)  # CPU seconds per second, all of a process's threads
     batch = args.batch if args.model == "resnet" else args.seq_batch
@@ -204,6 +208,8 @@ def job(args) -> int:
                "step_s": round(slowest / args.steps, 5), "throughput": round(size * batch * args.steps / slowest, 3),
                "params": sum(p.numel() for p in model.parameters()), "final_loss": round(loss.item(), 4),
                "cpu_per_s": round(busiest, 3),
+               # CPU seconds per step of the threads beside the training thread, on the busiest rank
+               "beside_cpu_per_step": round(beside_max, 5),
                # rank 0's CPU seconds per step by thread name: what the library's threads take from the core
                "thread_cpu_per_step": {k: round((v - threads0.get(k, 0.0)) / args.steps, 4)
                                        for k, v in threads1.items() if v - threads0.get(k, 0.0) > 0}}
@@ -304,6 +310,7 @@ def summarize(rows: list[dict], args, methods: list[str]) -> list[dict]:
                    "params": samples[0]["params"], "median_throughput": round(med[m], 2),
                    "throughput": [r["throughput"] for r in samples], "step_s": [r["step_s"] for r in samples],
                    "cpu_per_s": [r["cpu_per_s"] for r in samples],
+                   "beside_cpu_per_step": [r.get("beside_cpu_per_step") for r in samples],
                    "rounds_done": [r["round"] for r in samples]}
             if "single" in med:
                 row["efficiency"] = round(med[m] / (ranks * med["single"]), 3)

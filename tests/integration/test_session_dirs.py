@@ -102,7 +102,11 @@ def test_a_node_service_starts_its_daemon_where_leftovers_break_it(tmp_path, mon
     svc = NodeService("tok", "127.0.0.1", env={"TMPDIR": tmp, "PYTHONPATH": REPO})
     job_file = str(tmp_path / "job.json")
     write_job_file(job_file, "tok", {"perseus-node-0": f"127.0.0.1:{svc.port}"})
-    plan = remote_job.plan([remote_job.Node("perseus-node-0", f"127.0.0.1:{svc.port}", 1)], ["true"], job_file)
+    # The rank lives half a second: a command that ends at once sometimes left mpirun and its daemon waiting on
+    # each other when the daemon came through the agent (Open MPI 5.0.11, about 1 run in 5, with no leftovers
+    # at all); perseus's ranks start a Python interpreter first, which takes longer.
+    plan = remote_job.plan([remote_job.Node("perseus-node-0", f"127.0.0.1:{svc.port}", 1)], ["sleep", "0.5"],
+                           job_file)
     try:
         monkeypatch.setattr(service_module, "remove_stale_session_dirs", lambda tmpdir=None: [])
         _plant_window(tmp, kind="prted")

@@ -7,18 +7,20 @@ import sys
 import numpy as np
 
 
-def local_spark(app: str):
-    """Yield a local[2] SparkSession (stopped afterwards); Spark's Python workers run this interpreter, whose
-    venv has the frameworks the ranks and transform need."""
+def local_spark(app: str, memory: str = "1g", conf: dict | None = None):
+    """Yield a local[2] SparkSession (stopped afterwards) with ``memory`` for the driver and ``conf`` added;
+    Spark's Python workers run this interpreter, whose venv has the frameworks the ranks and transform need."""
     from pyspark.sql import SparkSession
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    session = (SparkSession.builder.master("local[2]").appName(app)
+    builder = (SparkSession.builder.master("local[2]").appName(app)
                .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
                .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
-               .config("spark.driver.memory", "1g")
-               .config("spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures", "1")
-               .getOrCreate())
+               .config("spark.driver.memory", memory)
+               .config("spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures", "1"))
+    for key, value in (conf or {}).items():
+        builder = builder.config(key, value)
+    session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
     yield session
     session.stop()

@@ -23,6 +23,7 @@ import perseus.spark.common.store  # noqa: E402
 from perseus.runner.run_func import RunError  # noqa: E402
 from perseus.spark.driver import Registry, StartError  # noqa: E402
 from perseus.runner.run_frames import recv_frame, send_frame  # noqa: E402
+from spark_support import local_spark  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks cannot import this module
 # pytest-xdist keeps the module's tests in one worker: one Spark for all of them. The timeout is for hangs only:
@@ -45,18 +46,8 @@ _LEFTOVERS = (b"prterun", b"prted", b"mpirun", b"perseus.runner.run_task", b"per
 
 @pytest.fixture(scope="module")
 def spark():
-    from pyspark.sql import SparkSession
-
-    session = (SparkSession.builder.master("local[2]").appName("perseus-spark-tests")
-               .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-               .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
-               .config("spark.driver.memory", "512m")
-               .config("spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures", "1")
-               .config("spark.scheduler.barrier.maxConcurrentTasksCheck.interval", "1s")
-               .getOrCreate())
-    session.sparkContext.setLogLevel("ERROR")
-    yield session
-    session.stop()
+    yield from local_spark("perseus-spark-tests", memory="512m",
+                           conf={"spark.scheduler.barrier.maxConcurrentTasksCheck.interval": "1s"})
 
 
 def _descendants_running(names=_LEFTOVERS) -> list[str]:

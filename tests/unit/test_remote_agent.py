@@ -130,6 +130,29 @@ def test_the_command_and_its_children_end_when_the_worker_is_killed(tmp_path):
         worker.wait()
 
 
+def test_a_worker_that_is_its_containers_first_process_runs_commands(tmp_path):
+    """A worker that is process 1 of its process-id namespace (a container's first process): its commands run,
+    although their guard's parent has the id an orphan's parent has."""
+    if os.geteuid() != 0:
+        pytest.skip("a process-id namespace of its own (unshare --pid) needs root")
+    script = textwrap.dedent(f"""
+        import os, subprocess, sys
+        from perseus.runner.remote.service import NodeService
+        from perseus.runner.remote.agent import write_job_file
+        assert os.getpid() == 1
+        svc = NodeService("tok", "127.0.0.1")
+        write_job_file({str(tmp_path / "job.json")!r}, "tok", {{"n": "127.0.0.1:%d" % svc.port}})
+        done = subprocess.run([sys.executable, "-m", "perseus.runner.remote.agent", "--job",
+                               {str(tmp_path / "job.json")!r}, "n", "echo ran; exit 3"], capture_output=True)
+        svc.close()
+        print(done.returncode, done.stdout.decode().strip(), done.stderr.decode().strip())
+    """)
+    done = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", script],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": REPO})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["3", "ran"], done.stdout
+
+
 def test_closing_the_service_ends_its_commands_and_tells_the_agent(service):
     svc, path = service
     env = {**os.environ, "PYTHONPATH": REPO}

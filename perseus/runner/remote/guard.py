@@ -1,4 +1,5 @@
-"""``python -m perseus.runner.remote.guard COMMAND``: run ``/bin/sh -c COMMAND`` and end it with its worker.
+"""``python -m perseus.runner.remote.guard PARENT COMMAND``: run ``/bin/sh -c COMMAND`` and end it with its worker
+(PARENT, the process id of the worker that starts the guard).
 
 A :class:`~perseus.runner.remote.service.NodeService` starts every command through this guard, as the leader of
 a new session; the guard waits for the shell and exits with its status (the command's stdin, stdout and stderr
@@ -47,18 +48,18 @@ def _watch(guard: int) -> None:
 def main(argv=None) -> int:
     """Run the command (see the module doc); its exit status (128 + N when signal N ended it)."""
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m perseus.runner.remote.guard COMMAND", file=sys.stderr)
+    if len(argv) != 2 or not argv[0].isdigit():
+        print("usage: python -m perseus.runner.remote.guard PARENT_PID COMMAND", file=sys.stderr)
         return 2
-    parent, guard = os.getppid(), os.getpid()
+    guard = os.getpid()
     die_with_parent(signal.SIGTERM)  # the worker's process died: so does the guard, and the watchdog acts
-    if parent == 1:
-        return 128 + signal.SIGTERM
+    if os.getppid() != int(argv[0]):  # the worker died before the request above took effect (the worker itself
+        return 128 + signal.SIGTERM  # may be process 1, as a container's first process is)
     if os.fork() == 0:
         for fd in (0, 1, 2):  # the watchdog holds none of the command's pipes open
             os.close(fd)
         _watch(guard)
-    child = subprocess.Popen(["/bin/sh", "-c", argv[0]])
+    child = subprocess.Popen(["/bin/sh", "-c", argv[1]])
     code = child.wait()
     return code if code >= 0 else 128 - code
 

@@ -100,7 +100,7 @@ class NodeService:
                 return
             remove_stale_session_dirs(env.get("TMPDIR"))  # a daemon with a reused process id would fail
             try:
-                proc = subprocess.Popen([sys.executable, "-m", _GUARD, command],
+                proc = subprocess.Popen([sys.executable, "-m", _GUARD, str(os.getpid()), command],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         env=env, start_new_session=True)
             except OSError as exc:

@@ -210,6 +210,8 @@ class BuildNative(build_ext):
         flags = mpi_flags + ["-std=c++17", "-O3", "-fvisibility=hidden", "-Wall", "-fPIC"]
         flags += shlex.split(os.environ.get("CXXFLAGS", ""))
         link = _without_rpath(link_flags) + ["-lpthread"] + shlex.split(os.environ.get("LDFLAGS", ""))
+        if sys.platform.startswith("linux"):  # export Python's entry point only (native/core.map)
+            link.append("-Wl,--version-script=" + os.path.join("native", "core.map"))
         executables = {
             "compiler": [wrapper] + flags, "compiler_so": [wrapper] + flags, "compiler_so_cxx": [wrapper] + flags,
             "compiler_cxx": [compiler], "linker_so": [compiler, "-shared"], "linker_so_cxx": [compiler, "-shared"],

@@ -14,17 +14,15 @@ uint8_t* Scratch::get(size_t nbytes, int slot) {
   return s.data();
 }
 
-std::vector<size_t> even_counts(size_t total, int parts) {
-  std::vector<size_t> out(parts, total / parts);
-  for (size_t i = 0; i < total % parts; ++i) out[i] += 1;
-  return out;
+void even_counts(size_t total, int parts, std::vector<size_t>* out) {
+  out->assign(parts, total / parts);
+  for (size_t i = 0; i < total % parts; ++i) (*out)[i] += 1;
 }
 
-std::vector<size_t> displacements(const std::vector<size_t>& counts) {
-  std::vector<size_t> out(counts.size());
+void displacements(const std::vector<size_t>& counts, std::vector<size_t>* out) {
+  out->resize(counts.size());
   size_t acc = 0;
-  for (size_t i = 0; i < counts.size(); ++i) out[i] = acc, acc += counts[i];
-  return out;
+  for (size_t i = 0; i < counts.size(); ++i) (*out)[i] = acc, acc += counts[i];
 }
 
 }  // namespace perseus

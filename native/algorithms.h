@@ -17,15 +17,23 @@ class Scratch {
   // A buffer of at least nbytes for `slot` (0-2), kept between calls; with huge pages on, its frames are
   // offered for collapsing (huge_pages.h).
   uint8_t* get(size_t nbytes, int slot);
+  // An index vector for `slot` (one of the k*Index slots below), kept between calls so that the per-segment
+  // counts and offsets of an algorithm allocate nothing once the rank count has been seen.
+  std::vector<size_t>* index(int slot) { return &index_[slot]; }
+  static constexpr int kRingCounts = 0;  // ring_allreduce's segment sizes
+  static constexpr int kDispls = 1;      // a ring step function's segment offsets (used only within the call)
+  static constexpr int kHostCounts = 2;  // hierarchical_allreduce's local segment sizes
   void set_huge_pages(bool on) { huge_pages_ = on; }
  private:
   std::vector<uint8_t> slots_[3];
+  std::vector<size_t> index_[3];
   bool huge_pages_ = false;
 };
 
 // `total` elements in `parts` segments whose sizes differ by at most one (the first ones larger).
-std::vector<size_t> even_counts(size_t total, int parts);
-// Where each segment of `counts` starts, in elements.
-std::vector<size_t> displacements(const std::vector<size_t>& counts);
+// Written into *out (its capacity reused).
+void even_counts(size_t total, int parts, std::vector<size_t>* out);
+// Where each segment of `counts` starts, in elements, written into *out (its capacity reused).
+void displacements(const std::vector<size_t>& counts, std::vector<size_t>* out);
 
 }  // namespace perseus

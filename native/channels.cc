@@ -265,7 +265,7 @@ void Channel::allgather(Unit* u) {
   } else if (use_ring(u->algorithm, r->result_bytes, false)) {
     const size_t start = std::accumulate(counts.begin(), counts.begin() + me, size_t(0));
     copy_bytes(element_at(r->result.get(), start, r->sig.dtype), r->input, counts[me] * itemsize(r->sig.dtype));
-    ring_allgather(flat(), r->result.get(), counts, r->sig.dtype);
+    ring_allgather(flat(), r->result.get(), counts, r->sig.dtype, scratch_);
   } else {
     comm_->allgatherv(r->input, r->result.get(), counts, r->sig.dtype);
   }
@@ -320,7 +320,8 @@ void Channel::reducescatter(Unit* u) {
   Request* r = u->pieces[0].request;
   const int n = comm_->size();
   const DType dt = r->sig.dtype;
-  auto rows = even_counts(static_cast<size_t>(r->shape.empty() ? 1 : r->shape[0]), n);
+  std::vector<size_t> rows;
+  even_counts(static_cast<size_t>(r->shape.empty() ? 1 : r->shape[0]), n, &rows);
   const int64_t row = row_elements(r->shape);
   std::vector<size_t> counts(n);
   for (int i = 0; i < n; ++i) counts[i] = rows[i] * static_cast<size_t>(row);

@@ -9,7 +9,6 @@
 #pragma once
 
 #include <condition_variable>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -18,6 +17,7 @@
 #include <vector>
 
 #include "algorithms.h"
+#include "fifo.h"
 #include "fusion.h"
 #include "hierarchical.h"
 #include "links.h"
@@ -85,7 +85,7 @@ class Channel {
   ChannelHooks hooks_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<Unit*> queue_;
+  Fifo<Unit*> queue_;
   std::atomic<size_t> queued_{0};
   bool stop_ = false;
   bool sleeping_ = false;

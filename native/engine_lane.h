@@ -12,11 +12,11 @@
 // collective that a failure leaves in flight never writes into memory the caller may have freed.
 #pragma once
 
-#include <deque>
 #include <memory>
 #include <vector>
 
 #include "channels.h"
+#include "fifo.h"
 #include "fusion.h"
 #include "transport.h"
 
@@ -49,7 +49,7 @@ class EngineLane {
   std::unique_ptr<Comm> comm_;
   ChannelHooks hooks_;
   const int64_t max_bytes_;
-  std::deque<Unit*> queue_;  // the front is in flight while op_ is set
+  Fifo<Unit*> queue_;  // the front is in flight while op_ is set
   std::unique_ptr<PendingOp> op_;
   std::vector<uint8_t>* buffer_;  // max_bytes_; left behind (never freed) if a collective on it is abandoned
 };

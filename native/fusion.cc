@@ -21,10 +21,19 @@ Unit* UnitPool::get() {
   return new Unit();
 }
 
+// Every unit kept grows to the most pieces any unit has had, so that the next plan, whichever units it gets,
+// appends its pieces without allocating.
 void UnitPool::put(Unit* u) {
+  const size_t pieces = u->pieces.size();
   u->pieces.clear();
   std::lock_guard<std::mutex> lock(mu_);
-  if (free_.size() < 4096) free_.push_back(u); else delete u;
+  if (free_.size() >= 4096) {
+    delete u;
+    return;
+  }
+  most_pieces_ = std::max(most_pieces_, pieces);
+  if (u->pieces.capacity() < most_pieces_) u->pieces.reserve(most_pieces_);
+  free_.push_back(u);
 }
 
 namespace {

@@ -46,6 +46,7 @@ class UnitPool {
  private:
   std::mutex mu_;
   std::vector<Unit*> free_;
+  size_t most_pieces_ = 0;  // the most pieces a unit put back has held
 };
 
 // Split `requests` (in execution order) into units appended to `units`; sets each request's remaining

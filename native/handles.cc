@@ -50,7 +50,7 @@ Handle* HandleTable::new_handle() {
       free_handles_.pop_back();
     }
     h->id = ++next_id_;
-    live_.emplace(h->id, h);
+    live_nodes_.put(live_, h->id, h);
   }
   h->requests.clear();
   h->unfinished.store(0, std::memory_order_relaxed);
@@ -88,7 +88,7 @@ Handle* HandleTable::find(int64_t id) {
 void HandleTable::release_user(Handle* h) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    live_.erase(h->id);
+    live_nodes_.erase(live_, h->id);
   }
   h->user_released.store(true, std::memory_order_release);
   maybe_reclaim(h);

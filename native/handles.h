@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "common.h"
+#include "node_pool.h"
 
 namespace perseus {
 
@@ -131,6 +132,7 @@ class HandleTable {
   std::mutex mu_;
   int64_t next_id_ = 0;
   std::unordered_map<int64_t, Handle*> live_;
+  NodePool<std::unordered_map<int64_t, Handle*>> live_nodes_;  // live_'s nodes, reused (under mu_)
   std::atomic<int64_t> open_requests_{0};
   std::vector<Handle*> free_handles_;
 };

@@ -36,11 +36,12 @@ void hierarchical_allreduce(PointToPoint& local, PointToPoint& cross, const void
     ring_allreduce(cross, send, recv, count, dt, op, postscale, scratch);
     return;
   }
-  auto counts = even_counts(count, lsize);
+  std::vector<size_t>& counts = *scratch.index(Scratch::kHostCounts);
+  even_counts(count, lsize, &counts);
   ring_reduce_scatter(local, recv, counts, dt, op, send, scratch);
   const size_t start = std::accumulate(counts.begin(), counts.begin() + lr, size_t(0));
   ring_allreduce(cross, nullptr, element_at(recv, start, dt), counts[lr], dt, op, postscale, scratch);
-  ring_allgather(local, recv, counts, dt);
+  ring_allgather(local, recv, counts, dt, scratch);
 }
 
 void hierarchical_allgatherv(Comm& local, Comm* cross0, const HostLayout& layout, int rank, const void* send,
@@ -69,7 +70,8 @@ void hierarchical_allgatherv(Comm& local, Comm* cross0, const HostLayout& layout
   }
   local.broadcast(gathered, total, dt, 0);
   if (identity) return;
-  std::vector<size_t> displs = displacements(counts);
+  std::vector<size_t> displs;
+  displacements(counts, &displs);
   size_t at_g = 0;
   for (size_t r : order) {
     copy_bytes(static_cast<uint8_t*>(recv) + displs[r] * item, gathered + at_g * item, counts[r] * item);

@@ -71,7 +71,7 @@ Error ProcessSet::submit(const std::vector<Request*>& requests) {
   for (Request* r : requests) {
     r->dispatched = false;
     r->awaited.store(false, std::memory_order_relaxed);
-    inflight_.emplace(r->name, r);
+    inflight_nodes_.put(inflight_, r->name, r);
     incoming_.push_back(r);
     if (r->sig.device < 0) host_dirty_.store(true, std::memory_order_relaxed);
   }
@@ -195,7 +195,7 @@ void ProcessSet::fail_all(const Error& error, bool dispatched) {
     for (auto it = inflight_.begin(); it != inflight_.end();) {
       if (dispatched || !it->second->dispatched) {
         failed.push_back(it->second);
-        it = inflight_.erase(it);
+        it = inflight_nodes_.erase(inflight_, it);
       } else {
         ++it;
       }

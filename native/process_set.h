@@ -28,6 +28,7 @@
 #include "engine_lane.h"
 #include "handles.h"
 #include "negotiation.h"
+#include "node_pool.h"
 #include "set_context.h"
 #include "stall.h"
 #include "step_timer.h"
@@ -133,6 +134,7 @@ class ProcessSet {
   std::mutex mu_;  // guards incoming_, inflight_, join_handle_, dead_, timer_'s steps
   std::vector<Request*> incoming_;
   NameMap inflight_;  // submitted, not yet finished (duplicate check)
+  NodePool<NameMap> inflight_nodes_;  // inflight_'s nodes, reused
   Handle* join_handle_ = nullptr;
   std::atomic<int64_t> first_dirty_ns_{0};  // when the oldest unseen submission arrived; 0 if none
   std::atomic<bool> host_dirty_{false};  // an unseen submission is a host request (or a join)
@@ -145,6 +147,7 @@ class ProcessSet {
 
   // Engine-thread state.
   NameMap pending_;  // seen by the engine, not yet negotiated
+  NodePool<NameMap> pending_nodes_;  // pending_'s nodes, reused
   State state_ = State::IDLE;
   int64_t round_ = 0;
   bool continue_mode_ = false;

@@ -128,7 +128,7 @@ void ProcessSet::unit_failed(Unit* u, const std::string& what, ErrorKind kind) {
 void ProcessSet::forget(Request* r) {
   std::lock_guard<std::mutex> lock(mu_);
   auto f = inflight_.find(r->name);
-  if (f != inflight_.end() && f->second == r) inflight_.erase(f);
+  if (f != inflight_.end() && f->second == r) inflight_nodes_.erase(inflight_, f);
 }
 
 // Complete r (with `error`, or successfully when null) and let go of its memory.

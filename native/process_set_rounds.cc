@@ -61,7 +61,7 @@ void ProcessSet::start_round() {
     round_dirty_ = first_dirty_ns_.load() != 0;
     first_dirty_ns_.store(0);
     host_dirty_.store(false, std::memory_order_relaxed);
-    for (Request* r : incoming_) pending_[r->name] = r;
+    for (Request* r : incoming_) pending_nodes_.put(pending_, r->name, r);
     incoming_.clear();
     incoming_count_.store(0, std::memory_order_release);
     joined = join_handle_ != nullptr;
@@ -144,7 +144,7 @@ void ProcessSet::fail_mismatches() {
     auto it = pending_.find(e.first);
     if (it == pending_.end()) continue;
     Request* r = it->second;
-    pending_.erase(it);
+    pending_nodes_.erase(pending_, it);
     forget(r);
     const Error err{ErrorKind::MISMATCH, e.second};
     finish(r, &err);
@@ -159,7 +159,7 @@ void ProcessSet::take_ready() {
     auto it = pending_.find(negotiator_.registry().name(idx));
     if (it != pending_.end()) {
       ready_.push_back(it->second);
-      pending_.erase(it);
+      pending_nodes_.erase(pending_, it);
     } else {
       ready_.push_back(phantom(idx));
     }

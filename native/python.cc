@@ -13,9 +13,11 @@
 #include <mutex>
 #include <thread>
 
+#include "alloc_count.h"
 #include "decode_for_test.h"
 #include "engine.h"
 #include "huge_pages.h"
+#include "recycled.h"
 #include "settings.h"
 #include "transport.h"
 #include "transport_loopback.h"
@@ -30,7 +32,7 @@ struct Countdown {
   py::object callback;
 };
 
-struct PyExtra : HandleExtra {
+struct PyExtra : HandleExtra, perseus::Recycled<PyExtra, 4096> {  // one per submission
   py::object finish;
   py::object keepalive;
   std::vector<std::shared_ptr<Countdown>> callbacks;
@@ -619,6 +621,8 @@ PYBIND11_MODULE(_core, m) {
   m.doc() = "perseus native core: queue, negotiation, fusion, channels, transports, completion";
   m.def("mpi_library_version", &mpi_library_version);
   m.def("abandoned_process_sets", &abandoned_process_sets);
+  m.def("native_allocations", &perseus::native_allocations,
+        "Heap allocations the core has made in this process (native/alloc_count.h), for steady-state checks.");
   m.def("huge_page_stats", [] {
     const perseus::HugePageStats s = perseus::huge_page_stats();
     py::dict d;

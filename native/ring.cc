@@ -13,7 +13,8 @@ void ring_reduce_scatter(PointToPoint& path, void* buf, const std::vector<size_t
                          const void* src, Scratch& scratch, double scale) {
   const int n = path.size(), r = path.rank();
   if (n == 1) return;
-  auto displs = displacements(counts);
+  std::vector<size_t>& displs = *scratch.index(Scratch::kDispls);
+  displacements(counts, &displs);
   const int right = (r + 1) % n, left = (r - 1 + n) % n;
   const size_t max_count = *std::max_element(counts.begin(), counts.end());
   uint8_t* tmp = scratch.get(max_count * itemsize(dt), 0);
@@ -30,7 +31,8 @@ void ring_reduce_scatter(PointToPoint& path, void* buf, const std::vector<size_t
 void ring_reduce_scatter_to(PointToPoint& path, const void* src, void* out, const std::vector<size_t>& counts,
                             DType dt, ReduceOp op, Scratch& scratch) {
   const int n = path.size(), r = path.rank();
-  auto displs = displacements(counts);
+  std::vector<size_t>& displs = *scratch.index(Scratch::kDispls);
+  displacements(counts, &displs);
   const size_t item = itemsize(dt);
   if (n == 1) {
     copy_bytes(out, element_at(src, displs[0], dt), counts[0] * item);
@@ -51,9 +53,10 @@ void ring_reduce_scatter_to(PointToPoint& path, const void* src, void* out, cons
   }
 }
 
-void ring_allgather(PointToPoint& path, void* buf, const std::vector<size_t>& counts, DType dt) {
+void ring_allgather(PointToPoint& path, void* buf, const std::vector<size_t>& counts, DType dt, Scratch& scratch) {
   const int n = path.size(), r = path.rank();
-  auto displs = displacements(counts);
+  std::vector<size_t>& displs = *scratch.index(Scratch::kDispls);
+  displacements(counts, &displs);
   const int right = (r + 1) % n, left = (r - 1 + n) % n;
   for (int step = 0; step < n - 1; ++step) {
     const int s = ((r - step) % n + n) % n, q = ((r - step - 1) % n + n) % n;
@@ -67,14 +70,15 @@ void ring_allgather(PointToPoint& path, void* buf, const std::vector<size_t>& co
 void ring_allreduce(PointToPoint& path, const void* send, void* recv, size_t count, DType dt, ReduceOp op,
                     double postscale, Scratch& scratch) {
   const int n = path.size();
-  auto counts = even_counts(count, n);
+  std::vector<size_t>& counts = *scratch.index(Scratch::kRingCounts);
+  even_counts(count, n, &counts);
   if (n == 1) {  // no combine to fold the scale into
     if (postscale != 1.0) scale_into(send != nullptr ? send : recv, recv, count, dt, postscale);
     else if (send != nullptr && send != recv) copy_bytes(recv, send, count * itemsize(dt));
     return;
   }
   ring_reduce_scatter(path, recv, counts, dt, op, send, scratch, postscale);
-  ring_allgather(path, recv, counts, dt);
+  ring_allgather(path, recv, counts, dt, scratch);
 }
 
 }  // namespace perseus

@@ -24,7 +24,7 @@ void ring_reduce_scatter(PointToPoint& path, void* buf, const std::vector<size_t
 void ring_reduce_scatter_to(PointToPoint& path, const void* src, void* out, const std::vector<size_t>& counts,
                             DType dt, ReduceOp op, Scratch& scratch);
 // Each rank's segment r of buf reaches every rank.
-void ring_allgather(PointToPoint& path, void* buf, const std::vector<size_t>& counts, DType dt);
+void ring_allgather(PointToPoint& path, void* buf, const std::vector<size_t>& counts, DType dt, Scratch& scratch);
 // recv = reduction of every rank's send (recv itself when send is null), times postscale.
 void ring_allreduce(PointToPoint& path, const void* send, void* recv, size_t count, DType dt, ReduceOp op,
                     double postscale, Scratch& scratch);

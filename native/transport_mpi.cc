@@ -29,6 +29,7 @@
 
 #include "buffers.h"
 #include "kernels.h"
+#include "recycled.h"
 #include "transport.h"
 
 namespace perseus {
@@ -261,33 +262,34 @@ void abandon(std::shared_ptr<void> item) {
 
 // -- pending operations --------------------------------------------------------------------------------
 
-class MpiPendingOp final : public PendingOp {
+// Recycled: the engine starts one per negotiation round and per small all-reduce.
+class MpiPendingOp final : public PendingOp, public Recycled<MpiPendingOp> {
  public:
   struct State {
     MPI_Request request = MPI_REQUEST_NULL;
     std::vector<int> counts, displs;  // MPI reads these until the operation completes
   };
 
-  MpiPendingOp() : state_(std::make_shared<State>()) {}
   ~MpiPendingOp() override {
     if (done_ || mpi_finalized()) return;
     int flag = 0;
-    if (MPI_Test(&state_->request, &flag, MPI_STATUS_IGNORE) == MPI_SUCCESS && flag) return;
-    abandon(state_);
+    if (MPI_Test(&state_.request, &flag, MPI_STATUS_IGNORE) == MPI_SUCCESS && flag) return;
+    // Still running: the request and the count arrays MPI reads (moved: the same buffers) outlive this.
+    abandon(std::make_shared<State>(std::move(state_)));
   }
 
-  State& state() { return *state_; }
+  State& state() { return state_; }
 
   bool test() override {
     if (done_) return true;
     int flag = 0;
-    check(MPI_Test(&state_->request, &flag, MPI_STATUS_IGNORE), "MPI_Test");
+    check(MPI_Test(&state_.request, &flag, MPI_STATUS_IGNORE), "MPI_Test");
     done_ = flag != 0;
     return done_;
   }
 
  private:
-  std::shared_ptr<State> state_;
+  State state_;
   bool done_ = false;
 };
 

@@ -376,7 +376,7 @@ void test_ring_reduce_scatter_and_allgather(int n) {
         c.allgatherv(mine.data(), want.data(), counts, d);
         if (counts[me] != 0) std::memcpy(gathered.data() + offset * item, mine.data(), counts[me] * item);
         const WireBytes w0 = c.wire_counters()->read();
-        ring_allgather(path, gathered.data(), counts, d);
+        ring_allgather(path, gathered.data(), counts, d, scratch);
         const WireBytes w1 = c.wire_counters()->read();
         CHECK_MSG(gathered == want, what);
         uint64_t sent = 0, received = 0;

@@ -28,16 +28,22 @@ struct Next {
   DeleteAlignedFn delete_one_aligned, delete_array_aligned;
 };
 
+// The process's definition of `symbol`, or nullptr when there is none or it is this file's own (the core does
+// not export its own, core.map, but a program linked with this file directly does).
 template <class F>
-F find(const char* symbol) {
-  return reinterpret_cast<F>(dlsym(RTLD_DEFAULT, symbol));  // the core's own are not exported (core.map)
+F find(const char* symbol, F own) {
+  F f = reinterpret_cast<F>(dlsym(RTLD_DEFAULT, symbol));
+  return f == own ? nullptr : f;
 }
 
 const Next& next() {
-  static const Next n{find<NewFn>("_Znwm"), find<NewFn>("_Znam"),
-                      find<NewAlignedFn>("_ZnwmSt11align_val_t"), find<NewAlignedFn>("_ZnamSt11align_val_t"),
-                      find<DeleteFn>("_ZdlPv"), find<DeleteFn>("_ZdaPv"),
-                      find<DeleteAlignedFn>("_ZdlPvSt11align_val_t"), find<DeleteAlignedFn>("_ZdaPvSt11align_val_t")};
+  static const Next n{
+      find<NewFn>("_Znwm", &::operator new), find<NewFn>("_Znam", &::operator new[]),
+      find<NewAlignedFn>("_ZnwmSt11align_val_t", &::operator new),
+      find<NewAlignedFn>("_ZnamSt11align_val_t", &::operator new[]),
+      find<DeleteFn>("_ZdlPv", &::operator delete), find<DeleteFn>("_ZdaPv", &::operator delete[]),
+      find<DeleteAlignedFn>("_ZdlPvSt11align_val_t", &::operator delete),
+      find<DeleteAlignedFn>("_ZdaPvSt11align_val_t", &::operator delete[])};
   return n;
 }
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build and run the native core's C++ tests: the kernels and repr helpers (against double references and
 # against NumPy/Python via gen_reference.py), the engine's message codec (control messages, negotiation
-# payloads), the device buckets' planning, then the MPI transport under mpirun on 2 and 3 ranks.
+# payloads), the device buckets' planning, the reused memory of a steady step, then the MPI transport under
+# mpirun on 2 and 3 ranks.
 # The kernels are tested as debug code (-O1) and as shipped (-O3, which vectorises them): with the
 # per-CPU variants this CPU picks, with the plain baseline x86-64 loops, and with AVX2 code generation.
 # Exits non-zero on the first failure. Usage: bash native/tests/run_native_tests.sh
@@ -47,6 +48,7 @@ first=$!
 "$MPICXX" "${FLAGS[@]}" -o "$WORK/test_device_buckets" native/tests/test_device_buckets.cc native/device_buckets.cc \
   native/common.cc &
 both "$first" $!
+"$MPICXX" "${FLAGS[@]}" -o "$WORK/test_reuse" native/tests/test_reuse.cc native/alloc_count.cc -ldl
 
 echo "-- kernels and repr helpers"
 "$PY" native/tests/gen_reference.py "$WORK/reference.bin"
@@ -61,6 +63,9 @@ timeout 60 "$WORK/test_codec"
 
 echo "-- device buckets"
 timeout 60 "$WORK/test_device_buckets"
+
+echo "-- reused memory (queues, map nodes, recycled objects, the allocation counter)"
+timeout 60 "$WORK/test_reuse"
 
 for NP in 2 3; do
   echo "-- MPI transport on $NP ranks"

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "expect.h"
 #include "../codec.h"
 #include "../control.h"
 #include "../negotiation.h"
@@ -14,17 +15,6 @@
 using namespace perseus;
 
 namespace {
-
-int g_checks = 0;
-int g_failures = 0;
-
-void check(bool ok, int line, const char* what) {
-  ++g_checks;
-  if (ok) return;
-  ++g_failures;
-  std::fprintf(stderr, "test_codec.cc:%d: FAILED: %s\n", line, what);
-}
-#define EXPECT(cond) check((cond), __LINE__, #cond)
 
 bool throws(const std::function<void()>& f) {
   try {
@@ -103,6 +93,5 @@ int main() {
   test_round_trips();
   test_truncated_and_foreign();
   test_truncated_negotiation_payload();
-  std::printf("test_codec: %d checks, %d failures\n", g_checks, g_failures);
-  return g_failures == 0 ? 0 : 1;
+  return perseus_test::expect_summary("test_codec");
 }

@@ -6,22 +6,12 @@
 #include <string>
 #include <vector>
 
+#include "expect.h"
 #include "../device_buckets.h"
 
 using namespace perseus;
 
 namespace {
-
-int g_checks = 0;
-int g_failures = 0;
-
-void check(bool ok, int line, const char* what) {
-  ++g_checks;
-  if (ok) return;
-  ++g_failures;
-  std::fprintf(stderr, "test_device_buckets.cc:%d: FAILED: %s\n", line, what);
-}
-#define EXPECT(cond) check((cond), __LINE__, #cond)
 
 // Requests live here (a deque: pointers stay valid).
 std::deque<Request> g_requests;
@@ -208,6 +198,5 @@ int main() {
   test_names_waited_for_alone_leave_the_plan();
   test_stuck_and_take_all_held();
   test_off();
-  std::printf("test_device_buckets: %d checks, %d failed\n", g_checks, g_failures);
-  return g_failures == 0 ? 0 : 1;
+  return perseus_test::expect_summary("test_device_buckets");
 }

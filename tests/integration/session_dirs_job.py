@@ -24,7 +24,7 @@ from perseus.runner.remote.agent import write_job_file  # noqa: E402
 from perseus.runner.remote.service import NodeService  # noqa: E402
 
 
-def plant(base: str, pid: int, kind: str) -> None:
+def plant(base: str, pid: int, kind: str) -> str:
     """A leftover as a killed mpirun (``ompi``) or MPI daemon (``prted``) leaves it: the directory and its PMIx
     rendezvous files."""
     path = os.path.join(base, f"{kind}.{pid}")
@@ -32,6 +32,7 @@ def plant(base: str, pid: int, kind: str) -> None:
     for name in ("pmix.vm.tool", f"pmix.vm.tool.{pid}", f"pmix.vm.tool.prterun-vm-{pid}@0"):
         with open(os.path.join(path, name), "w") as f:
             f.write("pmix-tool-rendezvous\n")
+    return path
 
 
 def plant_window(base: str, kind: str, size: int = 300) -> range:

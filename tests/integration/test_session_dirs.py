@@ -14,6 +14,9 @@ from perseus.runner import mpi_run
 from perseus.runner.session_dirs import remove_stale_session_dirs, stale_session_dirs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from session_dirs_job import plant  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -24,22 +27,11 @@ def _dead_pid() -> int:
     return proc.pid
 
 
-def _plant(base, pid: int, kind: str = "ompi") -> str:
-    """A leftover as a killed mpirun (``ompi``) or MPI daemon (``prted``) leaves it: the directory and its PMIx
-    rendezvous files."""
-    path = os.path.join(base, f"{kind}.{pid}")
-    os.makedirs(path, mode=0o700)
-    for name in ("pmix.vm.tool", f"pmix.vm.tool.{pid}", f"pmix.vm.tool.prterun-vm-{pid}@0"):
-        with open(os.path.join(path, name), "w") as f:
-            f.write("pmix-tool-rendezvous\n")
-    return path
-
-
 def test_only_dead_mpiruns_directories_are_removed(tmp_path):
-    dead = _plant(tmp_path, _dead_pid())
-    dead_daemon = _plant(tmp_path, _dead_pid(), "prted")
-    alive = _plant(tmp_path, os.getpid())
-    alive_daemon = _plant(tmp_path, os.getpid(), "prted")
+    dead = plant(tmp_path, _dead_pid(), "ompi")
+    dead_daemon = plant(tmp_path, _dead_pid(), "prted")
+    alive = plant(tmp_path, os.getpid(), "ompi")
+    alive_daemon = plant(tmp_path, os.getpid(), "prted")
     other = tmp_path / "ompi.12x"
     other.mkdir()
     (tmp_path / "ompi.99999999").write_text("a file, not a session directory")

@@ -16,21 +16,22 @@ class NodePool {
   using Mapped = typename Map::mapped_type;
 
   // map[key] = value, in a node released earlier when there is one.
+  // One hash lookup: the insert itself tells whether the key was there.
   void put(Map& map, const Key& key, const Mapped& value) {
-    auto it = map.find(key);
-    if (it != map.end()) {
-      it->second = value;
-      return;
-    }
     if (free_.empty()) {
-      map.emplace(key, value);
+      auto placed = map.emplace(key, value);
+      if (!placed.second) placed.first->second = value;
       return;
     }
     typename Map::node_type node = std::move(free_.back());
     free_.pop_back();
     node.key() = key;
     node.mapped() = value;
-    map.insert(std::move(node));
+    auto placed = map.insert(std::move(node));
+    if (!placed.inserted) {  // the key was there: update it, keep the node
+      placed.position->second = value;
+      free_.push_back(std::move(placed.node));
+    }
   }
 
   // Erase *it, keeping its node; the iterator after it.

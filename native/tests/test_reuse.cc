@@ -68,8 +68,9 @@ void node_pool_reuses_nodes() {
   }
   EXPECT(native_allocations() == before);
   pool.put(map, "x", 1);
+  pool.put(map, "x", 2);  // from a kept node, onto a present key: the value changes, the node is kept
   pool.erase(map, "missing");  // absent: nothing happens
-  EXPECT(map.size() == 1 && map.at("x") == 1);
+  EXPECT(map.size() == 1 && map.at("x") == 2);
 }
 
 struct Thing : Recycled<Thing, 4> {

@@ -10,8 +10,10 @@ machines wrap at 32768), its PMIx server finds the old files and fails at once: 
 start ``mpirun``, and a node service before it starts a daemon.
 
 A directory is removed only when all of these hold: its name is exactly ``ompi.<digits>`` or
-``prted.<digits>``, it belongs to this user, and no process with that id exists (so it cannot be the
-directory of a running ``mpirun`` or daemon in this process-id namespace).
+``prted.<digits>``, it belongs to this user, no process with that id exists, and no PMIx server named in its
+rendezvous files (``pmix.*``, whose first line ends in ``tcp4://ADDRESS:PORT``) still listens. The last check
+keeps the directories of jobs that run in another process-id namespace (a container or a ``unshare --pid``
+sandbox sharing ``/tmp``), whose ids this process cannot see but whose listening ports it can.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from perseus.common.knobs import external
 __all__ = ["stale_session_dirs", "remove_stale_session_dirs"]
 
 _NAME = re.compile(r"(?:ompi|prted)\.(\d+)")
+_URI = re.compile(r"tcp[46]?://\[?[0-9A-Fa-f.:]+\]?:(\d+)")
+_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's "st" column
 
 
 def _alive(pid: int) -> bool:
@@ -38,19 +42,55 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _listening_ports() -> set:
+    """The TCP ports something listens on in this network namespace (from /proc/net/tcp and tcp6)."""
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f, None)
+                for line in f:
+                    fields = line.split()
+                    if len(fields) > 3 and fields[3] == _LISTEN:
+                        ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+        except OSError:  # no such table (no IPv6): nothing listens there
+            continue
+    return ports
+
+
+def _server_ports(path: str) -> set:
+    """The TCP ports of the PMIx servers named in a session directory's rendezvous files."""
+    ports = set()
+    try:
+        names = [n for n in os.listdir(path) if n.startswith("pmix.")]
+    except OSError:
+        return ports
+    for name in names:
+        try:
+            with open(os.path.join(path, name), errors="replace") as f:
+                first = f.readline(4096)
+        except OSError:  # removed meanwhile, or not a file
+            continue
+        match = _URI.search(first)
+        if match is not None:
+            ports.add(int(match.group(1)))
+    return ports
+
+
 def _base(tmpdir: Optional[str]) -> str:
     return tmpdir or external("TMPDIR") or "/tmp"
 
 
 def stale_session_dirs(tmpdir: Optional[str] = None) -> list:
     """Paths of this user's Open MPI session directories in ``tmpdir`` (default: $TMPDIR or /tmp) whose
-    ``mpirun`` or daemon no longer exists. Never raises: an unreadable directory has no leftovers to report."""
+    ``mpirun`` or daemon no longer exists and whose PMIx server no longer listens. Never raises: an unreadable directory has no leftovers to report."""
     base = _base(tmpdir)
     try:
         names = os.listdir(base)
     except OSError:
         return []
     uid = os.getuid()
+    listening = None
     out = []
     for name in names:
         match = _NAME.fullmatch(name)
@@ -61,7 +101,11 @@ def stale_session_dirs(tmpdir: Optional[str] = None) -> list:
             st = os.lstat(path)
         except OSError:  # removed meanwhile
             continue
-        if st.st_uid == uid and os.path.isdir(path) and not os.path.islink(path) and not _alive(int(match.group(1))):
+        if st.st_uid != uid or not os.path.isdir(path) or os.path.islink(path) or _alive(int(match.group(1))):
+            continue
+        if listening is None:
+            listening = _listening_ports()
+        if not _server_ports(path) & listening:
             out.append(path)
     return sorted(out)
 

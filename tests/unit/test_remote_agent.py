@@ -147,8 +147,10 @@ def test_a_worker_that_is_its_containers_first_process_runs_commands(tmp_path):
         svc.close()
         print(done.returncode, done.stdout.decode().strip(), done.stderr.decode().strip())
     """)
+    # Its own TMPDIR: the session directories it sees are its own (none), never those of jobs running beside it.
     done = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", script],
-                          capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": REPO})
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": REPO, "TMPDIR": str(tmp_path)})
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["3", "ran"], done.stdout
 

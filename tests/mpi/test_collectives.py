@@ -244,7 +244,9 @@ def test_large_reducescatter_and_allgather_with_each_algorithm(hvd, algorithm):
         for dtype in ("float32", "bfloat16", "int64", "float64"):
             for op, pre, post in (("Sum", 1.0, 1.0), ("Average", 1.0, 1.0), ("Max", 1.0, 1.0), ("Sum", 2.0, 0.5)):
                 op_v = getattr(hvd, op)
-                for rows in (4096 * size + 1, size - 1 if size > 1 else 0, 3 * size + 2):
+                # 8191 rows (a prime: uneven at any rank count) are past 64 kB in every dtype; a fixed count
+                # keeps each rank's references (every rank's input) growing with the rank count, not its square
+                for rows in (8191, size - 1 if size > 1 else 0, 3 * size + 2):
                     inputs = all_inputs(hvd, (rows, 5), dtype, seed=80 + rows)
                     out = hvd.reducescatter(inputs[rank], op=op_v, name=f"rs.big.{dtype}.{op}.{pre}.{rows}",
                                             prescale_factor=pre, postscale_factor=post)
@@ -256,12 +258,13 @@ def test_large_reducescatter_and_allgather_with_each_algorithm(hvd, algorithm):
                     start = sum(counts[:rank])
                     assert out.shape == (counts[rank], 5)
                     check(out, ref[start:start + counts[rank]], dtype)
-            rows = [3000 * (r + 1) + r for r in range(size)]
+            rows = [3000 + 97 * r for r in range(size)]
             if size > 1:
                 rows[1] = 0
-            inputs = [tensor(r, (rows[r], 6), dtype, seed=90) for r in range(size)]
-            out = hvd.allgather(inputs[rank], name=f"ag.big.{dtype}")
-            assert torch.equal(out, torch.cat(inputs))
+            out = hvd.allgather(tensor(rank, (rows[rank], 6), dtype, seed=90), name=f"ag.big.{dtype}")
+            assert out.shape == (sum(rows), 6)
+            for r, part in enumerate(torch.split(out, rows)):  # each rank's part rebuilt in turn, never all at once
+                assert torch.equal(part, tensor(r, (rows[r], 6), dtype, seed=90)), f"rank {r}'s part"
     finally:
         restart(hvd, old)
 

@@ -72,8 +72,8 @@ def main() -> int:
         "PERSEUS_ALLREDUCE_ALGORITHM": [k for k, v in ALGS.items() if v == bad[4]][0],
     })
     import perseus.torch as hvd
-    from perseus.common.state import runtime
-    from perseus.common.knobs import knob
+    from perseus.runtime.state import runtime
+    from perseus.base.knobs import knob
     from perseus.engine.settings import topology_channels
 
     hvd.init()

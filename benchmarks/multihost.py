@@ -89,7 +89,7 @@ def job(args) -> int:
         row = {"method": method, "set": args.set, "ranks": size, "params": int(sum(g.numel() for g in grads)),
                "step_s": [round(t, 4) for t in times], "round": args.round}
         if method.startswith("perseus"):  # the channels in use (perseus-default: what init() chose)
-            from perseus.common.state import runtime
+            from perseus.runtime.state import runtime
 
             row["channels"] = int(runtime().engine.params(0)[2])
         with open(args.out, "a") as f:

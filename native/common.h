@@ -36,7 +36,7 @@ const char* op_name(OpType op);  // "allreduce"
 // How a large all-reduce unit runs (channels.cc); codes as in TUNE requests and PERSEUS_ALLREDUCE_ALGORITHM.
 enum class Algorithm : int32_t { AUTO = 0, MPI = 1, RING = 2, HIERARCHICAL = 3 };
 
-// Same numbering as perseus.common.reduce_ops.ReduceOp. AVERAGE travels as SUM plus a postscale.
+// Same numbering as perseus.base.reduce_ops.ReduceOp. AVERAGE travels as SUM plus a postscale.
 enum class ReduceOp : int32_t { AVERAGE = 0, SUM = 1, ADASUM = 2, MIN = 3, MAX = 4, PRODUCT = 5 };
 const char* reduce_op_title(ReduceOp op);  // "Sum", as Python's ReduceOp(x).name.title()
 

@@ -57,7 +57,8 @@ cd "$WORK"
 "$BIN/perseus-convert" --help >/dev/null
 cat > job.py <<'EOF'
 import numpy as np
-from perseus.common import api, collectives, objects
+from perseus.lifecycle import api
+from perseus.runtime import collectives, objects
 
 api.init()
 rank, size = api.rank(), api.size()

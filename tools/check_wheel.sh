@@ -90,7 +90,7 @@ if not perseus.__file__.startswith(sys.prefix):
     sys.exit(f"perseus was imported from {perseus.__file__}, not from the new environment")
 # Subpackages that need frameworks, and the frameworks (the Spark ML estimators need pyspark and theirs).
 needs = {"perseus.torch": ("torch",), "perseus.tensorflow": ("tensorflow",), "perseus.keras": ("tensorflow",),
-         "perseus._keras": ("tensorflow",), "perseus.mxnet": ("mxnet",), "perseus.spark.common": ("pyspark",),
+         "perseus.tensorflow._keras": ("tensorflow",), "perseus.mxnet": ("mxnet",), "perseus.spark.common": ("pyspark",),
          "perseus.spark.torch": ("pyspark", "torch"), "perseus.spark.keras": ("pyspark", "tensorflow"),
          "perseus.spark.lightning": ("pyspark", "pytorch_lightning")}
 count = 0

@@ -1,11 +1,11 @@
-"""Write docs/configuration.md from perseus.common.knobs.KNOBS (run after changing a knob)."""
+"""Write docs/configuration.md from perseus.base.knobs.KNOBS (run after changing a knob)."""
 
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from perseus.common.knobs import KNOBS, parse_reset_limit  # noqa: E402
+from perseus.base.knobs import KNOBS, parse_reset_limit  # noqa: E402
 
 
 def main() -> None:
@@ -18,7 +18,7 @@ def main() -> None:
         "`PERSEUS_FUSION_THRESHOLD=8388608`). A value that does not parse fails `init()` with a message naming",
         "the variable.",
         "",
-        "This file is generated from `perseus/common/knobs.py` by `tools/gen_config_docs.py`.",
+        "This file is generated from `perseus/base/knobs.py` by `tools/gen_config_docs.py`.",
         "",
         "| Setting | Environment variables | `perseusrun` flag | Type | Default | Unit | Meaning |",
         "| --- | --- | --- | --- | --- | --- | --- |",

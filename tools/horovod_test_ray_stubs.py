@@ -9,7 +9,7 @@ perseus).
 """
 
 import perseus.compat.horovod_alias  # noqa: F401 - horovod.* is perseus.*
-from perseus.common import util as _util
+from perseus.base import util as _util
 from perseus.ray import runner as _runner
 
 

@@ -7,6 +7,10 @@ is an edge to ``pkg/name.py`` when that file exists, else to ``pkg/__init__.py``
 ``#include "x.h"`` is an edge, and ``x.h`` and ``x.cc`` count as one node (a stage).
 
 Reports, and with --check fails (exit 1) on:
+  - a folder whose modules sit in different layers (the folders show the layers), except the package root:
+    its __init__ and two leaves that import no perseus module, ``_version`` and the compiled ``_core``;
+  - a cycle between top-level packages (perseus/<name>/, the root's modules each on their own): a drawing of
+    the tree, one box per package, has every arrow pointing down or sideways and none coming back;
   - a cycle between files (a strongly connected component of more than one node), other than those
     listed in ALLOWED_CYCLES with the reason docs/architecture.md gives;
   - an import from a lower layer to a higher one (LAYERS below);
@@ -30,20 +34,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # its own layer or any lower one. runner and convert (layer 0) stand apart: they import base only, and
 # nothing but the package's own __init__ imports them.
 LAYERS = [
-    ("perseus.common.exceptions", 1), ("perseus.common.knobs", 1), ("perseus.common.reduce_ops", 1),
-    ("perseus.common.partition", 1), ("perseus.common.util", 1), ("perseus.common.dtypes", 1),
-    ("perseus._version", 1), ("perseus._horovod_alias", 1),
-    # What the elastic launcher and the ranks both speak: the message format and the shared-memory layout of
-    # commits (leaf modules, importing no other perseus module).
-    ("perseus.elastic.protocol", 1), ("perseus.elastic.shm", 1),
+    ("perseus.base", 1), ("perseus._version", 1),
     ("perseus.engine", 2), ("perseus.transport", 2), ("perseus.timeline", 2), ("perseus._core", 2),
-    ("perseus.common", 3), ("perseus.runtime", 3),
+    ("perseus.runtime", 3),
     ("perseus.compression", 4), ("perseus.sparse", 4),
     ("perseus.autotune", 5), ("perseus.elastic", 5),
-    ("perseus.lifecycle", 6), ("perseus.common.api", 6), ("perseus.common.lifecycle", 6),
-    ("perseus.common.elastic", 7),  # Horovod's horovod.common.elastic path: a re-export of perseus.elastic.state
-    ("perseus.torch", 7), ("perseus.tensorflow", 7), ("perseus._keras", 7), ("perseus.keras", 7),
+    ("perseus.lifecycle", 6),
+    ("perseus.torch", 7), ("perseus.tensorflow", 7), ("perseus.keras", 7),
     ("perseus.mxnet", 7), ("perseus.compat", 7),
+    ("perseus.common", 7),  # Horovod's horovod.common.* paths: the base, runtime and elastic modules again
     ("perseus.runner", 0), ("perseus.convert", 0),
     ("perseus.ray", 0), ("perseus.spark", 0),  # run jobs on Ray's and Spark's workers: launchers, like perseusrun
     ("perseus", 8),  # the package's own __init__: the version and perseus.run (the launcher's API)
@@ -258,6 +257,51 @@ def sccs(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+ROOT_LEAVES = {"perseus._version", EXTENSION}
+
+
+def _folder(mod: str, mods: dict[str, str]) -> str:
+    if mod == EXTENSION:
+        return "perseus"
+    return os.path.relpath(os.path.dirname(mods[mod]), ROOT)
+
+
+def _package(mod: str) -> str:
+    """The box a module is drawn in: its top-level package, or itself for a module at the package root."""
+    parts = mod.split(".")
+    if len(parts) == 1 or mod in ROOT_LEAVES:
+        return mod
+    return ".".join(parts[:2])
+
+
+def folder_problems(graph: dict[str, set[str]]) -> list[str]:
+    """Folders that mix layers, root leaves that import, and cycles between top-level packages."""
+    mods = _modules(os.path.join(ROOT, "perseus"))
+    out = []
+    layers: dict[str, set[int]] = defaultdict(set)
+    for mod in graph:
+        if mod not in ROOT_LEAVES:
+            layers[_folder(mod, mods)].add(layer_of(mod))
+    for folder, found in sorted(layers.items()):
+        if len(found) > 1:
+            names = ", ".join(f"{LAYER_NAMES[x]}: " + " ".join(sorted(m for m in graph if m not in ROOT_LEAVES
+                                                                    and _folder(m, mods) == folder
+                                                                    and layer_of(m) == x))
+                              for x in sorted(found))
+            out.append(f"folder {folder} mixes layers ({names})")
+    for leaf in sorted(ROOT_LEAVES):
+        if graph.get(leaf):
+            out.append(f"{leaf} sits at the package root as a leaf but imports {sorted(graph[leaf])}")
+    boxes: dict[str, set[str]] = defaultdict(set)
+    for src, targets in graph.items():
+        boxes[_package(src)]
+        for dst in targets:
+            if _package(dst) != _package(src):
+                boxes[_package(src)].add(_package(dst))
+    out += [f"cycle between packages: {', '.join(c)}" for c in sccs(boxes)]
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="exit 1 on a cycle, an upward or a hidden import")
@@ -274,6 +318,12 @@ def main(argv=None) -> int:
         for comp in comps:
             problems += 1
             print(f"  cycle ({len(comp)}): " + ", ".join(comp))
+
+    folders = folder_problems(pg)
+    print(f"folders that mix layers, and cycles between packages: {len(folders)}")
+    for line in folders:
+        problems += 1
+        print("  " + line)
 
     upward = []
     for src, targets in sorted(pg.items()):

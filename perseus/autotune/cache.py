@@ -18,7 +18,7 @@ import time
 from typing import Optional
 
 from perseus.autotune.space import Config
-from perseus.common.knobs import external
+from perseus.base.knobs import external
 
 __all__ = ["Known", "path", "lookup", "store"]
 

@@ -1,4 +1,4 @@
-"""The run-time tuner as a service of the runtime (:class:`perseus.common.state.Service`).
+"""The run-time tuner as a service of the runtime (:class:`perseus.runtime.state.Service`).
 
 :mod:`perseus.lifecycle` hands :class:`TunerService` to the runtime's start-up; the runtime calls its hooks
 at the start-up phases and stops the tuner at shutdown. Under ``HOROVOD_AUTOTUNE``/``PERSEUS_AUTOTUNE`` in a

@@ -7,7 +7,7 @@ values per parameter; a parameter the user set explicitly has one candidate (its
 overrides an explicit choice.
 
 The compressor policy (:data:`POLICY`) is a dimension only when an Espresso compressor takes part
-(:mod:`perseus.common.step_policy`); otherwise it has the one candidate 0 and is searched by no technique, so a
+(:mod:`perseus.runtime.step_policy`); otherwise it has the one candidate 0 and is searched by no technique, so a
 job without one is tuned exactly as before. Likewise the sparse algorithm (:data:`SPARSE`): a dimension only
 when the job reduces sparse tensors with ``algorithm='auto'`` (:mod:`perseus.sparse.choice`), and DeAR's
 fusion-group size (:data:`DEAR`): only when a ``DistributedOptimizer(schedule='dear')`` takes part, and the

@@ -16,7 +16,7 @@ settings are measured once more and the better one is applied for the rest of th
 without searching. All collectives of the tuner are named ``perseus.autotune.*`` and submitted with
 ``Timing.NONE``: they belong to no step.
 
-When an Espresso compressor has registered (:mod:`perseus.common.step_policy`) and has made its decision by the
+When an Espresso compressor has registered (:mod:`perseus.runtime.step_policy`) and has made its decision by the
 time the search starts, its policy is one more dimension of the search: every setting then also carries a
 policy, which the compressor applies at a step boundary agreed on by every rank (not through the TUNE
 request), and each sample skips one more step so that none of its measured steps ran under the old policy.
@@ -49,12 +49,12 @@ import numpy as np
 
 from perseus.autotune import cache as cachelib
 from perseus.autotune.log import TuneLog
-from perseus.common.step_policy import PolicyLink
+from perseus.runtime.step_policy import PolicyLink
 from perseus.autotune.search import Search
 from perseus.autotune.space import (ALGORITHMS, COMPRESSION_POLICIES, DEAR, DEAR_THRESHOLDS, DEVICE, DEVICE_BUCKETS,
                                     DEVICE_PATHS, OPTIONAL_PARAMS, PATH, POLICY, SPARSE, SPARSE_ALGORITHMS, Config,
                                     Space)
-from perseus.common.reduce_ops import ReduceOp
+from perseus.base.reduce_ops import ReduceOp
 from perseus.engine.messages import DType, OpType, Request, Timing
 from perseus.engine.settings import allreduce_algorithm
 from perseus.sparse import choice
@@ -229,7 +229,7 @@ class Tuner:
 
     def _apply(self, config: Config, final: bool = False) -> None:
         # Posted first, on every rank: a compressor switches its policy at the first step boundary at which
-        # any rank has posted it (perseus.common.step_policy); -1 leaves its policy alone.
+        # any rank has posted it (perseus.runtime.step_policy); -1 leaves its policy alone.
         for name, link in self.links.items():
             link.post(getattr(config, name) if self._tuned[name] else -1, final)
         budget = (config.device_bucket_bytes,) if self._tuned[DEVICE] else ()  # (absent: unchanged)

@@ -1,7 +1,8 @@
-"""Horovod's ``horovod.common.elastic`` path (``State``, ``ObjectState``, ``run_fn``, ...), for code that imports
-it there through the import alias. The implementation is :mod:`perseus.elastic.state`; this module only names
-it again, and nothing inside perseus imports it.
-"""
+"""Horovod's ``horovod.common.elastic`` path (``State``, ``ObjectState``, ``run_fn``, ...): the same module as
+:mod:`perseus.elastic.state`, at the path ``perseus.common.elastic``."""
 
-from perseus.elastic.state import *  # noqa: F401,F403 - the same names, at Horovod's path
-from perseus.elastic.state import __all__  # noqa: F401
+import sys
+
+from perseus.elastic import state as _module
+
+sys.modules[__name__] = _module

@@ -10,7 +10,7 @@ Use it to run Horovod-targeted code unchanged:
 ``horovod.*`` path patches perseus, and global state is never duplicated). A name with no perseus
 counterpart raises the usual ``ModuleNotFoundError`` naming the perseus module. The alias travels with the job:
 ranks started by ``perseus.run``, ``perseus.spark.run``, a ``RayExecutor`` or ``perseusrun`` from a process that
-has it install it too (:mod:`perseus._horovod_alias`).
+has it install it too (:mod:`perseus.base.horovod_alias`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import runpy
 import sys
 
-from perseus._horovod_alias import HorovodAlias, install, uninstall
+from perseus.base.horovod_alias import HorovodAlias, install, uninstall
 
 __all__ = ["install", "uninstall", "HorovodAlias"]
 

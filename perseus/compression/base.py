@@ -24,11 +24,11 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from perseus.common.exceptions import MismatchError
-from perseus.common.process_sets import ProcessSet, global_process_set
-from perseus.common.reduce_ops import ReduceOp
-from perseus.common.state import runtime
-from perseus.common import collectives as c
+from perseus.base.exceptions import MismatchError
+from perseus.runtime.process_sets import ProcessSet, global_process_set
+from perseus.base.reduce_ops import ReduceOp
+from perseus.runtime.state import runtime
+from perseus.runtime import collectives as c
 from perseus.compression.local_step import LocalStep, apply_local_step, optional_spec
 
 __all__ = ["Reducer", "Pending", "KeyState", "signature", "CHECK_LEN", "put_check", "verify_check",

@@ -46,8 +46,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from perseus.common.process_sets import ProcessSet, global_process_set
-from perseus.common.reduce_ops import ReduceOp
+from perseus.runtime.process_sets import ProcessSet, global_process_set
+from perseus.base.reduce_ops import ReduceOp
 from perseus.compression.base import Pending, Reducer
 from perseus.compression.profiling import (  # noqa: F401 - re-exported
     StepProfiler, _set_info, broadcast_from_first, fit_affine, probe_collective)

@@ -42,9 +42,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from perseus.common.step_policy import attach as _attach_autotune
-from perseus.common.process_sets import ProcessSet, global_process_set
-from perseus.common.reduce_ops import ReduceOp
+from perseus.runtime.step_policy import attach as _attach_autotune
+from perseus.runtime.process_sets import ProcessSet, global_process_set
+from perseus.base.reduce_ops import ReduceOp
 from perseus.compression.base import KeyState, Pending, Reducer
 from perseus.compression.profiling import (StepProfiler, _set_info, broadcast_from_first, fit_affine,
                                          probe_collective)
@@ -248,7 +248,7 @@ class Espresso(Reducer):
     Under the run-time autotuner (HOROVOD_AUTOTUNE), the first Espresso created after ``init()`` (or, if
     created before, the first to reduce) registers with the tuner, which may search its policy once it has
     decided; while the tuner may still change it, every step begins with one small all-reduce that makes
-    every rank switch at the same step (:mod:`perseus.common.step_policy`, docs/autotune.md). Other Espresso
+    every rank switch at the same step (:mod:`perseus.runtime.step_policy`, docs/autotune.md). Other Espresso
     instances of the job are left alone. Calling :meth:`set_policy` before the search starts keeps that
     policy (with the default PERSEUS_AUTOTUNE_FIXED=explicit).
 
@@ -305,7 +305,7 @@ class Espresso(Reducer):
         self._init_run_state()
         #: set_policy() was called (the autotuner then keeps the policy, as it keeps explicit settings)
         self.policy_explicit = False
-        # The autotuner's follower when this instance takes part (perseus.common.step_policy); asked again at the
+        # The autotuner's follower when this instance takes part (perseus.runtime.step_policy); asked again at the
         # first reduction when no tuner ran at construction (created before init()).
         self._autotune, self._autotune_asked = _attach_autotune(self)
 

@@ -32,16 +32,16 @@ from typing import Optional
 
 import numpy as np
 
-from perseus.common.knobs import read_knob
-from perseus.common.partition import even_counts
-from perseus.common.process_sets import ProcessSet, global_process_set
-from perseus.common.reduce_ops import ReduceOp
+from perseus.base.knobs import read_knob
+from perseus.base.partition import even_counts
+from perseus.runtime.process_sets import ProcessSet, global_process_set
+from perseus.base.reduce_ops import ReduceOp
 from perseus.compression import selectors
 from perseus.compression.base import KeyState, Reducer, signature
 from perseus.compression.local_step import check_warmup, density_at
 from perseus.compression.topk import sparse_sum
-from perseus.common.state import runtime
-from perseus.common import collectives as c
+from perseus.runtime.state import runtime
+from perseus.runtime import collectives as c
 
 __all__ = ["HiTopK"]
 

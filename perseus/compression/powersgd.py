@@ -36,10 +36,10 @@ from typing import Optional
 
 import numpy as np
 
-from perseus.common.process_sets import ProcessSet
-from perseus.common.reduce_ops import ReduceOp
+from perseus.runtime.process_sets import ProcessSet
+from perseus.base.reduce_ops import ReduceOp
 from perseus.compression.base import CHECK_LEN, KeyState, Reducer, key_hash, put_check, signature, verify_check
-from perseus.common import collectives as c
+from perseus.runtime import collectives as c
 
 __all__ = ["PowerSGD"]
 

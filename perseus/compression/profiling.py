@@ -8,10 +8,10 @@ import time
 
 import numpy as np
 
-from perseus.common.process_sets import ProcessSet
-from perseus.common.reduce_ops import ReduceOp
-from perseus.common.state import runtime
-from perseus.common import collectives as c
+from perseus.runtime.process_sets import ProcessSet
+from perseus.base.reduce_ops import ReduceOp
+from perseus.runtime.state import runtime
+from perseus.runtime import collectives as c
 
 __all__ = ["StepProfiler", "fit_affine", "probe_collective", "broadcast_from_first"]
 

@@ -15,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from perseus.common.knobs import read_knob
+from perseus.base.knobs import read_knob
 from perseus.compression import selectors
 from perseus.compression.base import CHECK_LEN, KeyState, Reducer, signature
 from perseus.compression.local_step import check_warmup, density_at, mask_sent

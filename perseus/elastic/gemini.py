@@ -39,7 +39,7 @@ import threading
 import time
 from typing import Callable, Optional, Sequence, Union
 
-from perseus.elastic import protocol
+from perseus.base import elastic_protocol as protocol
 
 __all__ = ["placement", "recovery_probability", "GeminiStore"]
 
@@ -143,7 +143,7 @@ class GeminiStore:
         self.peers, self.chunk_bytes, self.replication = int(peers), int(chunk_bytes), replication
         self.disk_dir, self.disk_every, self.on_durable = disk_dir, int(disk_every), on_durable
         self.quiet, self.max_defer_s = quiet, float(max_defer_s)
-        self.arena = arena  # a perseus.elastic.shm.SharedArena: this host's keeper maps its files
+        self.arena = arena  # a perseus.base.elastic_shm.SharedArena: this host's keeper maps its files
         self._local_conns: dict[str, socket.socket] = {}  # used by put()'s caller only
         self._urgent = False  # someone waits for the version in flight: send without waiting for gaps
         self._cond = threading.Condition()

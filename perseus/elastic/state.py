@@ -32,9 +32,9 @@ import logging
 import queue
 from typing import Optional
 
-from perseus.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
-from perseus.common.knobs import knob, read_knob
-from perseus.common.state import runtime
+from perseus.base.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from perseus.base.knobs import knob, read_knob
+from perseus.runtime.state import runtime
 from perseus.elastic import worker
 from perseus.elastic.notifications import (HostUpdateResult, WorkerNotificationManager, has_notification_source,
                                            notification_manager, set_notification_source)

@@ -9,7 +9,7 @@ where the checkpoint keepers are. :class:`ElasticSession` is the rank's end of t
   ``commit()`` raises ``HostsUpdatedInterrupt`` on every rank), its aborts after a rank failed elsewhere, and
   its word that every rank has left the training function;
 * the Gemini store (:class:`perseus.elastic.gemini.GeminiStore`): each ``commit()`` goes to this host's keeper
-  (as shared-memory files it maps, :mod:`perseus.elastic.shm`) and, with ``PERSEUS_GEMINI_PEERS``, to other
+  (as shared-memory files it maps, :mod:`perseus.base.elastic_shm`) and, with ``PERSEUS_GEMINI_PEERS``, to other
   hosts'; a rank of a later generation restores the newest commit from there;
 * re-forming in process after a rank died (ULFM revoke and shrink, :meth:`ElasticSession.recover_in_process`);
 * leaving: when the job must be relaunched the rank reports why, makes sure its last commit has landed, and
@@ -33,11 +33,11 @@ import time
 import traceback
 from typing import Optional
 
-from perseus.common.knobs import read_knob
-from perseus.common.state import runtime
-from perseus.elastic import protocol
+from perseus.base.knobs import read_knob
+from perseus.runtime.state import runtime
+from perseus.base import elastic_protocol as protocol
 from perseus.elastic.notifications import notification_manager
-from perseus.elastic.shm import SharedArena, job_dir
+from perseus.base.elastic_shm import SharedArena, job_dir
 from perseus.transport.mpi import load_mpi
 from perseus.elastic.gemini import GeminiStore
 

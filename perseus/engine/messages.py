@@ -1,7 +1,7 @@
 """What crosses into the native core: element types, collective kinds, and the request record.
 
 Requests themselves (name, signature, buffers) live in the native core (``native/handles.h``); adapters
-describe each tensor of a submission with one :class:`Request` (see :mod:`perseus.common.collectives`).
+describe each tensor of a submission with one :class:`Request` (see :mod:`perseus.runtime.collectives`).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class Request(NamedTuple):
     shape: tuple                    # the full shape (allgather/alltoall: this rank's first dimension)
     input: Any = None               # NumPy array or raw address; None: in place on output (or no data)
     output: Any = None              # None for allgather/alltoall: the engine allocates the result
-    reduce_op: int = 1              # a perseus.common.reduce_ops.ReduceOp (Sum)
+    reduce_op: int = 1              # a perseus.base.reduce_ops.ReduceOp (Sum)
     root_rank: int = -1             # broadcast: the root's rank within the process set
     prescale: float = 1.0
     postscale: float = 1.0

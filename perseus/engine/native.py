@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional
 
-from perseus.common.exceptions import MismatchError, PerseusInternalError, StallError
+from perseus.base.exceptions import MismatchError, PerseusInternalError, StallError
 from perseus.engine.messages import DType, OpType, Request
 from perseus.engine.settings import ENGINE_FIELDS, ENGINE_SETTINGS, engine_values
 from perseus.engine.stall import main_thread_location
@@ -96,7 +96,7 @@ class Engine:
 
     def __init__(self, settings, world_rank: int, host_key: Optional[int] = None, cpu_core: Optional[int] = None):
         """Create (not start) the engine of this rank from the resolved knobs ``settings`` (a
-        :class:`perseus.common.knobs.Settings`, or any object with the knobs of :data:`ENGINE_SETTINGS`).
+        :class:`perseus.base.knobs.Settings`, or any object with the knobs of :data:`ENGINE_SETTINGS`).
         ``host_key``: ranks with equal keys share a host; ``cpu_core``: pin the engine thread to this core
         (None: the field's default in perseus.engine.settings: one host, no pinning). The engine reads its settings
         only here. Raises ValueError or TypeError for a value the engine cannot use (see core_settings)."""

@@ -1,7 +1,7 @@
 """The native engine's settings: every field of the core's ``Settings`` struct, declared once.
 
 :data:`ENGINE_FIELDS` lists the fields in the order of ``native/settings.h``, each with its C++ type and the
-knobs (:mod:`perseus.common.knobs`) it is computed from. ``tools/gen_settings.py`` writes the header from this
+knobs (:mod:`perseus.base.knobs`) it is computed from. ``tools/gen_settings.py`` writes the header from this
 table and the knobs' defaults; :func:`engine_values` computes every field's value from resolved knobs, which
 :class:`perseus.engine.native.Engine` copies into the core's struct. The engine reads the struct once, when it
 is created; nothing on the per-request path looks at knobs.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
-from perseus.common.knobs import knob
+from perseus.base.knobs import knob
 
 __all__ = ["EngineField", "ENGINE_FIELDS", "ENGINE_SETTINGS", "engine_values", "allreduce_algorithm",
            "interface_names", "CROSS_HOST_CHANNELS", "topology_channels"]
@@ -113,7 +113,7 @@ ENGINE_FIELDS: tuple[EngineField, ...] = (
                 note="pin the engine thread to this core (from PERSEUS_THREAD_AFFINITY); -1: no pinning"),
 )
 
-#: The knobs the engine reads (names as in perseus.common.knobs).
+#: The knobs the engine reads (names as in perseus.base.knobs).
 ENGINE_SETTINGS: tuple[str, ...] = tuple(dict.fromkeys(name for f in ENGINE_FIELDS for name in f.knobs))
 
 

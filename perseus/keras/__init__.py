@@ -9,10 +9,10 @@ module or differs in Horovod: ``allreduce`` averages by default (as Horovod's ``
 
 import keras as _keras
 
-from perseus.common.api import wire_bytes
-from perseus.common.reduce_ops import Adasum
-from perseus._keras import frontend as _frontend
-from perseus._keras.embedding import make_embedding_class as _make_embedding_class
+from perseus.lifecycle.api import wire_bytes
+from perseus.base.reduce_ops import Adasum
+from perseus.tensorflow._keras import frontend as _frontend
+from perseus.tensorflow._keras.embedding import make_embedding_class as _make_embedding_class
 from perseus.tensorflow.keras import (  # noqa: F401 - re-exported
     Average, Compression, DistributedOptimizer, PartialDistributedOptimizer, ProcessSet, Sum, add_process_set,
     allgather, broadcast, broadcast_global_variables, ccl_built, cross_rank, cross_size, cuda_built, ddl_built,

@@ -3,7 +3,7 @@ callbacks and ``run`` (see perseus.tensorflow.elastic)."""
 
 import keras as _keras
 
-from perseus._keras.elastic import KerasState, make_elastic_callbacks
+from perseus.tensorflow._keras.elastic import KerasState, make_elastic_callbacks
 from perseus.tensorflow.elastic import run
 
 _classes = make_elastic_callbacks(_keras)

@@ -14,8 +14,8 @@ Not implemented (raise ``NotImplementedError``): NDArrays on a GPU context (the 
 in reducescatter, parameters replicated on several contexts of one process in ``DistributedTrainer``.
 """
 
-from perseus.common.api import wire_bytes
-from perseus.common.exceptions import HorovodInternalError, MismatchError, PerseusInternalError
+from perseus.lifecycle.api import wire_bytes
+from perseus.base.exceptions import HorovodInternalError, MismatchError, PerseusInternalError
 from perseus.mxnet import compression, functions, mpi_ops, optimizer
 from perseus.mxnet._bridge import PerseusMXNetInternalError, PerseusMXNetMismatchError, PerseusMXNetValueError
 from perseus.mxnet.compression import Compression

@@ -27,9 +27,9 @@ import mxnet as mx
 import numpy as np
 from mxnet.base import MXNetError
 
-from perseus.common import collectives as _c
-from perseus.common.state import runtime
-from perseus.common.exceptions import MismatchError, PerseusInternalError
+from perseus.runtime import collectives as _c
+from perseus.runtime.state import runtime
+from perseus.base.exceptions import MismatchError, PerseusInternalError
 from perseus.engine.messages import DType
 
 __all__ = [

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import mxnet as mx
 
-from perseus.common.reduce_ops import Adasum, Average, ReduceOp
+from perseus.base.reduce_ops import Adasum, Average, ReduceOp
 from perseus.compression import Reducer
 from perseus.mxnet.compression import Compression
 from perseus.mxnet.mpi_ops import _start_allreduce

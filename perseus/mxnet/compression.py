@@ -4,7 +4,7 @@ collectives (top-k, random-k, sign, QSGD, PowerSGD; framework-neutral, in perseu
 import numpy as np
 
 from perseus import compression as _lossy
-from perseus.common.compression import Compressor, NoneCompressor, cast_compressors, compression_namespace
+from perseus.runtime.compression import Compressor, NoneCompressor, cast_compressors, compression_namespace
 
 __all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "Compression"]
 

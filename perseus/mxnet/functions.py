@@ -6,8 +6,8 @@ import types
 
 import mxnet as mx
 
-from perseus.common import objects as _objects
-from perseus.common.process_sets import global_process_set
+from perseus.runtime import objects as _objects
+from perseus.runtime.process_sets import global_process_set
 from perseus.mxnet.mpi_ops import _start_broadcast, broadcast_, size
 
 __all__ = ["broadcast_parameters", "broadcast_object", "allgather_object"]

@@ -18,18 +18,18 @@ from __future__ import annotations
 import mxnet as mx
 import numpy as np
 
-from perseus.common import collectives as _c
-from perseus.common.api import (  # noqa: F401 - re-exported
+from perseus.runtime import collectives as _c
+from perseus.lifecycle.api import (  # noqa: F401 - re-exported
     _basics, ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
     is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
     nccl_built, rank, rocm_built, shutdown, size, start_timeline, stop_timeline,
 )
-from perseus.common.process_sets import ProcessSet, global_process_set
+from perseus.runtime.process_sets import ProcessSet, global_process_set
 from perseus.lifecycle import add_process_set, remove_process_set
-from perseus.common.reduce_ops import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, reject_adasum,
+from perseus.base.reduce_ops import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, reject_adasum,
                                        resolve_op)
-from perseus.common.exceptions import PerseusInternalError
-from perseus.common.partition import even_counts as reducescatter_rows
+from perseus.base.exceptions import PerseusInternalError
+from perseus.base.partition import even_counts as reducescatter_rows
 from perseus.compression import Reducer
 from perseus.mxnet._bridge import (Output, Pending, PerseusMXNetValueError, WriteTarget, _message, check_ndarray,
                                    mx_error, ps_info, read_view)

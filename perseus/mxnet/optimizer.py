@@ -28,10 +28,10 @@ from collections import defaultdict
 import mxnet as mx
 import numpy as np
 
-from perseus.common import guard as _guard
-from perseus.common.process_sets import global_process_set
-from perseus.common.reduce_ops import Adasum, Average
-from perseus.common.util import split_list
+from perseus.runtime import guard as _guard
+from perseus.runtime.process_sets import global_process_set
+from perseus.base.reduce_ops import Adasum, Average
+from perseus.base.util import split_list
 from perseus.compression import Reducer
 from perseus.mxnet.adasum import AdasumDeltas, check_op
 from perseus.mxnet.compression import Compression

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from perseus import _horovod_alias as horovod_alias
+from perseus.base import horovod_alias
 from perseus.ray.elastic import ElasticRayExecutor
 from perseus.ray.settings import Settings, connect, make_settings, place
 from perseus.ray.worker import BaseHorovodWorker, WorkerError

@@ -20,7 +20,7 @@ import socket
 import subprocess
 from typing import Any, Optional
 
-from perseus.common.knobs import environment, set_external
+from perseus.base.knobs import environment, set_external
 from perseus.runner.remote import job as remote_job
 from perseus.runner.remote.agent import TOKEN_ENV, write_job_file
 from perseus.runner.remote.link import RankEndpoint, RankGone

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from typing import Any, Callable, Mapping
 
-from perseus.common.knobs import read_knob
+from perseus.base.knobs import read_knob
 from perseus.runner import hosts as hostlib
 from perseus.runner import mpi_run
 from perseus.runner.elastic.discovery import Blacklist, FixedHosts, HostDiscovery

@@ -267,7 +267,7 @@ class HelloServer:
 
 
 def json_hello(body: bytes, token: str, refusal: Optional[dict] = None) -> dict:
-    """The hello of :mod:`perseus.elastic.protocol`'s peers, checked: a JSON object with ``"op": "hello"``, no
+    """The hello of :mod:`perseus.base.elastic_protocol`'s peers, checked: a JSON object with ``"op": "hello"``, no
     buffers after it, and the job's ``token`` (compared in constant time). Raises :class:`Refused` otherwise,
     its reply being the message ``refusal`` when given."""
     reply = b""

@@ -1,7 +1,7 @@
 """``perseusrun``: start a training script on several processes through mpirun (horovodrun's flags).
 
 Flags that tune perseus become ``PERSEUS_*`` environment variables of the launched job only; their
-names come from :mod:`perseus.common.knobs`, which also holds every default. Any problem the
+names come from :mod:`perseus.base.knobs`, which also holds every default. Any problem the
 launcher can see before starting the job is reported as one ``perseusrun: error: ...`` line on
 stderr with exit status 2.
 """
@@ -20,7 +20,7 @@ import sys
 from typing import Any, Callable, Mapping, Sequence
 
 from perseus._version import __version__
-from perseus.common.knobs import KNOBS
+from perseus.base.knobs import KNOBS
 from perseus.runner import hosts as hostlib
 from perseus.runner import mpi_run
 from perseus.runner.config_file import config_argv
@@ -64,7 +64,7 @@ def _text(value: Any) -> str:
 
 
 def _add_knob_flags(p: argparse.ArgumentParser) -> None:
-    """Add one option per knob that declares a :class:`~perseus.common.knobs.Flag`, grouped as declared.
+    """Add one option per knob that declares a :class:`~perseus.base.knobs.Flag`, grouped as declared.
 
     The option's destination is the knob's name; a flag not given leaves it None (nothing is exported).
     """

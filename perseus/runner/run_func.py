@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from perseus.common.knobs import read_knob
+from perseus.base.knobs import read_knob
 from perseus.runner import hosts as hostlib
 from perseus.runner import launch
 from perseus.runner.elastic.discovery import DiscoveryError, HostDiscovery

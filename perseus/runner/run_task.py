@@ -15,8 +15,8 @@ import socket
 import sys
 import traceback
 
-from perseus._horovod_alias import install_if_asked
-from perseus.common.knobs import read_knob
+from perseus.base.horovod_alias import install_if_asked
+from perseus.base.knobs import read_knob
 from perseus.runner.common.util.env import get_env_rank_and_size
 from perseus.runner.remote import rank as remote_rank
 from perseus.runner.remote.service import die_with_parent
@@ -36,7 +36,7 @@ def _place() -> tuple[int, int]:
     """``(rank, size)`` now: the engine's, when the function left perseus running (an elastic job that re-formed
     in process renumbered its ranks), else the launcher's. The engine is looked up, never imported: a function
     that did not use perseus does not pay for loading it."""
-    state = sys.modules.get("perseus.common.state")
+    state = sys.modules.get("perseus.runtime.state")
     if state is not None:
         try:
             now = state.runtime()

@@ -23,7 +23,7 @@ import re
 import shutil
 from typing import Optional
 
-from perseus.common.knobs import external
+from perseus.base.knobs import external
 
 __all__ = ["stale_session_dirs", "remove_stale_session_dirs"]
 

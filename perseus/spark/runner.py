@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from perseus import _horovod_alias as horovod_alias
+from perseus.base import horovod_alias
 from perseus.runner.remote import job as remote_job
 from perseus.runner.remote.agent import write_job_file
 from perseus.runner.run_frames import TOKEN_ENV as RUN_TOKEN_ENV

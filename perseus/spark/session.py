@@ -8,7 +8,7 @@ import secrets
 import socket
 from typing import Any, Optional, Sequence
 
-from perseus.common.knobs import read_knob
+from perseus.base.knobs import read_knob
 from perseus.runner.run_func import RunError, _interface_address
 from perseus.spark.driver import Registry, SparkJob
 from perseus.spark.task import TaskConfig, run_task

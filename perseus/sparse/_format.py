@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from perseus.common.exceptions import MismatchError
+from perseus.base.exceptions import MismatchError
 from perseus.engine.messages import DType, OpType, Request, Timing, dtype_of
 
 HEADER = 10

@@ -19,14 +19,14 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from perseus.common.state import runtime
-from perseus.common.exceptions import MismatchError
-from perseus.common.reduce_ops import ReduceOp
+from perseus.runtime.state import runtime
+from perseus.base.exceptions import MismatchError
+from perseus.base.reduce_ops import ReduceOp
 from perseus.sparse import choice
 from perseus.sparse.hashing import Seeds, h0_checksum
-from perseus.common.exceptions import PerseusInternalError
-from perseus.common.process_sets import global_process_set
-from perseus.common import collectives as c
+from perseus.base.exceptions import PerseusInternalError
+from perseus.runtime.process_sets import global_process_set
+from perseus.runtime import collectives as c
 from perseus.compression.base import CHECK_LEN, put_check, verify_check
 from perseus.compression.profiling import fit_affine, probe_collective
 

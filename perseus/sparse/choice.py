@@ -47,7 +47,7 @@ import dataclasses
 import math
 from typing import Dict, Iterable, Optional
 
-from perseus.common.step_policy import Following
+from perseus.runtime.step_policy import Following
 
 __all__ = ["ALGORITHMS", "CHOICES", "Link", "Workload", "Prediction", "predict", "choose", "choose_measured",
            "set_policy", "policy", "DEFAULT_LINK", "EXPLORE_WINDOW", "EXPLORE_SAMPLES"]
@@ -245,7 +245,7 @@ def policy_explicit() -> bool:
 
 
 class _SparsePath:
-    """The sparse all-reduce path's identity with the autotuner (perseus.common.step_policy, link 'sparse')."""
+    """The sparse all-reduce path's identity with the autotuner (perseus.runtime.step_policy, link 'sparse')."""
 
 
 _PARTICIPANT = _SparsePath()
@@ -254,7 +254,7 @@ _following = Following("sparse")
 
 def follow_tuner(key: str, process_set) -> None:
     """Called at every 'auto' sparse all-reduce of the global process set, before its choice: under the
-    autotuner, at step boundaries, the per-step agreement of perseus.common.step_policy (one small all-reduce
+    autotuner, at step boundaries, the per-step agreement of perseus.runtime.step_policy (one small all-reduce
     while the tuner may still switch), then the algorithm the tuner chose for this step on every rank
     (:func:`set_policy`). Without a tuner: nothing. Collective while following (every rank calls it at the
     same calls, which the identical sequence of sparse all-reduces gives)."""

@@ -6,10 +6,10 @@ from typing import Optional
 
 import numpy as np
 
-from perseus.common.process_sets import ProcessSet, global_process_set
-from perseus.common.reduce_ops import ReduceOp
+from perseus.runtime.process_sets import ProcessSet, global_process_set
+from perseus.base.reduce_ops import ReduceOp
 from perseus.sparse import _runtime, _format, allgather, choice, columns, dense, zen
-from perseus.common.collectives import _name
+from perseus.runtime.collectives import _name
 
 __all__ = ["sparse_allreduce_async", "sparse_allreduce", "resolve_algorithm"]
 

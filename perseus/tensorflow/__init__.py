@@ -11,10 +11,10 @@ differentiable. A cross-rank mismatch raises ``tf.errors.FailedPreconditionError
 
 import tensorflow as tf
 
-from perseus._keras.keras2_api import (accept_compile_run_tf_function, allow_optimizer_lr,
+from perseus.tensorflow.keras2_api import (accept_compile_run_tf_function, allow_optimizer_lr,
                                        allow_optimizer_variables_call)
-from perseus.common.api import wire_bytes
-from perseus.common.exceptions import HorovodInternalError, PerseusInternalError
+from perseus.lifecycle.api import wire_bytes
+from perseus.base.exceptions import HorovodInternalError, PerseusInternalError
 from perseus.tensorflow import compression, elastic, functions, gradient_tape, mpi_ops, util
 from perseus.tensorflow._core import PerseusFailedPreconditionError, PerseusUnknownError
 from perseus.tensorflow._reduce import allreduce, grouped_allreduce, grouped_reducescatter, reducescatter

@@ -19,7 +19,7 @@ import threading
 
 import tensorflow as tf
 
-from perseus.common.knobs import external, load_settings
+from perseus.base.knobs import external, load_settings
 
 __all__ = ["load", "cache_dir"]
 

@@ -28,9 +28,9 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from perseus.common import collectives as _c
-from perseus.common.state import runtime
-from perseus.common.exceptions import MismatchError, NotAMemberError, PerseusInternalError
+from perseus.runtime import collectives as _c
+from perseus.runtime.state import runtime
+from perseus.base.exceptions import MismatchError, NotAMemberError, PerseusInternalError
 from perseus.engine.messages import DType
 from perseus.tensorflow import _await
 

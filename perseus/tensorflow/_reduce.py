@@ -12,8 +12,8 @@ import threading
 import numpy as np
 import tensorflow as tf
 
-from perseus.common.process_sets import global_process_set
-from perseus.common.reduce_ops import Adasum, Average, ReduceOp, Sum, resolve_op
+from perseus.runtime.process_sets import global_process_set
+from perseus.base.reduce_ops import Adasum, Average, ReduceOp, Sum, resolve_op
 from perseus import sparse as _sparse
 from perseus.compression import Reducer
 from perseus.compression.base import _to_bf16_words

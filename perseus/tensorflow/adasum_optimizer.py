@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from perseus.common.reduce_ops import Adasum
+from perseus.base.reduce_ops import Adasum
 from perseus.compression import Reducer
 from perseus.tensorflow._reduce import grouped_allreduce
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from perseus import compression as _lossy
-from perseus.common.compression import Compressor, NoneCompressor, cast_compressors, compression_namespace
+from perseus.runtime.compression import Compressor, NoneCompressor, cast_compressors, compression_namespace
 
 __all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression"]
 

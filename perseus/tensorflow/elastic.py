@@ -13,8 +13,8 @@ import re
 import tensorflow as tf
 
 from perseus.elastic.state import ObjectState, run_fn
-from perseus.common.exceptions import HorovodInternalError
-from perseus.common.state import runtime as _runtime
+from perseus.base.exceptions import HorovodInternalError
+from perseus.runtime.state import runtime as _runtime
 from perseus.tensorflow.functions import broadcast_object, broadcast_variables
 from perseus.tensorflow.keras_state import KerasState as TensorFlowKerasState
 from perseus.tensorflow.mpi_ops import init, rank, shutdown

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from perseus.common import objects as _objects
-from perseus.common.process_sets import global_process_set
+from perseus.runtime import objects as _objects
+from perseus.runtime.process_sets import global_process_set
 from perseus.tensorflow.mpi_ops import broadcast_
 from perseus.tensorflow.util import _executing_eagerly
 

@@ -2,7 +2,7 @@
 
 The reduction of a step's gradients is one grouped allreduce (dense gradients negotiated and fused together;
 tf.IndexedSlices through the sparse algorithms of docs/sparse.md, or densified with ``sparse_as_dense``).
-``groups`` splits it into several groups as Horovod does. The Keras ``DistributedOptimizer`` (perseus._keras) shares the
+``groups`` splits it into several groups as Horovod does. The Keras ``DistributedOptimizer`` (perseus.tensorflow._keras) shares the
 gradient-reduction function here, :func:`_make_allreduce_grads_fn`.
 
 With a communicating compressor (``Compression.topk(0.01)``...) every gradient is compressed on its own (each
@@ -16,13 +16,13 @@ import warnings
 
 import tensorflow as tf
 
-from perseus.common import guard as _guard
-from perseus.common.process_sets import global_process_set
-from perseus.common.reduce_ops import Average, ReduceOp
+from perseus.runtime import guard as _guard
+from perseus.runtime.process_sets import global_process_set
+from perseus.base.reduce_ops import Average, ReduceOp
 from perseus.compression import Reducer
 from perseus.tensorflow._reduce import grouped_allreduce, reduce_with
 from perseus.tensorflow.compression import Compression
-from perseus.common.partition import split_list
+from perseus.base.partition import split_list
 from perseus.tensorflow.util import var_key
 
 __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "_make_allreduce_grads_fn",

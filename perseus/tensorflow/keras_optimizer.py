@@ -33,9 +33,9 @@ import warnings
 
 import tensorflow as tf
 
-from perseus.common import guard as _guard
-from perseus.common.process_sets import global_process_set
-from perseus.common.reduce_ops import Adasum, Average, ReduceOp, Sum
+from perseus.runtime import guard as _guard
+from perseus.runtime.process_sets import global_process_set
+from perseus.base.reduce_ops import Adasum, Average, ReduceOp, Sum
 from perseus.tensorflow.adasum_optimizer import apply_adasum, check_adasum_options, local_gradients_fn
 from perseus.tensorflow.compression import Compression
 from perseus.tensorflow.gradient_aggregation import LocalGradientAggregationHelper, is_model_parallel, var_key

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from perseus.common.state import runtime
+from perseus.runtime.state import runtime
 from perseus.elastic.state import ObjectState
-from perseus._keras.values import broadcast_values
+from perseus.tensorflow.keras_values import broadcast_values
 from perseus.tensorflow.functions import broadcast_object
 
 __all__ = ["KerasState"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from perseus.common.reduce_ops import Adasum, ReduceOp
+from perseus.base.reduce_ops import Adasum, ReduceOp
 from perseus.tensorflow.adasum_optimizer import apply_adasum, check_adasum_options, local_gradients_fn
 from perseus.tensorflow.gradient_tape import _make_allreduce_grads_fn
 

@@ -11,15 +11,15 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from perseus.common import collectives as _c
-from perseus.common.api import (  # noqa: F401 - re-exported
+from perseus.runtime import collectives as _c
+from perseus.lifecycle.api import (  # noqa: F401 - re-exported
     _basics, ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
     is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
     nccl_built, rank, rocm_built, shutdown, size, start_timeline, stop_timeline,
 )
-from perseus.common.process_sets import ProcessSet, global_process_set
+from perseus.runtime.process_sets import ProcessSet, global_process_set
 from perseus.lifecycle import add_process_set, remove_process_set
-from perseus.common.reduce_ops import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, reject_adasum,
+from perseus.base.reduce_ops import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, reject_adasum,
                                        resolve_op)
 from perseus.tensorflow import _core
 from perseus.tensorflow._core import engine_dtype as _dtype, op_name as _op_name, ps_info as _ps_info

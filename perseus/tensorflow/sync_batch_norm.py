@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from perseus.common.process_sets import global_process_set
-from perseus.common.reduce_ops import Sum
+from perseus.runtime.process_sets import global_process_set
+from perseus.base.reduce_ops import Sum
 from perseus.tensorflow.mpi_ops import _allreduce
 
 __all__ = ["SyncBatchNormalization"]

@@ -5,8 +5,8 @@ Change ``import horovod.torch as hvd`` to ``import perseus.torch as hvd``; nothi
 
 import torch
 
-from perseus.common.api import wire_bytes
-from perseus.common.exceptions import HorovodInternalError, PerseusInternalError
+from perseus.lifecycle.api import wire_bytes
+from perseus.base.exceptions import HorovodInternalError, PerseusInternalError
 from perseus.torch import compression, elastic, functions, mpi_ops, optimizer
 from perseus.torch.compression import Compression
 from perseus.torch.device import stats as device_stats

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 from perseus import sparse as _sparse
-from perseus.common import collectives as _c
-from perseus.common.process_sets import global_process_set
-from perseus.common.reduce_ops import resolve_op
+from perseus.runtime import collectives as _c
+from perseus.runtime.process_sets import global_process_set
+from perseus.base.reduce_ops import resolve_op
 from perseus.compression import Pending, Reducer
 from perseus.torch import device as _device
 from perseus.torch import staging as _staging

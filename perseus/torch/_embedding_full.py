@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from perseus.common import collectives as _c
+from perseus.runtime import collectives as _c
 from perseus.torch._tensors import synchronize
 
 __all__ = ["FullTable", "full_state_dict", "mark_state_dict", "MODEL_PARALLEL_ATTR"]

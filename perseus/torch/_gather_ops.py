@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from perseus.common import collectives as _c
-from perseus.common.api import rank
-from perseus.common.partition import even_counts
-from perseus.common.process_sets import global_process_set
-from perseus.common.reduce_ops import Average, ReduceOp, Sum
+from perseus.runtime import collectives as _c
+from perseus.lifecycle.api import rank
+from perseus.base.partition import even_counts
+from perseus.runtime.process_sets import global_process_set
+from perseus.base.reduce_ops import Average, ReduceOp, Sum
 from perseus.torch import device_collectives as _dc
 from perseus.torch import staging as _staging
 from perseus.torch._allreduce_ops import allreduce, grouped_allreduce

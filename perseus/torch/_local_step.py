@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 import torch
 
-from perseus.common.api import rank
+from perseus.lifecycle.api import rank
 from perseus.compression import Reducer
 from perseus.compression.local_step import LocalStep
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from perseus.common.reduce_ops import Average, reject_adasum
+from perseus.base.reduce_ops import Average, reject_adasum
 
 __all__ = ["PendingReduction", "Schedule", "check_op", "parameter_names", "TOO_MANY_PASSES", "ZERO_GRAD_RACE"]
 

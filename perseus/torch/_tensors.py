@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from perseus.common import collectives as _c
+from perseus.runtime import collectives as _c
 from perseus.engine.messages import DType
 from perseus.torch.staging import Deferred as _Deferred
 

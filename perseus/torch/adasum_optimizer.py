@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from perseus.common.api import size
-from perseus.common.reduce_ops import Adasum
+from perseus.lifecycle.api import size
+from perseus.base.reduce_ops import Adasum
 from perseus.compression import Reducer
 from perseus.torch._allreduce_ops import allreduce_async_
 from perseus.torch._schedule import TOO_MANY_PASSES, PendingReduction, Schedule

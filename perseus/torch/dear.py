@@ -26,14 +26,14 @@ import weakref
 
 import torch
 
-from perseus.common.step_policy import Following
+from perseus.runtime.step_policy import Following
 from perseus.autotune.space import DEAR_THRESHOLDS
-from perseus.common import collectives as _c
-from perseus.common.api import _basics, size
-from perseus.common.exceptions import HorovodInternalError
-from perseus.common.knobs import read_knob
-from perseus.common.process_sets import global_process_set
-from perseus.common.reduce_ops import Max, Sum
+from perseus.runtime import collectives as _c
+from perseus.lifecycle.api import _basics, size
+from perseus.base.exceptions import HorovodInternalError
+from perseus.base.knobs import read_knob
+from perseus.runtime.process_sets import global_process_set
+from perseus.base.reduce_ops import Max, Sum
 from perseus.torch import device_collectives as _dc
 from perseus.torch._allreduce_ops import allreduce_async
 from perseus.torch._schedule import TOO_MANY_PASSES, ZERO_GRAD_RACE, PendingReduction, Schedule, check_op
@@ -415,7 +415,7 @@ class DearSchedule(Schedule):
 
     def _follow_tuner(self):
         """Under the autotuner (global process set): the group size is a search dimension
-        (perseus.common.step_policy, link 'dear'); while the tuner may change it, each step ends with one small
+        (perseus.runtime.step_policy, link 'dear'); while the tuner may change it, each step ends with one small
         all-reduce so that every rank takes the same size from the same backward on. Collective."""
         if self.opt.process_set is not global_process_set:
             return

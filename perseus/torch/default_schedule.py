@@ -12,12 +12,12 @@ import warnings
 
 import torch
 
-from perseus.common import guard as _guard
-from perseus.common.api import _basics, size
-from perseus.common.partition import split_list
-from perseus.common.process_sets import global_process_set
-from perseus.common.step_policy import Following
-from perseus.common.reduce_ops import Average, Sum
+from perseus.runtime import guard as _guard
+from perseus.lifecycle.api import _basics, size
+from perseus.base.partition import split_list
+from perseus.runtime.process_sets import global_process_set
+from perseus.runtime.step_policy import Following
+from perseus.base.reduce_ops import Average, Sum
 from perseus.compression import Reducer
 from perseus.torch import device as _device
 from perseus.torch._local_step import LocalSteps
@@ -97,7 +97,7 @@ class DefaultSchedule(Schedule):
         self.presynchronized = False  # clip_grad_norm_ synchronized already: the next step() does not
         self.skip_step = False        # the guard saw a non-finite gradient: the next step() does nothing
         #: PERSEUS_NONFINITE_GRADIENTS: each gradient checked as it is submitted, the verdict after the step's
-        #: reduction (perseus.common.guard); None when off
+        #: reduction (perseus.runtime.guard); None when off
         self.guard = _guard.for_optimizer(opt.process_set)
         #: momentum correction and local clipping, when the compressor is a sparsifier (torch/_local_step.py)
         self.local = LocalSteps(opt)

@@ -41,10 +41,10 @@ from typing import Optional
 import numpy as np
 import torch
 
-from perseus.common import collectives as _c
-from perseus.common.state import runtime
-from perseus.common.knobs import external, set_external_default
-from perseus.common.process_sets import global_process_set
+from perseus.runtime import collectives as _c
+from perseus.runtime.state import runtime
+from perseus.base.knobs import external, set_external_default
+from perseus.runtime.process_sets import global_process_set
 from perseus.torch import _tensors, device_ops as _ops
 
 __all__ = ["backend", "routes_cpu", "takes", "allreduce_async", "stats", "Streams", "CudaStreams", "HostStreams"]
@@ -54,7 +54,7 @@ _runtime = runtime()
 # What NCCL (and gloo) reduce: the engine's dtype codes.
 _FLOATS = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 _INTS = {torch.uint8, torch.int8, torch.int32, torch.int64}
-_SUM, _AVERAGE, _MIN, _MAX, _PRODUCT = 1, 0, 3, 4, 5  # perseus ReduceOp codes (perseus.common.reduce_ops)
+_SUM, _AVERAGE, _MIN, _MAX, _PRODUCT = 1, 0, 3, 4, 5  # perseus ReduceOp codes (perseus.base.reduce_ops)
 CALIBRATION_LAUNCHES = 8  # a device bucket's transfer takes this many launch costs (see _Launcher._calibrate)
 _log = logging.getLogger("perseus")
 
@@ -229,7 +229,7 @@ def caller_wait(streams: Streams, entries) -> None:
 def allreduce_async(inputs, outputs, dtypes, name, op, prescale_factor, postscale_factor, process_set, finish,
                     single: bool) -> int:
     """Start an allreduce of ``inputs`` into ``outputs`` (the same tensors: in place) through the launcher;
-    return the engine handle. Collective as :func:`perseus.common.collectives.grouped_allreduce_async`.
+    return the engine handle. Collective as :func:`perseus.runtime.collectives.grouped_allreduce_async`.
 
     ``dtypes`` are the engine's codes; ``finish`` makes synchronize's value (a 1-tuple: that value).
 

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from perseus.common import collectives as _c
-from perseus.common.process_sets import global_process_set
-from perseus.common.state import runtime
+from perseus.runtime import collectives as _c
+from perseus.runtime.process_sets import global_process_set
+from perseus.runtime.state import runtime
 from perseus.engine.messages import Request
 from perseus.torch import device as _device
 from perseus.torch._tensors import _dtype
@@ -84,7 +84,7 @@ def submit(op_type: int, tensors, name=None, process_set=global_process_set, *, 
            outputs=None, single: bool = True, finish=None, priority: int = 0) -> int:
     """Start ``op_type`` on ``tensors`` (one request each, negotiated together) through the launcher and return
     the engine handle; ``synchronize`` returns ``finish(entries)`` (default: the outputs, a list unless
-    ``single``). Collective as the host forms in :mod:`perseus.common.collectives`.
+    ``single``). Collective as the host forms in :mod:`perseus.runtime.collectives`.
 
     ``outputs``: broadcast's and reducescatter's result tensors (broadcast: may be the input itself, in place);
     for allgather, optional: the result goes there when it has the gathered shape. ``priority`` orders requests

@@ -13,7 +13,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from perseus.common.partition import even_counts
+from perseus.base.partition import even_counts
 from perseus.engine.messages import OpType
 
 __all__ = ["ALLGATHER", "BROADCAST", "ALLTOALL", "REDUCESCATTER", "launch"]

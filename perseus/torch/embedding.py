@@ -55,10 +55,10 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from perseus.common import collectives as _c
-from perseus.common.partition import even_counts
-from perseus.common.process_sets import ProcessSet, global_process_set
-from perseus.common.reduce_ops import Average, ReduceOp, Sum
+from perseus.runtime import collectives as _c
+from perseus.base.partition import even_counts
+from perseus.runtime.process_sets import ProcessSet, global_process_set
+from perseus.base.reduce_ops import Average, ReduceOp, Sum
 from perseus.torch._embedding_full import MODEL_PARALLEL_ATTR, FullTable, full_state_dict, mark_state_dict
 from perseus.torch._tensors import _alloc_like, _dtype, _np, synchronize
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from perseus.common import objects as _objects
+from perseus.runtime import objects as _objects
 
-from perseus.common.process_sets import global_process_set
+from perseus.runtime.process_sets import global_process_set
 from perseus.torch.mpi_ops import broadcast_, broadcast_async_, synchronize
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object"]

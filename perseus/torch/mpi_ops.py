@@ -1,6 +1,6 @@
 """PyTorch collectives: the surface of horovod.torch.mpi_ops.
 
-Setup, topology and build information come from :mod:`perseus.common.api`; the allreduces from
+Setup, topology and build information come from :mod:`perseus.lifecycle.api`; the allreduces from
 :mod:`perseus.torch._allreduce_ops`, the other collectives from :mod:`perseus.torch._gather_ops`, waiting
 from :mod:`perseus.torch._tensors`. This module only gathers them (and answers what torch is built with).
 """
@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from perseus.common.api import (  # noqa: F401 - re-exported
+from perseus.lifecycle.api import (  # noqa: F401 - re-exported
     _basics, ccl_built, cross_rank, cross_size, ddl_built, gloo_built, gloo_enabled, init,
     is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
     rank, rocm_built, shutdown, size, start_timeline, stop_timeline,
 )
-from perseus.common.exceptions import HorovodInternalError
-from perseus.common.process_sets import ProcessSet, global_process_set
+from perseus.base.exceptions import HorovodInternalError
+from perseus.runtime.process_sets import ProcessSet, global_process_set
 from perseus.lifecycle import add_process_set, remove_process_set
-from perseus.common.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from perseus.base.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from perseus.torch._allreduce_ops import (
     allreduce, allreduce_, allreduce_async, allreduce_async_, grouped_allreduce, grouped_allreduce_,
     grouped_allreduce_async, grouped_allreduce_async_, sparse_allreduce_async,

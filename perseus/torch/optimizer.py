@@ -16,9 +16,9 @@ from contextlib import contextmanager
 
 import torch
 
-from perseus.common import guard as _guard
-from perseus.common.process_sets import global_process_set
-from perseus.common.reduce_ops import Average, ReduceOp
+from perseus.runtime import guard as _guard
+from perseus.runtime.process_sets import global_process_set
+from perseus.base.reduce_ops import Average, ReduceOp
 from perseus.sparse import resolve_algorithm
 from perseus.torch._schedule import parameter_names
 from perseus.torch.adasum_optimizer import AdasumSchedule
@@ -272,7 +272,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             PERSEUS_NONFINITE_GRADIENTS set with ``op=Adasum`` or ``schedule="dear"``.
 
     With PERSEUS_NONFINITE_GRADIENTS=raise or skip, each gradient is checked for NaN/Inf on its rank before
-    it is reduced, and ``step()`` raises ``perseus.common.exceptions.NonFiniteGradientError`` on every rank
+    it is reduced, and ``step()`` raises ``perseus.base.exceptions.NonFiniteGradientError`` on every rank
     (naming the tensors and ranks) or skips the update on every rank (docs/troubleshooting.md).
     """
     if schedule not in ("default", "dear"):

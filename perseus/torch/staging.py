@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from perseus.common.state import runtime
+from perseus.runtime.state import runtime
 
 __all__ = ["DeviceOps", "CudaOps", "HostOps", "Deferred", "wanted", "to_host", "to_host_queued", "defer", "drain",
            "host_empty", "to_device", "copy_back", "stage_cpu"]

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from perseus.common.state import runtime as _basics_state
+from perseus.runtime.state import runtime as _basics_state
 from perseus.torch.mpi_ops import Sum, allreduce_async, global_process_set, synchronize
 
 __all__ = ["SyncBatchNorm"]

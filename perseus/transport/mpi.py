@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import atexit
 
-from perseus.common.knobs import set_external_default
+from perseus.base.knobs import set_external_default
 
 __all__ = ["load_mpi", "mpi_flavour", "require_mpi", "MPI_CHOICES"]
 

@@ -207,7 +207,7 @@ def flows(hosts, per_host):
     """Every channel must have its own TCP connection to the other host once large all-reduces ran. The
     channels are those in use (init() chooses them by topology when PERSEUS_NUM_CHANNELS is unset), as the
     settings report them and as the engine runs them."""
-    from perseus.common.state import runtime
+    from perseus.runtime.state import runtime
 
     hvd.init()
     check_layout(hosts, per_host)

@@ -22,7 +22,7 @@ def main(mode: str) -> None:
             time.sleep(60)  # never submits "lonely"
     elif mode in ("transport_error", "transport_error_caught"):
         if rank == 1:
-            from perseus.common.state import runtime
+            from perseus.runtime.state import runtime
 
             runtime().engine._native.fail_next_collective("simulated transport failure")
         try:

@@ -12,7 +12,7 @@ import torch
 
 import perseus.torch as hvd
 from perseus.autotune import service
-from perseus.common import startup, state
+from perseus.runtime import startup, state
 from perseus.engine import native
 from perseus.transport.mpi import load_mpi
 

@@ -247,7 +247,7 @@ def test_shaping_caps_flows_and_link(cluster):
 ENV_PROBE = textwrap.dedent("""
     import json, os, socket
     import perseus.torch as hvd
-    from perseus.common.state import runtime
+    from perseus.runtime.state import runtime
     hvd.init()
     params = runtime().engine.params(0)  # (fusion bytes, in-place bytes, channels, cycle us, algorithm, ...)
     names = ("MY_DATA_DIR", "OMP_NUM_THREADS", "NCCL_DEBUG", "CUDA_VISIBLE_DEVICES", "OLDPWD")

@@ -19,7 +19,7 @@ SIZES = (3, 1000, 70001, 300000, 5)
 
 
 def _train_until_tuned(hvd, max_steps=600):
-    from perseus.common.state import runtime
+    from perseus.runtime.state import runtime
 
     tuner = runtime().service("tuner")
     assert tuner is not None
@@ -55,7 +55,7 @@ def test_tuner_switches_every_rank_together_and_remembers(hvd, tmp_path):
     try:
         restart(hvd, env)
         tuner, steps = _train_until_tuned(hvd)
-        from perseus.common.state import runtime
+        from perseus.runtime.state import runtime
 
         params = tuple(runtime().engine.params(0))
         everyone = hvd.allgather_object((params, tuner.result, tuner.samples))
@@ -72,7 +72,7 @@ def test_tuner_switches_every_rank_together_and_remembers(hvd, tmp_path):
 def test_tuner_searches_again_when_steps_slow_down(hvd, tmp_path):
     """The re-tune trigger, driven by the step times the tuner reads (not by the machine's speed): every step
     takes 1 ms until the test makes every later step take 10 ms."""
-    from perseus.common.state import runtime
+    from perseus.runtime.state import runtime
 
     env = {"PERSEUS_AUTOTUNE": "1", "PERSEUS_AUTOTUNE_BUDGET_STEPS": "12", "PERSEUS_AUTOTUNE_STEPS_PER_SAMPLE": "2",
            "PERSEUS_AUTOTUNE_WARMUP_SAMPLES": "0", "PERSEUS_AUTOTUNE_RETUNE_DRIFT": "0.5",

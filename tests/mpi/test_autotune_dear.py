@@ -29,7 +29,7 @@ def model():
 
 
 def _train(hvd, net, schedule, steps=None):
-    from perseus.common.state import runtime
+    from perseus.runtime.state import runtime
 
     tuner = runtime().service("tuner")
     opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9),

@@ -35,7 +35,7 @@ def model():
 def _train(hvd, net, steps=None, on_step=None):
     """SGD steps until the tuner is done on every rank (and 3 more), or ``steps``; returns the tuner, the budget
     in force after each step and the steps taken. ``on_step()`` runs after each step."""
-    from perseus.common.state import runtime
+    from perseus.runtime.state import runtime
 
     tuner = runtime().service("tuner")
     engine = runtime().engine

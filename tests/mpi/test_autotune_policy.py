@@ -30,7 +30,7 @@ def _train_until_tuned(hvd, es, model, max_steps=400, jitter=True):
     """Train until every rank's tuner has finished, then 3 steps more. Returns the tuner, per step what this
     rank used: (policy, option of every gradient, whether the per-step agreement had stopped), and a function
     that trains n steps more."""
-    from perseus.common.state import runtime
+    from perseus.runtime.state import runtime
 
     tuner = runtime().service("tuner")
     assert tuner is not None
@@ -138,7 +138,7 @@ def test_policy_and_engine_parameters_searched_together(hvd):
         es = hvd.Compression.espresso(density=0.1)
         other = Espresso(density=0.1)  # only one Espresso per job follows the tuner: the first one created
         model = mlp()
-        from perseus.common.state import runtime
+        from perseus.runtime.state import runtime
 
         tuner = runtime().service("tuner")
         if hvd.rank() == 1:  # this rank's tuner hears of every setting late: its compressor must wait for it

@@ -31,7 +31,7 @@ class Model(nn.Module):
 def _train_until_tuned(hvd, model, max_steps=400):
     """Train until every rank's tuner has ended, then 3 steps more; per step, the algorithm the embedding's
     gradient took and whether the sparse path still follows the tuner."""
-    from perseus.common.state import runtime
+    from perseus.runtime.state import runtime
     from perseus.sparse import choice, stats
 
     tuner = runtime().service("tuner")

@@ -57,7 +57,7 @@ def ones(*shape, dtype=torch.float32):
 
 
 def mismatch(*words):
-    from perseus.common.exceptions import HorovodInternalError
+    from perseus.base.exceptions import HorovodInternalError
 
     return raises(HorovodInternalError, *words)
 
@@ -362,7 +362,7 @@ CASES = ALLREDUCE + GATHER_BROADCAST + OTHERS
 
 @pytest.fixture(scope="module")
 def sets(hvd):
-    from perseus.common.process_sets import ProcessSet
+    from perseus.runtime.process_sets import ProcessSet
 
     # The first optimizer step of a process imports torch._dynamo (seconds on a busy machine): not timed here.
     warm = torch.nn.Parameter(ones(1))

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from job_env import restart
-from perseus.common import startup
-from perseus.common.state import runtime
+from perseus.runtime import startup
+from perseus.runtime.state import runtime
 from perseus.engine.settings import CROSS_HOST_CHANNELS
 
 pytestmark = pytest.mark.timeout(180)

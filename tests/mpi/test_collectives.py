@@ -237,7 +237,7 @@ def test_large_reducescatter_and_allgather_with_each_algorithm(hvd, algorithm):
     # factors and Average. Small integers: sums are exact whatever order the ring combines ranks in.
     old = restart(hvd, {"PERSEUS_ALLREDUCE_ALGORITHM": algorithm})
     try:
-        from perseus.common.state import runtime
+        from perseus.runtime.state import runtime
 
         assert runtime().engine.params(0)[4] == {"auto": 0, "mpi": 1, "ring": 2}[algorithm]
         size, rank = hvd.size(), hvd.rank()

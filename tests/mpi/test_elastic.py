@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 import perseus.torch.elastic as elastic
 from perseus.elastic import state as common_elastic
 from perseus.elastic.state import HostUpdateResult, ObjectState
-from perseus.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from perseus.base.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -18,7 +18,7 @@ import tensorflow as tf  # noqa: E402
 import perseus.tensorflow as hvd  # noqa: E402
 import perseus.tensorflow.elastic as elastic  # noqa: E402
 import perseus.tensorflow.keras as hvd_keras  # noqa: E402
-from perseus.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt  # noqa: E402
+from perseus.base.exceptions import HorovodInternalError, HostsUpdatedInterrupt  # noqa: E402
 from perseus.elastic import state as common_elastic  # noqa: E402
 from perseus.elastic.state import HostUpdateResult  # noqa: E402
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from perseus.common.exceptions import NonFiniteGradientError
+from perseus.base.exceptions import NonFiniteGradientError
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -44,7 +44,7 @@ def linked(hvd):
     """``(engine, every rank's link ports, the ports this process listened on before)``."""
     from mpi4py import MPI
 
-    from perseus.common.state import runtime
+    from perseus.runtime.state import runtime
     from perseus.engine.native import ENGINE_SETTINGS, Engine
 
     comm = MPI.COMM_WORLD

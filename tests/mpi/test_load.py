@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from perseus.common.state import runtime
+from perseus.runtime.state import runtime
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -20,7 +20,7 @@ def test_dynamic_sets_from_mpi4py_communicators(hvd):
     outside it); every distinct set is registered on every rank, each rank gets its own."""
     from mpi4py import MPI
 
-    from perseus.common.state import runtime
+    from perseus.runtime.state import runtime
 
     size, rank = hvd.size(), hvd.rank()
     before = set(runtime()._sets)

@@ -1,4 +1,4 @@
-"""perseus.common.files: a file written on the root alone is read back on every rank through root_file, and
+"""perseus.runtime.files: a file written on the root alone is read back on every rank through root_file, and
 root_call gives every rank the root's answer."""
 
 import glob
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from perseus.common.files import root_call, root_file
+from perseus.runtime.files import root_call, root_file
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -59,7 +59,7 @@ def test_only_the_roots_argument_matters(hvd, folder):
 
 
 def test_directory_prefix_and_large_file(hvd, folder, monkeypatch):
-    import perseus.common.files as files
+    import perseus.runtime.files as files
 
     monkeypatch.setattr(files, "CHUNK_BYTES", 1000)  # several chunks per file, one short last chunk
     rank = hvd.rank()

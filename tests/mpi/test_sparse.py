@@ -13,8 +13,8 @@ import torch
 
 import perseus.torch as hvd
 from perseus import sparse
-from perseus.common.state import runtime
-from perseus.common.exceptions import HorovodInternalError
+from perseus.runtime.state import runtime
+from perseus.base.exceptions import HorovodInternalError
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 

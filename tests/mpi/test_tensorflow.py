@@ -311,7 +311,7 @@ def test_duplicate_name_in_flight_eager():
     # when the TensorFlow op names it again (see tests/mpi/test_errors.py).
     from mpi4py import MPI
 
-    from perseus.common import collectives as _c
+    from perseus.runtime import collectives as _c
 
     def submit(name):
         return _c.allreduce_async(np.ones(2, np.float32), np.empty(2, np.float32), name=name)

@@ -18,7 +18,7 @@ OPS = {"sum": 1, "min": 3, "max": 4, "product": 5}
 def engines(hvd):
     from mpi4py import MPI
 
-    from perseus.common.state import runtime
+    from perseus.runtime.state import runtime
     from perseus.engine.native import ENGINE_SETTINGS, Engine
 
     made = {}

@@ -26,7 +26,7 @@ def test_allreduce_sends_two_size_minus_one_over_size_of_the_buffer(hvd, algorit
     old = {"PERSEUS_ALLREDUCE_ALGORITHM": os.environ.get("PERSEUS_ALLREDUCE_ALGORITHM")}
     try:
         restart(hvd, {"PERSEUS_ALLREDUCE_ALGORITHM": algorithm})
-        from perseus.common.state import runtime
+        from perseus.runtime.state import runtime
 
         assert runtime().engine.params(0)[4] == {"mpi": 1, "ring": 2}[algorithm]
         size = hvd.size()

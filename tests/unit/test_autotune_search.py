@@ -264,7 +264,7 @@ def test_sparse_dimension_only_when_asked():
 
 def test_fixed_params_may_name_the_policy():
     from perseus.autotune.tuner import tuned_fixed_params
-    from perseus.common.knobs import load_settings
+    from perseus.base.knobs import load_settings
 
     fixed = tuned_fixed_params(load_settings({"PERSEUS_AUTOTUNE_FIXED": "channels,compression_policy"}))
     assert sorted(fixed) == ["channels", "compression_policy"] and fixed["compression_policy"] == -1
@@ -287,7 +287,7 @@ class _Ranks:
     def __init__(self, monkeypatch):
         self.others = (0, False)
         self.calls = []
-        import perseus.common.step_policy as policy
+        import perseus.runtime.step_policy as policy
 
         def fake_max(name, process_set, posted, ended):
             assert name.startswith("perseus.autotune.policy.")
@@ -299,7 +299,7 @@ class _Ranks:
 def test_follower_applies_a_proposal_at_a_step_boundary_only(monkeypatch):
     import threading
 
-    from perseus.common.step_policy import PolicyLink
+    from perseus.runtime.step_policy import PolicyLink
 
     ranks = _Ranks(monkeypatch)
     link = PolicyLink()
@@ -326,9 +326,9 @@ def test_follower_applies_a_proposal_at_a_step_boundary_only(monkeypatch):
 
 
 def test_follower_stops_when_a_tuner_ended_and_fails_clearly_when_one_never_hears(monkeypatch):
-    from perseus.common import step_policy as policy
-    from perseus.common.step_policy import PolicyLink
-    from perseus.common.exceptions import PerseusInternalError
+    from perseus.runtime import step_policy as policy
+    from perseus.runtime.step_policy import PolicyLink
+    from perseus.base.exceptions import PerseusInternalError
 
     ranks = _Ranks(monkeypatch)
     link = PolicyLink()

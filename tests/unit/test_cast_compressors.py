@@ -1,5 +1,5 @@
 """Unit tests of the framework-neutral cast compressors and Compression namespace
-(perseus.common.compression), with NumPy arrays standing in for a framework's tensors."""
+(perseus.runtime.compression), with NumPy arrays standing in for a framework's tensors."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from perseus import compression as lossy
-from perseus.common.compression import CastCompressor, NoneCompressor, cast_compressors, compression_namespace
+from perseus.runtime.compression import CastCompressor, NoneCompressor, cast_compressors, compression_namespace
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from perseus.common.exceptions import HorovodInternalError, MismatchError
+from perseus.base.exceptions import HorovodInternalError, MismatchError
 from perseus.compression import PowerSGD, QSGD, RandomK, Reducer, Sign, TopK
 from perseus.compression import selectors
 from perseus.compression.base import CHECK_LEN, KeyState, put_check, verify_check

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from perseus.elastic import protocol
+from perseus.base import elastic_protocol as protocol
 from perseus.runner import run_func
 from perseus.runner.elastic.discovery import (Blacklist, DiscoveryError, FixedHosts, HostDiscovery,
                                               parse_discovery_output)
@@ -101,7 +101,7 @@ def test_too_few_hosts_fails_naming_min_np(tmp_path):
 FAKE_RANK = textwrap.dedent("""
     import os, socket, sys, time
     sys.path.insert(0, {repo!r})
-    from perseus.elastic import protocol
+    from perseus.base import elastic_protocol as protocol
     addr, _, port = os.environ["PERSEUS_ELASTIC_DRIVER"].rpartition(":")
     s = protocol.connect(addr, int(port), 5)
     rank = int(sys.argv[1])

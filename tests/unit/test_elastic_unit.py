@@ -16,7 +16,7 @@ import perseus.torch as hvd
 import perseus.torch.elastic as elastic
 from perseus.elastic import state as common_elastic
 from perseus.elastic.state import HostUpdateResult, ObjectState, State, run_fn
-from perseus.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt, PerseusInternalError
+from perseus.base.exceptions import HorovodInternalError, HostsUpdatedInterrupt, PerseusInternalError
 from perseus.torch.elastic import sampler as sampler_module
 from perseus.torch.elastic import state as state_module
 

@@ -33,7 +33,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from perseus.common.exceptions import MismatchError, PerseusInternalError, StallError
+from perseus.base.exceptions import MismatchError, PerseusInternalError, StallError
 from perseus.engine.messages import DType, OpType, Request, Timing, numpy_dtype
 from perseus.engine.native import ENGINE_SETTINGS, Engine, load_core
 
@@ -165,7 +165,7 @@ def make_sim():
 
 def item(name, dtype, x, out, *, op=SUM, root=-1, pre=1.0, post=1.0, prio=0, splits=None, shape=None,
          timing=Timing.FULL):
-    """One request as perseus.common.collectives builds it."""
+    """One request as perseus.runtime.collectives builds it."""
     shape = tuple(x.shape if x is not None else out.shape) if shape is None else tuple(shape)
     return Request(name=name, dtype=int(dtype), shape=shape, input=x, output=out, reduce_op=int(op),
                    root_rank=int(root), prescale=float(pre), postscale=float(post), priority=int(prio), splits=splits,
@@ -1741,8 +1741,8 @@ def test_wire_bytes_are_per_process_set_and_only_grow(make_sim):
 
 
 def test_wire_bytes_before_init_is_a_value_error():
-    from perseus.common import api
-    from perseus.common.state import Runtime
+    from perseus.lifecycle import api
+    from perseus.runtime.state import Runtime
 
     with pytest.raises(ValueError, match="not been initialized"):
         Runtime().wire_bytes()

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from perseus.common.knobs import knob, load_settings
+from perseus.base.knobs import knob, load_settings
 from perseus.engine.settings import (ENGINE_FIELDS, ENGINE_SETTINGS, allreduce_algorithm, engine_values,
                                      interface_names)
 

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from perseus.elastic import protocol
+from perseus.base import elastic_protocol as protocol
 from perseus.elastic.gemini import GeminiStore, placement, recovery_probability
 from perseus.runner.elastic.keeper_process import start_keeper
 
@@ -296,11 +296,11 @@ def test_start_keeper_over_ssh(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Shared memory: the host's keeper maps the rank's snapshot buffers (perseus.elastic.shm)
+# Shared memory: the host's keeper maps the rank's snapshot buffers (perseus.base.elastic_shm)
 # ---------------------------------------------------------------------------------------------------------
 
 def test_local_copy_is_the_shared_memory_buffer_itself(keepers):
-    from perseus.elastic.shm import SharedArena, job_dir
+    from perseus.base.elastic_shm import SharedArena, job_dir
 
     directory = job_dir(TOKEN, "a")
     if directory is None:
@@ -343,7 +343,7 @@ def test_keeper_refuses_files_outside_its_directory(keepers, tmp_path):
 def test_a_full_shared_memory_is_an_error_not_a_crash(tmp_path):
     import subprocess
 
-    from perseus.elastic.shm import SharedArena
+    from perseus.base.elastic_shm import SharedArena
 
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")

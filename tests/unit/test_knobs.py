@@ -1,10 +1,10 @@
-"""Unit tests for perseus.common.knobs: environment parsing, precedence, validation, Settings."""
+"""Unit tests for perseus.base.knobs: environment parsing, precedence, validation, Settings."""
 
 from __future__ import annotations
 
 import pytest
 
-from perseus.common.knobs import (KNOBS, Knob, Settings, knob, load_settings, parse_bool, parse_reset_limit,
+from perseus.base.knobs import (KNOBS, Knob, Settings, knob, load_settings, parse_bool, parse_reset_limit,
                                    read_knob)
 
 pytestmark = pytest.mark.timeout(60)
@@ -315,7 +315,7 @@ def test_reset_limit_parsing_and_read_knob():
 def test_common_util_env_sets_and_restores_through_knobs(monkeypatch):
     import os
 
-    from perseus.common.util import env
+    from perseus.base.util import env
 
     monkeypatch.delenv("PERSEUS_TEST_A", raising=False)
     monkeypatch.setenv("PERSEUS_TEST_B", "b")
@@ -326,15 +326,15 @@ def test_common_util_env_sets_and_restores_through_knobs(monkeypatch):
 
 
 def test_only_knobs_and_the_launcher_touch_the_environment():
-    # Settings are declared once: every read of the process environment goes through perseus.common.knobs.
+    # Settings are declared once: every read of the process environment goes through perseus.base.knobs.
     import pathlib
     import re
 
     root = pathlib.Path(__file__).resolve().parents[2] / "perseus"
     # The launcher's own files (they build the ranks' and the keepers' environments).
-    allowed = {"common/knobs.py", "runner/launch.py", "runner/mpi_run.py", "runner/elastic_run.py",
+    allowed = {"base/knobs.py", "runner/launch.py", "runner/mpi_run.py", "runner/elastic_run.py",
                "runner/elastic/keeper_process.py", "runner/remote/job.py", "runner/remote/service.py"}
     offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
                  if re.search(r"os\.environ|os\.getenv|os\.putenv", p.read_text())
                  and str(p.relative_to(root)) not in allowed]
-    assert offenders == [], f"read or write the environment through perseus.common.knobs: {offenders}"
+    assert offenders == [], f"read or write the environment through perseus.base.knobs: {offenders}"

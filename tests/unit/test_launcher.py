@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from perseus.common.knobs import KNOBS, knob
+from perseus.base.knobs import KNOBS, knob
 from perseus.runner import hosts as hostlib
 from perseus.runner import launch, mpi_run
 from perseus.runner.common.util import env as env_util

@@ -24,7 +24,7 @@ import time
 import pytest
 from proc_sockets import listening_sockets
 
-from perseus.elastic import protocol
+from perseus.base import elastic_protocol as protocol
 from perseus.runner import handshake, run_func
 from perseus.runner.elastic.discovery import Blacklist, HostDiscovery
 from perseus.runner.elastic.driver import ElasticDriver
@@ -399,7 +399,7 @@ def test_a_keeper_without_an_address_to_listen_on_says_so():
 FAKE_RANK = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, {repo!r})
-    from perseus.elastic import protocol
+    from perseus.base import elastic_protocol as protocol
     addr, _, port = os.environ["PERSEUS_ELASTIC_DRIVER"].rpartition(":")
     s = protocol.connect(addr, int(port), 5)
     protocol.send_msg(s, dict(op="hello", token=os.environ["PERSEUS_ELASTIC_TOKEN"], rank=int(sys.argv[1]),

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("fsspec")
 
-from perseus.common.knobs import set_external  # noqa: E402
+from perseus.base.knobs import set_external  # noqa: E402
 from perseus.spark.common import store as store_mod  # noqa: E402
 from perseus.spark.common.store import (DBFSLocalStore, FilesystemStore, HDFSStore, LocalStore,  # noqa: E402
                                         RemoteStore, Store)

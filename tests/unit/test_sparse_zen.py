@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from perseus.common.exceptions import MismatchError
-from perseus.common.knobs import knob
+from perseus.base.exceptions import MismatchError
+from perseus.base.knobs import knob
 from perseus.sparse import _format, allgather, choice, zen
 from perseus.sparse.hashing import Seeds, h0_checksum, mix64, mix64_scalar, owner_of, reduce_range, slot_of
 

@@ -32,8 +32,8 @@ def test_import_graph_finds_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
         sys.path.pop(0)
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_graph.sccs(graph) == [["a", "b", "c"]]
-    assert import_graph.layer_of("perseus.common.exceptions") < import_graph.layer_of("perseus.autotune.tuner")
-    assert import_graph.layer_of("perseus.common.state") < import_graph.layer_of("perseus.elastic.worker")
+    assert import_graph.layer_of("perseus.base.exceptions") < import_graph.layer_of("perseus.autotune.tuner")
+    assert import_graph.layer_of("perseus.runtime.state") < import_graph.layer_of("perseus.elastic.worker")
 
 
 def test_function_lengths_counts_cpp_and_python(tmp_path):

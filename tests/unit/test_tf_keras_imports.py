@@ -1,4 +1,4 @@
-"""Each TensorFlow/Keras module of perseus imports on its own, first, in a fresh interpreter (perseus._keras
+"""Each TensorFlow/Keras module of perseus imports on its own, first, in a fresh interpreter (perseus.tensorflow._keras
 sits above perseus.tensorflow's modules, so the import order must not matter), and importing
 perseus.tensorflow does not import the Keras front ends."""
 
@@ -26,15 +26,15 @@ def _run(code: str) -> str:
 
 # (each a fresh interpreter importing TensorFlow, ~9 s of CPU: the quick test run tries the two front ends)
 @pytest.mark.parametrize("module", ["perseus.keras", "perseus.tensorflow.keras.elastic"] + [
-    pytest.param(m, marks=pytest.mark.full) for m in ("perseus._keras.elastic", "perseus._keras.frontend",
-                                                      "perseus._keras.callbacks", "perseus.tensorflow.keras_optimizer")])
+    pytest.param(m, marks=pytest.mark.full) for m in ("perseus.tensorflow._keras.elastic", "perseus.tensorflow._keras.frontend",
+                                                      "perseus.tensorflow._keras.callbacks", "perseus.tensorflow.keras_optimizer")])
 def test_module_imports_first(module):
     _run(f"import {module}")
 
 
 def test_perseus_tensorflow_leaves_the_keras_front_ends_alone():
-    front_ends = ("perseus.keras", "perseus.tensorflow.keras", "perseus._keras.frontend", "perseus._keras.callbacks",
-                  "perseus._keras.embedding")
+    front_ends = ("perseus.keras", "perseus.tensorflow.keras", "perseus.tensorflow._keras.frontend", "perseus.tensorflow._keras.callbacks",
+                  "perseus.tensorflow._keras.embedding")
     out = _run("import sys, perseus.tensorflow as hvd\n"
                f"print(sorted(m for m in sys.modules if m in {front_ends!r}"
                " or m.startswith(('perseus.keras.', 'perseus.tensorflow.keras.'))))")

@@ -1,4 +1,4 @@
-"""The settings init() chooses from the job's topology (perseus.common.startup.choose_by_topology): the channel
+"""The settings init() chooses from the job's topology (perseus.runtime.startup.choose_by_topology): the channel
 count when PERSEUS_NUM_CHANNELS is unset, 1 on one host and CROSS_HOST_CHANNELS across hosts, the same on every
 rank, and a value the user set left alone. The tests fake the topology each rank sees."""
 
@@ -8,9 +8,9 @@ import logging
 
 import pytest
 
-from perseus.common.knobs import load_settings
-from perseus.common.startup import choose_by_topology
-from perseus.common.state import Topology
+from perseus.base.knobs import load_settings
+from perseus.runtime.startup import choose_by_topology
+from perseus.runtime.state import Topology
 from perseus.engine.settings import CROSS_HOST_CHANNELS, topology_channels
 
 pytestmark = pytest.mark.timeout(60)
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def ranks_of(per_host: list[int]) -> list[Topology]:
     """The Topology every rank of a job with ``per_host[i]`` ranks on host i sees (ranks fill hosts in order),
-    as perseus.common.startup.topology computes it."""
+    as perseus.runtime.startup.topology computes it."""
     out, first = [], 0
     for host, n in enumerate(per_host):
         for local_rank in range(n):

@@ -6,7 +6,7 @@ so that scripts, notebooks and every rank of a job resolve Horovod's names witho
 ``horovodrun`` command is ``perseusrun``.
 
 Nothing is imported at start-up but this module: the first ``import horovod...`` loads perseus's alias
-(:mod:`perseus._horovod_alias`). Where a real Horovod is installed in the same environment, this distribution
+(:mod:`perseus.base.horovod_alias`). Where a real Horovod is installed in the same environment, this distribution
 does nothing but say so once (``import horovod`` then gives Horovod): uninstall one of the two.
 """
 
@@ -34,7 +34,7 @@ class _LazyAlias(importlib.abc.MetaPathFinder):
         if fullname != "horovod" and not fullname.startswith("horovod."):
             return None
         sys.meta_path[:] = [f for f in sys.meta_path if f is not self]
-        from perseus._horovod_alias import HorovodAlias, install
+        from perseus.base.horovod_alias import HorovodAlias, install
 
         install()
         return HorovodAlias().find_spec(fullname, path, target)

@@ -14,7 +14,7 @@ The first line of stdin is the job's token (so that it never shows in ``ps``); o
 one line ``PERSEUS_KEEPER_PORT <port>`` to stdout. It listens on the addresses of ``--bind``, else on those its
 ``--host`` name resolves to on this machine (the ranks connect to that name) and on its address on the route
 to ``--toward`` (the launcher): never on every interface, so a local job's keeper stays on 127.0.0.1. It
-serves any number of TCP connections, one thread each, with the messages of :mod:`perseus.elastic.protocol`.
+serves any number of TCP connections, one thread each, with the messages of :mod:`perseus.base.elastic_protocol`.
 A connection starts with ``{"op": "hello", "token": T}`` (answered ``ok``, or ``error`` and closed on a wrong
 token), read with a deadline on a thread of its own (:class:`perseus.runner.handshake.HelloServer`: a client
 that sends nothing, a few bytes a second or garbage costs a bounded handshake and is closed); then:
@@ -48,8 +48,8 @@ import sys
 import threading
 from typing import Optional, Sequence
 
-from perseus.elastic.shm import job_dir, owner_pid, pid_alive
-from perseus.elastic.protocol import MAX_HEADER_BYTES, WireError, send_msg
+from perseus.base.elastic_shm import job_dir, owner_pid, pid_alive
+from perseus.base.elastic_protocol import MAX_HEADER_BYTES, WireError, send_msg
 from perseus.runner.elastic.keeper_process import PORT_LINE
 from perseus.runner.handshake import HelloServer, address_towards, json_hello, own_addresses
 

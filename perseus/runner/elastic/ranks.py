@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from perseus.elastic import protocol
+from perseus.base import elastic_protocol as protocol
 from perseus.runner.handshake import HelloServer, json_hello
 
 __all__ = ["RankLink", "Event", "RankServer"]

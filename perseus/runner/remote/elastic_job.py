@@ -19,8 +19,8 @@ import sys
 import threading
 from typing import Any, Callable, Optional, Sequence
 
-from perseus import _horovod_alias as horovod_alias
-from perseus.common.knobs import read_knob
+from perseus.base import horovod_alias
+from perseus.base.knobs import read_knob
 from perseus.runner import mpi_run
 from perseus.runner.elastic.discovery import Blacklist, DiscoveryError
 from perseus.runner.elastic.driver import ElasticDriver

@@ -26,8 +26,8 @@ import threading
 import traceback
 from typing import Any, Optional
 
-from perseus._horovod_alias import install_if_asked
-from perseus.common.knobs import read_knob
+from perseus.base.horovod_alias import install_if_asked
+from perseus.base.knobs import read_knob
 from perseus.runner.common.util.env import get_env_rank_and_size
 from perseus.runner.remote.service import die_with_parent
 from perseus.runner.run_frames import recv_frame, send_frame

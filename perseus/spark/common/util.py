@@ -27,7 +27,7 @@ from typing import Optional
 
 import numpy as np
 
-from perseus.common.knobs import external
+from perseus.base.knobs import external
 from perseus.spark.common import _dataframe as frame
 
 __all__ = ["prepare_data", "get_dataset_properties", "clear_training_cache", "check_validation",

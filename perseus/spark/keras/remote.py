@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 import perseus.tensorflow.keras as hvd
-from perseus._keras.callbacks import _LearningRateSchedule
+from perseus.tensorflow._keras.callbacks import _LearningRateSchedule
 from perseus.spark.common.datamodule import ParquetDataModule
 from perseus.spark.keras import util
 from perseus.spark.keras.util import keras

@@ -7,11 +7,11 @@
 
 from tensorflow import keras as _keras
 
-from perseus.common.process_sets import ProcessSet, global_process_set
+from perseus.runtime.process_sets import ProcessSet, global_process_set
 from perseus.lifecycle import add_process_set, remove_process_set
-from perseus.common.reduce_ops import Average, Sum
-from perseus._keras import frontend as _frontend
-from perseus._keras.embedding import make_embedding_class as _make_embedding_class
+from perseus.base.reduce_ops import Average, Sum
+from perseus.tensorflow._keras import frontend as _frontend
+from perseus.tensorflow._keras.embedding import make_embedding_class as _make_embedding_class
 from perseus.tensorflow.compression import Compression
 from perseus.tensorflow.functions import broadcast_global_variables as _broadcast_global_variables
 from perseus.tensorflow.mpi_ops import (  # noqa: F401 - re-exported

@@ -2,7 +2,7 @@
 
 from tensorflow import keras as _keras
 
-from perseus._keras.callbacks import make_callbacks
+from perseus.tensorflow._keras.callbacks import make_callbacks
 
 _classes = make_callbacks(_keras)
 BroadcastGlobalVariablesCallback = _classes["BroadcastGlobalVariablesCallback"]

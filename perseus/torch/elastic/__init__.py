@@ -16,7 +16,7 @@ survives dead ranks and host changes (docs/elastic.md). See :mod:`perseus.elasti
 """
 
 from perseus.elastic.state import ObjectState, run_fn  # noqa: F401 - ObjectState: convenience attribute
-from perseus.common.state import runtime as _runtime
+from perseus.runtime.state import runtime as _runtime
 from perseus.torch.elastic.sampler import ElasticSampler
 from perseus.torch.elastic.state import TorchState
 from perseus.torch.mpi_ops import init, shutdown

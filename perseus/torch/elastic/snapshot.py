@@ -12,7 +12,7 @@ copy to the keepers) runs on the same thread, in order.
 ``PERSEUS_ELASTIC_SNAPSHOT=sync`` copies everything at ``commit()``; so does a DeAR optimizer, which changes
 parameters during the forward pass.
 
-Under the elastic launcher the buffers are files in shared memory (:mod:`perseus.elastic.shm`): the host's
+Under the elastic launcher the buffers are files in shared memory (:mod:`perseus.base.elastic_shm`): the host's
 checkpoint keeper maps them instead of receiving a copy.
 """
 

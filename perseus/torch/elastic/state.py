@@ -8,7 +8,7 @@ import inspect
 import torch
 
 from perseus.elastic.state import ObjectState, _check_attribute_names
-from perseus.common.knobs import read_knob
+from perseus.base.knobs import read_knob
 from perseus.torch.elastic.snapshot import Snapshotter
 from perseus.torch.elastic.sampler import ElasticSampler
 from perseus.torch.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from perseus.common.knobs import external
+from perseus.base.knobs import external
 
 __all__ = ["IGNORE_REGEXES", "LAUNCHER_OWN_REGEXES", "LOG_LEVEL_STR", "is_exportable", "is_forwarded",
            "get_env_rank_and_size"]

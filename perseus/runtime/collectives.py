@@ -18,11 +18,11 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from perseus.common.exceptions import BadArgumentTypeError
-from perseus.common.state import runtime
-from perseus.common.partition import even_counts
-from perseus.common.process_sets import ProcessSet, global_process_set
-from perseus.common.reduce_ops import ReduceOp, reject_adasum
+from perseus.base.exceptions import BadArgumentTypeError
+from perseus.runtime.state import runtime
+from perseus.base.partition import even_counts
+from perseus.runtime.process_sets import ProcessSet, global_process_set
+from perseus.base.reduce_ops import ReduceOp, reject_adasum
 from perseus.engine.messages import DType, OpType, Request, dtype_of
 
 __all__ = [

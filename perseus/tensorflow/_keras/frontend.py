@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from perseus.common.process_sets import global_process_set
-from perseus.common.reduce_ops import Average, resolve_op
-from perseus._keras.values import allgather_value, allreduce_value, broadcast_value, reducescatter_value
+from perseus.runtime.process_sets import global_process_set
+from perseus.base.reduce_ops import Average, resolve_op
+from perseus.tensorflow.keras_values import allgather_value, allreduce_value, broadcast_value, reducescatter_value
 from perseus.tensorflow._reduce import allreduce
 from perseus.tensorflow.compression import Compression
 from perseus.tensorflow.keras_optimizer import (_Settings, check_keras_op, distributed_class, distributed_optimizer,

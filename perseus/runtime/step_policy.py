@@ -20,7 +20,7 @@ learns a new setting at its own moment (and can lag behind its training thread b
   whether that tuner has ended without a final proposal.
 * A maximum above the number applied so far means some rank's tuner has received that setting, so its
   broadcast has completed, so every rank's tuner receives it: the thread waits for its own tuner to post it
-  (at most :data:`WAIT_S` seconds, then :class:`~perseus.common.exceptions.PerseusInternalError`) and applies
+  (at most :data:`WAIT_S` seconds, then :class:`~perseus.base.exceptions.PerseusInternalError`) and applies
   its policy from this step on. Every rank computes the same maximum at the same boundary, so every rank
   applies the same policy at the same step.
 * Once a final proposal is applied, or some rank's tuner has ended without one, the per-step all-reduce stops,
@@ -40,9 +40,9 @@ from typing import Optional
 
 import numpy as np
 
-from perseus.common.exceptions import PerseusInternalError
-from perseus.common.reduce_ops import ReduceOp
-from perseus.common.state import runtime
+from perseus.base.exceptions import PerseusInternalError
+from perseus.base.reduce_ops import ReduceOp
+from perseus.runtime.state import runtime
 from perseus.engine.messages import DType, OpType, Request, Timing
 
 __all__ = ["PolicyLink", "Follower", "Following", "attach", "WAIT_S"]

@@ -4,7 +4,7 @@ A gradient with NaN or Inf on one rank becomes NaN on every rank once summed, an
 With the guard on, a DistributedOptimizer checks each gradient on its own rank as it submits it (one pass
 over the gradient), and at the end of the step's reduction every rank of the process set learns, through one
 small all-reduce, whether any rank saw one; if so, the ranks exchange the names (an allgather, only then)
-and every rank at the same step either raises :class:`~perseus.common.exceptions.NonFiniteGradientError`
+and every rank at the same step either raises :class:`~perseus.base.exceptions.NonFiniteGradientError`
 naming the tensors and the ranks (``raise``), or skips the optimizer step (``skip``: the parameters and the
 optimizer's state stay as they were; rank 0 logs a warning naming them). ``off`` (the default) costs
 nothing.
@@ -17,11 +17,11 @@ from typing import Optional
 
 import numpy as np
 
-from perseus.common.exceptions import NonFiniteGradientError
-from perseus.common.knobs import read_knob
-from perseus.common import collectives as c
-from perseus.common.objects import allgather_object
-from perseus.common.state import runtime
+from perseus.base.exceptions import NonFiniteGradientError
+from perseus.base.knobs import read_knob
+from perseus.runtime import collectives as c
+from perseus.runtime.objects import allgather_object
+from perseus.runtime.state import runtime
 
 __all__ = ["Guard", "MODES", "mode", "for_optimizer", "refuse"]
 

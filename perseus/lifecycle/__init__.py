@@ -1,10 +1,10 @@
 """``init()`` and ``shutdown()``: the runtime started together with the services built on it.
 
-The runtime (:mod:`perseus.common.state`) knows nothing of the tuner or of elastic jobs; this module is where
+The runtime (:mod:`perseus.runtime.state`) knows nothing of the tuner or of elastic jobs; this module is where
 they are wired in. ``init()`` starts the runtime with the run-time tuner as a service (it runs only under
 ``HOROVOD_AUTOTUNE``/``PERSEUS_AUTOTUNE`` in a job of more than one rank) and, in a rank started by the elastic
 launcher, opens the rank's session with the launcher's driver. Logging and the abort hook are set up by the
-runtime's start-up phases (:mod:`perseus.common.startup`).
+runtime's start-up phases (:mod:`perseus.runtime.startup`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from perseus.autotune.service import TunerService
-from perseus.common.process_sets import ProcessSet
-from perseus.common.state import runtime
+from perseus.runtime.process_sets import ProcessSet
+from perseus.runtime.state import runtime
 from perseus.elastic import worker
 
 __all__ = ["init", "shutdown", "add_process_set", "remove_process_set"]
@@ -24,7 +24,7 @@ _SERVICES = (TunerService(),)
 def init(comm=None, process_sets=None):
     """Start perseus on this process. On a running perseus (e.g. started by another framework module) it
     starts nothing; given ``process_sets`` it then assigns them the ids of the registered sets with their
-    ranks. See :meth:`perseus.common.state.Runtime.start` for the arguments.
+    ranks. See :meth:`perseus.runtime.state.Runtime.start` for the arguments.
 
     Collective: every rank of ``comm`` (default: every rank of the job) must call it. Start-up is all or
     nothing: a failure on one rank raises on every rank, or, inside MPI's collective calls, aborts the job.
@@ -46,11 +46,11 @@ def shutdown():
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
-    """Register a new process set after init; see :meth:`perseus.common.state.Runtime.add_process_set`.
+    """Register a new process set after init; see :meth:`perseus.runtime.state.Runtime.add_process_set`.
     Collective: every rank calls it with the same ranks."""
     return runtime().add_process_set(process_set)
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
-    """Deregister a process set; see :meth:`perseus.common.state.Runtime.remove_process_set`."""
+    """Deregister a process set; see :meth:`perseus.runtime.state.Runtime.remove_process_set`."""
     return runtime().remove_process_set(process_set)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 
-from perseus._keras.classes import keras_class
+from perseus.tensorflow._keras.classes import keras_class
 from perseus.tensorflow.keras_state import KerasState
 
 __all__ = ["KerasState", "make_elastic_callbacks"]

@@ -6,7 +6,7 @@ first on ``sys.meta_path`` and sets ``PERSEUS_HOROVOD_ALIAS=1`` in this process'
 processes it starts inherit the wish: every rank started by ``perseus.run``, ``perseus.spark.run``, a
 ``RayExecutor`` or ``perseusrun`` calls :func:`install_if_asked` before it unpickles a function (which may
 refer to ``horovod`` modules by name). It imports no other perseus module but the environment's gate,
-:mod:`perseus.common.knobs`.
+:mod:`perseus.base.knobs`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import importlib.machinery
 import importlib.util
 import sys
 
-from perseus.common.knobs import external, set_external
+from perseus.base.knobs import external, set_external
 
 __all__ = ["HorovodAlias", "install", "uninstall", "active", "install_if_asked", "env", "ENV"]
 

@@ -2,7 +2,7 @@
 
 :class:`Runtime` is one object per process (:func:`runtime` returns it; framework modules also expose it as
 ``mpi_ops._basics``, where Horovod keeps the same object). It starts and stops the engine in the phases of
-:mod:`perseus.common.startup`. What is built on the runtime (the tuner, elastic sessions) never is imported by
+:mod:`perseus.runtime.startup`. What is built on the runtime (the tuner, elastic sessions) never is imported by
 it: :mod:`perseus.lifecycle` hands such *services* to :meth:`Runtime.start`, which runs their hooks at the
 right phases and stops them at :meth:`Runtime.shutdown`.
 """
@@ -15,11 +15,11 @@ import sys
 import threading
 from typing import Callable, NamedTuple, Optional, Protocol, Sequence
 
-from perseus.common import process_sets as psets
-from perseus.common import startup
-from perseus.common.exceptions import NotAMemberError
-from perseus.common.knobs import Settings, knob, load_settings
-from perseus.common.process_sets import ProcessSet, global_process_set
+from perseus.runtime import process_sets as psets
+from perseus.runtime import startup
+from perseus.base.exceptions import NotAMemberError
+from perseus.base.knobs import Settings, knob, load_settings
+from perseus.runtime.process_sets import ProcessSet, global_process_set
 from perseus.engine import native
 from perseus.engine.settings import topology_channels
 from perseus.timeline import Timeline
@@ -31,7 +31,7 @@ _NOT_INIT = "perseus has not been initialized; use hvd.init()."
 
 
 class Topology(NamedTuple):
-    """Where this rank sits in the job (exchanged once at start-up, :func:`perseus.common.startup.topology`)."""
+    """Where this rank sits in the job (exchanged once at start-up, :func:`perseus.runtime.startup.topology`)."""
 
     rank: int = 0
     size: int = 1
@@ -97,7 +97,7 @@ class Runtime:
         only gets the ids of registered sets). Collective: every rank of ``comm`` must call it, with the same
         ``services`` (run at the phases :class:`Service` names).
 
-        Start-up is all or nothing (see :mod:`perseus.common.startup`): a failure on any rank before the
+        Start-up is all or nothing (see :mod:`perseus.runtime.startup`): a failure on any rank before the
         collective phases makes every rank raise the same error, naming the ranks; a failure inside a
         collective phase (MPI or the network failing under it) aborts the MPI job with a message.
 
@@ -127,7 +127,7 @@ class Runtime:
             return True
 
     def _start(self, comm, process_sets, services: tuple) -> None:
-        """start() on a process where perseus is not running; the phases of :mod:`perseus.common.startup`."""
+        """start() on a process where perseus is not running; the phases of :mod:`perseus.runtime.startup`."""
         MPI = load_mpi()  # starts MPI with MPI_THREAD_MULTIPLE where nobody has yet
         world = self._world_comm(MPI, comm)
         if world == MPI.COMM_NULL:

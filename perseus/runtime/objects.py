@@ -9,9 +9,9 @@ from __future__ import annotations
 import cloudpickle
 import numpy as np
 
-from perseus.common import collectives as _c
-from perseus.common.state import runtime
-from perseus.common.process_sets import global_process_set
+from perseus.runtime import collectives as _c
+from perseus.runtime.state import runtime
+from perseus.runtime.process_sets import global_process_set
 
 __all__ = ["broadcast_object", "allgather_object"]
 

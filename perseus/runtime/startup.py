@@ -14,7 +14,7 @@ finalisation at exit waits for the others too). So start-up alternates three kin
   links) can only fail where MPI or the network fails under them. A rank that fails inside one aborts the
   MPI job (:func:`abort_job`) with a message saying where, since nothing else would reach the others.
 
-This module also keeps the small pieces of start-up that only :mod:`perseus.common.state` uses.
+This module also keeps the small pieces of start-up that only :mod:`perseus.runtime.state` uses.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def topology(MPI, base) -> tuple:
 
 
 def choose_by_topology(settings, topology) -> None:
-    """Set what ``settings`` leave to the job's topology (a :class:`perseus.common.state.Topology`): the
+    """Set what ``settings`` leave to the job's topology (a :class:`perseus.runtime.state.Topology`): the
     channel count when num_channels is 0 (:func:`perseus.engine.settings.topology_channels`). Rank 0 logs the
     count in use at info level.
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from perseus.common import collectives as _c
-from perseus.common.process_sets import global_process_set
-from perseus.common.reduce_ops import Average
+from perseus.runtime import collectives as _c
+from perseus.runtime.process_sets import global_process_set
+from perseus.base.reduce_ops import Average
 
 __all__ = ["broadcast_values", "allreduce_value", "allgather_value", "broadcast_value", "reducescatter_value"]
 

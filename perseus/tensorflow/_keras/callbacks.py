@@ -12,9 +12,9 @@ import functools
 
 import numpy as np
 
-from perseus.common.state import runtime
-from perseus._keras.classes import keras_class
-from perseus._keras.values import allreduce_value, broadcast_values
+from perseus.runtime.state import runtime
+from perseus.tensorflow._keras.classes import keras_class
+from perseus.tensorflow.keras_values import allreduce_value, broadcast_values
 from perseus.tensorflow.gradient_aggregation import is_model_parallel, var_key
 
 __all__ = ["make_callbacks"]

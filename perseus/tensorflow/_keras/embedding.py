@@ -25,11 +25,11 @@ import functools
 import numpy as np
 import tensorflow as tf
 
-from perseus.common import collectives as _c
-from perseus.common.partition import even_counts
-from perseus.common.process_sets import global_process_set
-from perseus.common.reduce_ops import Average, ReduceOp, Sum
-from perseus._keras.classes import keras_class
+from perseus.runtime import collectives as _c
+from perseus.base.partition import even_counts
+from perseus.runtime.process_sets import global_process_set
+from perseus.base.reduce_ops import Average, ReduceOp, Sum
+from perseus.tensorflow._keras.classes import keras_class
 from perseus.tensorflow._core import to_numpy
 
 __all__ = ["make_embedding_class", "MODEL_PARALLEL_ATTR"]

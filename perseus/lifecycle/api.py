@@ -4,7 +4,7 @@ Framework modules (``perseus.torch.mpi_ops``, ``perseus.tensorflow.mpi_ops``) im
 binding them again, so the list lives in one place. It sits above the runtime, with :mod:`perseus.lifecycle`.
 """
 
-from perseus.common.state import runtime
+from perseus.runtime.state import runtime
 from perseus.lifecycle import add_process_set, init, remove_process_set, shutdown
 from perseus.transport.mpi import require_mpi
 

@@ -1,11 +1,14 @@
 """Tables and plots from a results folder that benchmarks/run_all.py wrote.
 
-    python benchmarks/report.py benchmarks/results/run_all [--print]
+    python benchmarks/report.py benchmarks/results/run_all [--print] [--root DIR]
 
 Rewrites, in docs/benchmarks.md, docs/compression.md, docs/gpu.md and README.md, the text between ``<!-- BEGIN run_all:NAME -->`` and
 ``<!-- END run_all:NAME -->`` for every NAME whose phase has results in the folder (a phase without results
 leaves its section as it is), and draws docs/img/*.png with matplotlib. Every table names its result file.
---print writes the tables to stdout instead of the docs (the plots are still drawn).
+--print writes the tables to stdout instead of the docs (the plots are still drawn). --root DIR rewrites the docs
+under DIR and draws the plots into DIR/docs/img instead (a copy of the docs, to look at a results folder's
+tables without touching these). The tables of the dear, embrace, elastic_commit and compression phases come
+from benchmarks/report_cluster.py.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from convergence_report import convergence_plots, convergence_table  # noqa: E402
+from report_cluster import compression_table, dear_table, elastic_commit_table, embrace_table  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -336,7 +340,11 @@ def sections(folder: str) -> dict:
               "training_cluster": (training_table, None, None),
               "multihost": (multihost_table, multihost_plot, "multihost_channels.png"),
               "recovery": (recovery_table, recovery_plot, "recovery.png"),
-              "device": (device_table, None, None)}
+              "device": (device_table, None, None),
+              "dear": (dear_table, None, None),
+              "embrace": (embrace_table, None, None),
+              "elastic_commit": (elastic_commit_table, None, None),
+              "compression": (compression_table, None, None)}
     rows = load(os.path.join(folder, "convergence.jsonl"))
     if rows:
         out["convergence"] = convergence_table(rows, f"{rel}/convergence.jsonl")
@@ -357,17 +365,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder")
     ap.add_argument("--print", action="store_true")
+    ap.add_argument("--root", default=ROOT, help="the tree whose docs are rewritten (default: this repository)")
     args = ap.parse_args()
     import matplotlib
 
     matplotlib.use("Agg")
+    global IMG
+    IMG = os.path.join(os.path.abspath(args.root), "docs", "img")
     found = sections(os.path.abspath(args.folder))
     if args.print:
         for name, body in found.items():
             print(f"## {name}\n\n{body}\n")
         return 0
     for doc in ("docs/benchmarks.md", "docs/compression.md", "docs/gpu.md", "README.md"):
-        path = os.path.join(ROOT, doc)
+        path = os.path.join(args.root, doc)
+        if not os.path.exists(path):
+            continue
         text = open(path).read()
         for name, body in found.items():
             text, _ = replace_section(text, name, body)

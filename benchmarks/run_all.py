@@ -1,7 +1,7 @@
 """Run every benchmark that the docs quote, write the results, and regenerate the docs' tables and plots.
 
     python benchmarks/run_all.py            # the runs on one host (about 13 minutes on 2 cores)
-    python benchmarks/run_all.py --cluster  # and across emulated hosts (root; about 30 minutes in all): what the
+    python benchmarks/run_all.py --cluster  # and across emulated hosts (root; about an hour in all): what the
                                             # docs show
     python benchmarks/run_all.py --quick    # about 3 minutes: fewer rounds and steps, no BERT-large
 
@@ -21,6 +21,14 @@ Phases (``--phases``; each writes JSON lines into the results folder, one file p
   cost and with 5 ms per launch (a stand-in for an expensive NCCL call): step times and launches per step.
 - ``multihost``, ``recovery``, ``training_cluster`` (with --cluster): channel scaling across 2 emulated hosts
   (800 Mbit/s links, 200 Mbit/s per flow), elastic recovery, training across the hosts.
+- ``dear``, ``embrace``, ``elastic_commit``, ``compression`` (with --cluster): benchmarks/dear.py (DeAR against
+  the default schedule and Horovod, and (RS + AG) / AR), benchmarks/sparse.py at 4 ranks, 2 per host (sparse
+  embedding gradients: EmbRace, Zen, allgather, dense, Horovod), benchmarks/elastic_commit.py (the cost of
+  committing an elastic job's state every step; unshaped links) and benchmarks/compression.py (compressed
+  gradients against dense and Horovod), each across 2 emulated hosts.
+
+A phase's Horovod jobs run only when ``import horovod.torch`` works in --horovod-venv; without it the other
+methods still run.
 
 The full run writes into benchmarks/results/run_all/ (committed; the docs are generated from it), --quick into
 benchmarks/results/run_all_quick/. After the phases, benchmarks/report.py rewrites the tables between the
@@ -34,6 +42,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -41,8 +50,14 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-PHASES = ("core", "profile", "training", "convergence", "device", "multihost", "recovery", "training_cluster")
-CLUSTER_PHASES = ("multihost", "recovery", "training_cluster")
+PHASES = ("core", "profile", "training", "convergence", "device", "multihost", "recovery", "training_cluster",
+          "dear", "embrace", "elastic_commit", "compression")
+CLUSTER_PHASES = ("multihost", "recovery", "training_cluster", "dear", "embrace", "elastic_commit", "compression")
+#: tools/emulated_cluster.sh up's arguments per phase (hosts, link Mbit/s, flow Mbit/s[, slots per host]);
+#: other cluster phases: 2 hosts, 800 Mbit/s links, 200 Mbit/s per TCP flow
+CLUSTER_UP = {"recovery": ("2", "0", "0", "1"), "elastic_commit": ("2", "0", "0", "1"),
+              "embrace": ("2", "800", "200", "2")}
+HOSTS = "perseus-h0,perseus-h1"
 
 
 def say(msg: str) -> None:
@@ -56,8 +71,9 @@ def mpirun(bin_dir: str, np_: int = 2) -> list[str]:
     return cmd
 
 
-def run(cmd: list[str], timeout: float, env: dict | None = None) -> None:
-    """Run one job; raise RuntimeError with its output's tail when it fails or outlives timeout."""
+def run(cmd: list[str], timeout: float, env: dict | None = None) -> str:
+    """Run one job and return its output; raise RuntimeError with the output's tail when it fails or outlives
+    timeout."""
     full_env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
     subprocess.run([sys.executable, "-m", "perseus.runner.session_dirs"], check=False, env=full_env,
                    capture_output=True)
@@ -70,6 +86,7 @@ def run(cmd: list[str], timeout: float, env: dict | None = None) -> None:
         tail = (proc.stdout + proc.stderr)[-3000:]
         raise RuntimeError(f"{' '.join(cmd)}: exit status {proc.returncode}\n{tail}")
     say(f"  done in {time.monotonic() - t0:.1f} s: {' '.join(os.path.basename(c) for c in cmd[-8:])}")
+    return proc.stdout + proc.stderr
 
 
 def horovod_bin(venv: str) -> str | None:
@@ -177,6 +194,65 @@ def phase_recovery(args, out: str, hvd_bin: str | None) -> None:
          "--rounds", str(args.rounds), "--json", out], timeout=3600)
 
 
+def run_driver(cmd: list[str], out: str, timeout: float) -> None:
+    """run() for a benchmark driver that carries on past a failed job (dear.py, sparse.py and compression.py
+    print "round R METHOD: FAILED ..." and still exit 0): RuntimeError when a job failed or nothing reached
+    ``out``, so that the phase counts as failed and the docs keep its last complete run."""
+    output = run(cmd, timeout)
+    failed = re.findall(r"^round \d+ \S+: FAILED.*$", output, re.M)
+    if failed:
+        raise RuntimeError(f"{len(failed)} job(s) failed: {'; '.join(failed)}\n{output[-3000:]}")
+    if not os.path.exists(out) or not os.path.getsize(out):
+        raise RuntimeError(f"{os.path.basename(cmd[1])} wrote no results\n{output[-3000:]}")
+
+
+def usable(methods: str, hvd_bin: str | None, args) -> str:
+    """``methods`` (a comma list) less the Horovod ones when Horovod does not import from --horovod-venv."""
+    kept = [m for m in methods.split(",") if hvd_bin or not m.startswith("horovod")]
+    if len(kept) < len(methods.split(",")):
+        say(f"Horovod is not installed in {args.horovod_venv} (tools/install_horovod_baseline.sh): not measured")
+    return ",".join(kept)
+
+
+def phase_dear(args, out: str, hvd_bin: str | None) -> None:
+    """benchmarks/dear.py with one rank on each emulated host: the default schedule, DeAR, Horovod, and
+    reduce-scatter + all-gather against all-reduce (rsag)."""
+    cmd = [sys.executable, os.path.join(HERE, "dear.py"), "--hosts", HOSTS, "--iface", "perseus0",
+           "--methods", usable("default,dear,dear:1048576,horovod,rsag", hvd_bin, args), "--rounds", str(args.rounds),
+           "--horovod-venv", args.horovod_venv, "--json", out]
+    if args.quick:
+        cmd += ["--windows", "2", "--steps", "3"]
+    run_driver(cmd, out, timeout=3600)
+
+
+def phase_embrace(args, out: str, hvd_bin: str | None) -> None:
+    """benchmarks/sparse.py at 4 ranks, 2 on each emulated host: every sparse path, EmbRace and Horovod's."""
+    cmd = [sys.executable, os.path.join(HERE, "sparse.py"), "--hosts", HOSTS, "--ranks-per-host", "2",
+           "--methods", usable("allgather,dense,zen,auto,embrace,horovod", hvd_bin, args),
+           "--rounds", str(args.rounds), "--horovod-venv", args.horovod_venv, "--json", out]
+    if args.quick:
+        cmd += ["--steps", "5", "--warmup", "2"]
+    run_driver(cmd, out, timeout=3600)
+
+
+def phase_elastic_commit(args, out: str, hvd_bin: str | None) -> None:
+    """benchmarks/elastic_commit.py on 2 emulated hosts: step time with and without a commit every step."""
+    run_driver([sys.executable, os.path.join(HERE, "elastic_commit.py"), "--hosts", HOSTS,
+                "--state-mb", "32" if args.quick else "128", "--rounds", str(args.rounds), "--json", out],
+               out, timeout=3600)
+
+
+def phase_compression(args, out: str, hvd_bin: str | None) -> None:
+    """benchmarks/compression.py, one rank on each emulated host, its default methods."""
+    methods = "dense,fp16,topk,espresso,cupcake,powersgd,horovod-dense,horovod-fp16"
+    cmd = [sys.executable, os.path.join(HERE, "compression.py"), "--hosts", HOSTS, "--iface", "perseus0",
+           "--methods", usable(methods, hvd_bin, args), "--rounds", str(args.rounds),
+           "--horovod-venv", args.horovod_venv, "--json", out]
+    if args.quick:
+        cmd += ["--steps", "3"]
+    run_driver(cmd, out, timeout=5400)
+
+
 def cluster(action: str, *params: str) -> None:
     """Bring the emulated cluster up or down; RuntimeError when it does not come up."""
     cmd = ["bash", os.path.join(ROOT, "tools", "emulated_cluster.sh"), action, *params]
@@ -187,7 +263,8 @@ def cluster(action: str, *params: str) -> None:
 
 RUNNERS = {"core": phase_core, "profile": phase_profile, "training": phase_training, "convergence": phase_convergence,
            "device": phase_device, "multihost": phase_multihost, "recovery": phase_recovery,
-           "training_cluster": lambda a, o, h: phase_training(a, o, h, cluster=True)}
+           "training_cluster": lambda a, o, h: phase_training(a, o, h, cluster=True), "dear": phase_dear,
+           "embrace": phase_embrace, "elastic_commit": phase_elastic_commit, "compression": phase_compression}
 
 
 def phase_args(args, phase: str):
@@ -246,8 +323,8 @@ def main() -> int:
         say(f"phase {phase} -> {os.path.relpath(out, ROOT)}")
         t0 = time.monotonic()
         try:
-            if phase in CLUSTER_PHASES:  # recovery: unshaped links, one slot per host (a rank per host)
-                cluster("up", *(("2", "0", "0", "1") if phase == "recovery" else ("2", "800", "200")))
+            if phase in CLUSTER_PHASES:
+                cluster("up", *CLUSTER_UP.get(phase, ("2", "800", "200")))
             RUNNERS[phase](phase_args(args, phase), out, hvd_bin)
         except RuntimeError as e:  # one phase's failure is reported and the others still run
             failed.append(phase)

@@ -219,9 +219,8 @@ def phase_dear(args, out: str, hvd_bin: str | None) -> None:
     reduce-scatter + all-gather against all-reduce (rsag)."""
     cmd = [sys.executable, os.path.join(HERE, "dear.py"), "--hosts", HOSTS, "--iface", "perseus0",
            "--methods", usable("default,dear,dear:1048576,horovod,rsag", hvd_bin, args), "--rounds", str(args.rounds),
-           "--horovod-venv", args.horovod_venv, "--json", out]
-    if args.quick:
-        cmd += ["--windows", "2", "--steps", "3"]
+           "--horovod-venv", args.horovod_venv, "--layers", "8", "--batch", "1024", "--json", out]
+    cmd += ["--windows", "2", "--steps", "3"] if args.quick else ["--windows", "3", "--steps", "4"]
     run_driver(cmd, out, timeout=3600)
 
 

@@ -34,6 +34,12 @@ nothing (:class:`_InTune`). The GPU path (space.PATH: the launcher, or host memo
 under the same condition (PERSEUS_DEVICE_BACKEND not kept): the first DistributedOptimizer whose gradients went
 through the launcher follows it through link ``self.path`` and switches at a step boundary
 (perseus.torch.default_schedule).
+
+:class:`Tuner` holds the protocol above; its collectives and step records are in
+:mod:`~perseus.autotune.plumbing`, rank 0's choice of the optional dimensions in
+:mod:`~perseus.autotune.dimensions`, and the parameters that keep their value in :mod:`~perseus.autotune.fixed`.
+Building a :class:`Tuner` raises ValueError for an unknown name in PERSEUS_AUTOTUNE_FIXED; its thread raises
+nothing: a failure is logged and the job goes on with the setting in force.
 """
 
 from __future__ import annotations
@@ -51,23 +57,15 @@ from perseus.autotune import cache as cachelib
 from perseus.autotune.log import TuneLog
 from perseus.runtime.step_policy import PolicyLink
 from perseus.autotune.search import Search
-from perseus.autotune.space import (ALGORITHMS, COMPRESSION_POLICIES, DEAR, DEAR_THRESHOLDS, DEVICE, DEVICE_BUCKETS,
-                                    DEVICE_PATHS, OPTIONAL_PARAMS, PATH, POLICY, SPARSE, SPARSE_ALGORITHMS, Config,
-                                    Space)
-from perseus.base.reduce_ops import ReduceOp
-from perseus.engine.messages import DType, OpType, Request, Timing
-from perseus.engine.settings import allreduce_algorithm
-from perseus.sparse import choice
-from perseus.sparse._runtime import signature
+from perseus.autotune.dimensions import _Dimensions, _InTune
+from perseus.autotune.fixed import tuned_fixed_params
+from perseus.autotune.plumbing import _EnginePlumbing, _Stopped
+from perseus.autotune.space import DEAR, DEVICE, OPTIONAL_PARAMS, PATH, POLICY, SPARSE, Config, Space
 
 __all__ = ["Tuner", "tuned_fixed_params"]
 
 log = logging.getLogger("perseus")
 
-_BROADCAST, _ALLREDUCE = OpType.BROADCAST, OpType.ALLREDUCE
-_INT64, _FLOAT64 = DType.INT64, DType.FLOAT64
-_MAX = ReduceOp.MAX
-_POLL_S = 0.005  # how often the thread looks for finished steps (only while it searches)
 _WATCH_STEPS = 50     # re-tuning: steps per check
 _WATCH_POLL_S = 0.2
 
@@ -75,70 +73,7 @@ _WATCH_POLL_S = 0.2
 _SAMPLE, _FINAL, _STOP = 0, 1, 2
 
 
-class _Stopped(Exception):
-    pass
-
-
-class _InTune:
-    """The link of a dimension the TUNE request carries (the device buckets' budget): nothing to post."""
-
-    done = True
-
-    def post(self, value: int, done: bool = False) -> None:
-        pass
-
-    def end(self) -> None:
-        pass
-
-
-def _launched_on_device() -> bool:
-    """Whether some all-reduce of the global set has gone through the torch GPU launcher (perseus.torch.device)
-    in this job (False when torch is not loaded)."""
-    device = sys.modules.get("perseus.torch.device")
-    launcher = getattr(device, "_launcher", None)
-    return launcher is not None and bool(launcher.counts.get(0, (0,))[0])
-
-
-def tuned_fixed_params(settings) -> dict:
-    """The tuned parameters that keep their value (PERSEUS_AUTOTUNE_FIXED; by default those set explicitly).
-
-    Raises ValueError for an unknown parameter name.
-    """
-    algorithm = allreduce_algorithm(settings)
-    values = {  # parameter: (value, set explicitly)
-        "fusion_threshold_bytes": (int(settings.fusion_threshold_bytes),
-                                   settings.is_explicit("fusion_threshold_bytes")),
-        "inplace_threshold_bytes": (int(settings.inplace_threshold_bytes),
-                                    settings.is_explicit("inplace_threshold_bytes")),
-        "channels": (int(settings.num_channels), settings.is_explicit("num_channels")),
-        "cycle_time_us": (int(round(settings.cycle_time_ms * 1000)), settings.is_explicit("cycle_time_ms")),
-        "algorithm": (ALGORITHMS.index(algorithm),
-                      settings.is_explicit("allreduce_algorithm") or settings.hierarchical_allreduce),
-        # -1: the policy the compressor has when the search starts (set_policy() is the explicit setting)
-        POLICY: (-1, False),
-        # -1: likewise the sparse algorithm in force when the search starts (perseus.sparse.set_policy())
-        SPARSE: (-1, False),
-        # -1: DeAR's group size in force (PERSEUS_DEAR_THRESHOLD_BYTES set explicitly keeps it)
-        DEAR: (-1, settings.is_explicit("dear_threshold_bytes")),
-        # -1: the device buckets' budget in force (PERSEUS_DEVICE_BUCKET_BYTES set explicitly keeps it)
-        DEVICE: (-1, settings.is_explicit("device_bucket_bytes")),
-        # -1: the GPU path in force (PERSEUS_DEVICE_BACKEND set explicitly keeps it)
-        PATH: (-1, settings.is_explicit("device_backend")),
-    }
-    choice = settings.autotune_fixed.strip().lower()
-    if choice == "explicit":
-        return {name: v for name, (v, explicit) in values.items() if explicit}
-    if choice in ("none", ""):
-        return {}
-    names = [n.strip() for n in choice.split(",") if n.strip()]
-    unknown = [n for n in names if n not in values]
-    if unknown:
-        raise ValueError(f"PERSEUS_AUTOTUNE_FIXED names unknown parameters {', '.join(unknown)}; use 'explicit', "
-                         f"'none' or some of {', '.join(values)}")
-    return {name: values[name][0] for name in names}
-
-
-class Tuner:
+class Tuner(_EnginePlumbing, _Dimensions):
     """One rank's side of the search; rank 0 decides, every rank applies (see the module docstring)."""
 
     def __init__(self, engine, settings, *, rank: int, size: int, topology: tuple, multi_host: bool):
@@ -199,55 +134,6 @@ class Tuner:
     @property
     def done(self) -> bool:
         return not self._thread.is_alive()
-
-    # -- engine plumbing ----------------------------------------------------------------------------------
-    def _wait(self, hid: int):
-        while True:
-            if self._stop.is_set():
-                raise _Stopped()
-            try:
-                return self.engine.wait(hid, 0.1)
-            except TimeoutError:
-                continue
-
-    def _name(self, what: str) -> str:
-        self._seq += 1
-        return f"perseus.autotune.{what}.{self._seq}"
-
-    def _broadcast(self, values: np.ndarray) -> np.ndarray:
-        item = Request(name=self._name("setting"), dtype=_INT64, shape=values.shape, input=values, output=values,
-                       root_rank=0, timing=Timing.NONE)
-        self._wait(self.engine.submit(0, _BROADCAST, [item], None, values))
-        return values
-
-    def _max(self, value: float) -> float:
-        buf = np.array([value], np.float64)
-        item = Request(name=self._name("score"), dtype=_FLOAT64, shape=buf.shape, input=buf, output=buf,
-                       reduce_op=_MAX, timing=Timing.NONE)
-        self._wait(self.engine.submit(0, _ALLREDUCE, [item], None, buf))
-        return float(buf[0])
-
-    def _apply(self, config: Config, final: bool = False) -> None:
-        # Posted first, on every rank: a compressor switches its policy at the first step boundary at which
-        # any rank has posted it (perseus.runtime.step_policy); -1 leaves its policy alone.
-        for name, link in self.links.items():
-            link.post(getattr(config, name) if self._tuned[name] else -1, final)
-        budget = (config.device_bucket_bytes,) if self._tuned[DEVICE] else ()  # (absent: unchanged)
-        self._wait(self.engine.tune(0, self._name("tune"), *config.values(), *budget))
-
-    def _completed(self) -> int:
-        first, steps = self.read_steps(0, self._step)
-        return first + len(steps)
-
-    def _wait_steps(self, count: int, poll: float = 0.0) -> list:
-        """Wait until steps [self._step, self._step + count) have completed; return them and move on."""
-        while self._completed() < self._step + count:
-            if self._stop.wait(poll or _POLL_S):
-                raise _Stopped()
-        first, steps = self.read_steps(0, self._step)
-        taken = steps[:count]
-        self._step = first + count
-        return taken
 
     # -- the protocol -------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -414,113 +300,6 @@ class Tuner:
         log.debug("perseus autotune: search failure", exc_info=exc)
         self.failure = text
 
-    def _policy_dimension(self) -> bool:
-        """Rank 0, at the start of the first search: whether the compressor policy is searched (and if so, add
-        it to the space and start from the compressor's policy). Only when a compressor has registered, its
-        policy is not kept (PERSEUS_AUTOTUNE_FIXED), and it has made its decision (before that every policy
-        sends every gradient dense: nothing to measure)."""
-        compressor = self.policy.registered()
-        if compressor is None:
-            return False
-        if self._fixed_step[POLICY] or (self._policy_explicit_kept and getattr(compressor, "policy_explicit", False)):
-            print(f"perseus autotune: the compression policy stays {compressor.policy!r}", file=sys.stderr,
-                  flush=True)
-            return False
-        if not self._await_decision(compressor):
-            print("perseus autotune: the compressor made no decision in time; its policy is not tuned",
-                  file=sys.stderr, flush=True)
-            return False
-        self.space = self.space.with_policies(range(len(COMPRESSION_POLICIES)))
-        self.initial = dataclasses.replace(self.initial,
-                                           compression_policy=COMPRESSION_POLICIES.index(compressor.policy))
-        return True
-
-    def _sparse_dimension(self) -> bool:
-        """Rank 0, at the start of the first search: whether the sparse algorithm is searched (and if so, add
-        it to the space and start from the algorithm in force). Only when the sparse path has registered (an
-        'auto' sparse all-reduce ran) and its algorithm is not kept (PERSEUS_AUTOTUNE_FIXED, or with
-        'explicit' a perseus.sparse.set_policy() of the program)."""
-        if self.sparse.registered() is None:
-            return False
-        if self._fixed_step[SPARSE] or (self._policy_explicit_kept and choice.policy_explicit()):
-            print(f"perseus autotune: the sparse algorithm stays {choice.policy() or 'auto'!r}", file=sys.stderr,
-                  flush=True)
-            return False
-        self.space = self.space.with_sparse(range(len(SPARSE_ALGORITHMS)))
-        self.initial = dataclasses.replace(self.initial, sparse_algorithm=choice.tuned_index())
-        return True
-
-    def _dear_dimension(self) -> bool:
-        """Rank 0, at the start of the first search: whether DeAR's group size is searched (a DeAR optimizer
-        has registered, and neither PERSEUS_AUTOTUNE_FIXED nor an explicit PERSEUS_DEAR_THRESHOLD_BYTES keeps
-        it); if so, the search starts from the candidate nearest to the optimizer's size."""
-        optimizer = self.dear.registered()
-        if optimizer is None:
-            return False
-        current = int(getattr(optimizer, "_dear_threshold", DEAR_THRESHOLDS[2]))
-        if self._fixed_step[DEAR]:
-            print(f"perseus autotune: DeAR's group size stays {current / (1 << 20):g} MB", file=sys.stderr,
-                  flush=True)
-            return False
-        self.space = self.space.with_choices(DEAR, range(len(DEAR_THRESHOLDS)))
-        nearest = min(range(len(DEAR_THRESHOLDS)), key=lambda i: (abs(DEAR_THRESHOLDS[i] - current), i))
-        self.initial = dataclasses.replace(self.initial, dear_threshold=nearest)
-        return True
-
-    def _device_dimension(self) -> bool:
-        """Rank 0, at the start of the first search: whether the device buckets' budget is searched (the job's
-        all-reduces have gone through the GPU launcher, buckets are on, and neither PERSEUS_AUTOTUNE_FIXED nor an
-        explicit PERSEUS_DEVICE_BUCKET_BYTES keeps it); if so, the search starts from the candidate nearest to
-        the budget in force (the one measured when the launcher's groups were built)."""
-        current = int(self.engine.params(0)[6])
-        if current <= 0 or not _launched_on_device():
-            return False
-        if self._fixed_step[DEVICE]:
-            print(f"perseus autotune: the device buckets' budget stays {current / (1 << 20):g} MB",
-                  file=sys.stderr, flush=True)
-            return False
-        self.space = self.space.with_choices(DEVICE, range(len(DEVICE_BUCKETS)))
-        nearest = min(range(len(DEVICE_BUCKETS)), key=lambda i: (abs(DEVICE_BUCKETS[i] - current), i))
-        self.initial = dataclasses.replace(self.initial, device_bucket=nearest)
-        return True
-
-    def _path_dimension(self) -> bool:
-        """Rank 0, at the start of the first search: whether the GPU path is searched (a DistributedOptimizer
-        whose gradients went through the launcher has registered, and neither PERSEUS_AUTOTUNE_FIXED nor an
-        explicit PERSEUS_DEVICE_BACKEND keeps it); if so, the search starts from the launcher."""
-        if self.path.registered() is None or not _launched_on_device():
-            return False
-        if self._fixed_step[PATH]:
-            print("perseus autotune: the GPU path stays as PERSEUS_DEVICE_BACKEND sets it", file=sys.stderr,
-                  flush=True)
-            return False
-        self.space = self.space.with_choices(PATH, range(len(DEVICE_PATHS)))
-        self.initial = dataclasses.replace(self.initial, device_path=0)
-        return True
-
-    def _await_decision(self, compressor) -> bool:
-        """Wait until the compressor has decided; False when it has passed the step of its decision without
-        deciding, or the job has run many steps without it deciding (a compressor no longer used)."""
-        follower = self.policy.follower
-        decision_step = int(getattr(compressor, "warmup_steps", 0)) + int(getattr(compressor, "profile_steps", 1))
-        began = self._completed()
-        while not compressor.decided:
-            late = follower is not None and follower.steps > decision_step + 1
-            if (late or self._completed() - began > max(20, 4 * decision_step)) and not compressor.decided:
-                return False
-            if self._stop.wait(_POLL_S):
-                raise _Stopped()
-        return True
-
-    def _last_signature(self) -> tuple[int, int]:
-        """(digest, bytes) of the last completed step: the engine's digest (which leaves the sparse path out)
-        mixed with the sparse tensors' own signature."""
-        first, steps = self.read_steps(0, max(0, self._step - 1))
-        i = self._step - 1 - first  # the step just waited for (a later one may have completed meanwhile)
-        if not steps or not 0 <= i < len(steps):
-            return 0, 0
-        return (int(steps[i][2]) ^ signature()) & ((1 << 64) - 1), int(steps[i][1])
-
     def _finish(self, config: Config, reason: str) -> None:
         self._apply(config, final=True)
         self.result = config
@@ -532,19 +311,6 @@ class Tuner:
             print(line, file=sys.stderr, flush=True)
             if self.log is not None:
                 self.log.close()
-
-    def _shown(self) -> dict:
-        """describe()'s flags: the step-aligned dimensions the search covers."""
-        return {"policy": self._tuned[POLICY], "sparse": self._tuned[SPARSE], "dear": self._tuned[DEAR],
-                "device": self._tuned[DEVICE], "path": self._tuned[PATH]}
-
-    @property
-    def _policy_tuned(self) -> bool:
-        return self._tuned[POLICY]
-
-    @property
-    def _sparse_tuned(self) -> bool:
-        return self._tuned[SPARSE]
 
     def _report(self, technique: str, config: Config, cost: float, improved: bool, label: str = "") -> None:
         best, best_cost = self.search.best()

@@ -6,12 +6,8 @@ fastest place that still has it. Here the memory is the checkpoint keepers' (:mo
 one process per host, so a copy survives its rank), and the order is: this process's own memory
 ("memory"), its host's keeper ("local"), other hosts' keepers ("peer"), then an optional disk copy ("disk").
 
-Placement (:func:`placement`) is Gemini's Algorithm 6.1 (mixed placement): with m copies in all and N hosts,
-the hosts form N // m groups of m consecutive hosts and each host sends its commit to the other m - 1 members
-of its group; when m does not divide N the leftover hosts join the last group, where each host sends to the
-next m - 1 hosts of that group's ring. Every host sends and receives m - 1 copies, and when m divides N the
-probability that some copy of every host survives k failed hosts is the best any placement reaches
-(:func:`recovery_probability` computes it exactly, e.g. 0.9333 for N=16, m=2, k=2).
+Where the copies go is :func:`placement` (Gemini's mixed placement, with :func:`recovery_probability`, in
+:mod:`perseus.elastic.gemini_placement`); the disk copy's format is :mod:`perseus.elastic.gemini_disk`.
 
 :class:`GeminiStore.put` pickles the payload with protocol 5, its NumPy arrays out of band, so the arrays are
 sent from where they are, never copied; the payload must therefore not change after ``put`` (state
@@ -21,83 +17,29 @@ first waits until the previous version is handled, so a rank never queues more t
 replication "sync", ``put`` also waits for its own version). A keeper that cannot be reached is skipped (one
 warning per keeper, then a 10 s pause before it is tried again) and its copy is missing; sockets have
 timeouts, so a dead keeper never stops or fails the training.
+
+Each rank has its own store and calls it alone: no collective; every rank of a job must pass the same ``ring``
+so that the placements agree. The store raises ValueError for bad arguments, TypeError for a payload that
+cannot be pickled, RuntimeError for a ``put`` on a closed store and LookupError when no place has a version.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
-import json
 import logging
-import math
-import os
 import pickle
-import re
 import socket
-import tempfile
 import threading
 import time
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional
 
 from perseus.base import elastic_protocol as protocol
+from perseus.elastic.gemini_disk import _disk_files, _disk_path, _read_disk, _write_disk
+from perseus.elastic.gemini_placement import placement, recovery_probability  # noqa: F401 - re-exported
 
 __all__ = ["placement", "recovery_probability", "GeminiStore"]
 
 log = logging.getLogger("perseus.elastic")
-
-_DISK_MAGIC = b"PERSEUS-GEMINI-1\n"
-_DISK_NAME = re.compile(r"^gemini-v(\d+)-r(\d+)\.ckpt$")
-
-
-def placement(hosts: Sequence[str], replicas: int, *, strategy: str = "mixed") -> dict[str, list[str]]:
-    """For each host, the *other* hosts that receive copies of its commits (its own copy stays local).
-
-    ``replicas`` counts every copy, the local one included. ``strategy`` "mixed" is Gemini's Algorithm 6.1
-    (groups of ``replicas`` consecutive hosts, the leftovers in the last group, which uses a ring); "ring"
-    sends every host's copies to the next ``replicas - 1`` hosts of the whole ring (for comparisons). With
-    fewer hosts than replicas every host sends to all the others.
-
-    Raises:
-        ValueError: ``replicas`` < 1, a host named twice, or an unknown strategy.
-    """
-    hosts = list(hosts)
-    if replicas < 1:
-        raise ValueError(f"placement: replicas must be >= 1 (copies in all, the local one included), got {replicas}")
-    if len(set(hosts)) != len(hosts):
-        raise ValueError(f"placement: a host is named twice in {hosts}; pass each host once")
-    if strategy not in ("mixed", "ring"):
-        raise ValueError(f"placement: unknown strategy {strategy!r}; use 'mixed' or 'ring'")
-    n, m = len(hosts), replicas
-    if strategy == "ring" or n <= m:
-        groups = [hosts] if hosts else []
-    else:
-        groups = [hosts[i * m:(i + 1) * m] for i in range(n // m)]
-        groups[-1] = groups[-1] + hosts[(n // m) * m:]
-    out = {}
-    for group in groups:
-        size = len(group)
-        for i, host in enumerate(group):
-            out[host] = [group[(i + j) % size] for j in range(1, min(m, size))]
-    return out
-
-
-def recovery_probability(hosts_or_n: Union[int, Sequence[str]], replicas: int, failures: int, *,
-                         strategy: str = "mixed") -> float:
-    """The probability that every host's commit survives in some copy when ``failures`` hosts, all sets equally
-    likely, fail at once, with :func:`placement`'s copies; computed exactly over every failure set.
-
-    Raises:
-        ValueError: ``failures`` is negative or more than the number of hosts (or :func:`placement`'s errors).
-    """
-    hosts = [str(i) for i in range(hosts_or_n)] if isinstance(hosts_or_n, int) else list(hosts_or_n)
-    if not 0 <= failures <= len(hosts):
-        raise ValueError(f"recovery_probability: failures must be between 0 and {len(hosts)}, got {failures}")
-    index = {h: i for i, h in enumerate(hosts)}
-    holders = {frozenset([index[h]] + [index[d] for d in dests])
-               for h, dests in placement(hosts, replicas, strategy=strategy).items()}
-    lost = sum(1 for failed in itertools.combinations(range(len(hosts)), failures)
-               if any(s.issubset(failed) for s in holders))
-    return 1.0 - lost / math.comb(len(hosts), failures)
 
 
 class _Job:
@@ -225,7 +167,7 @@ class GeminiStore:
                 found.setdefault(int(version), set()).add(int(owner))
         if self._memory is not None:
             found.setdefault(self._memory[0], set()).add(self._memory[1])
-        for version, owner in self._disk_files():
+        for version, owner in _disk_files(self.disk_dir):
             found.setdefault(version, set()).add(owner)
         newest = max(found, default=None)
         return None if newest is None else (newest, sorted(found[newest]))
@@ -429,7 +371,7 @@ class GeminiStore:
                 log.warning("perseus elastic: the durable-commit callback failed: %s", exc)
         if job.disk and not self._closed:
             try:
-                self._write_disk(job)
+                _write_disk(self.disk_dir, job)
             except OSError as exc:
                 log.warning("perseus elastic: writing commit %d to %s failed: %s", job.version, self.disk_dir, exc)
 
@@ -466,58 +408,6 @@ class GeminiStore:
             except Exception:  # noqa: BLE001 - no engine (shut down between generations): nothing to wait for
                 return
             time.sleep(0.001)
-
-    # -- disk ----------------------------------------------------------------------------------------------------
-
-    def _disk_files(self) -> list[tuple[int, int]]:
-        if not self.disk_dir or not os.path.isdir(self.disk_dir):
-            return []
-        found = (_DISK_NAME.match(name) for name in os.listdir(self.disk_dir))
-        return [(int(m.group(1)), int(m.group(2))) for m in found if m]
-
-    def _write_disk(self, job: _Job) -> None:
-        os.makedirs(self.disk_dir, exist_ok=True)
-        views = [memoryview(p).cast("B") for p in job.parts]
-        header = json.dumps({"version": job.version, "owner": job.owner, "parts": [v.nbytes for v in views]}).encode()
-        fd, tmp = tempfile.mkstemp(prefix=".gemini-", suffix=".tmp", dir=self.disk_dir)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(_DISK_MAGIC + len(header).to_bytes(8, "big") + header)
-                for view in views:
-                    f.write(view)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, _disk_path(self.disk_dir, job.version, job.owner))
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        dir_fd = os.open(self.disk_dir, os.O_RDONLY)
-        with contextlib.suppress(OSError):
-            os.fsync(dir_fd)  # makes the rename durable; some file systems cannot sync a directory
-        os.close(dir_fd)
-        for version, owner in self._disk_files():  # older copies of this owner are superseded
-            if owner == job.owner and version < job.version:
-                os.unlink(_disk_path(self.disk_dir, version, owner))
-
-
-def _disk_path(directory: str, version: int, owner: int) -> str:
-    return os.path.join(directory, f"gemini-v{int(version):012d}-r{int(owner)}.ckpt")
-
-
-def _read_disk(path: str) -> list[bytearray]:
-    """The parts of a disk copy written by :meth:`GeminiStore._write_disk`. Raises OSError or ValueError."""
-    with open(path, "rb") as f:
-        if f.read(len(_DISK_MAGIC)) != _DISK_MAGIC:
-            raise ValueError(f"{path} is not a perseus Gemini checkpoint")
-        header = json.loads(f.read(int.from_bytes(f.read(8), "big")))
-        parts = []
-        for size in header["parts"]:
-            part = bytearray(int(size))
-            if f.readinto(part) != len(part):
-                raise ValueError(f"{path} is truncated")
-            parts.append(part)
-    return parts
 
 
 def _shut(sock: socket.socket) -> None:

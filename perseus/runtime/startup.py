@@ -14,7 +14,9 @@ finalisation at exit waits for the others too). So start-up alternates three kin
   links) can only fail where MPI or the network fails under them. A rank that fails inside one aborts the
   MPI job (:func:`abort_job`) with a message saying where, since nothing else would reach the others.
 
-This module also keeps the small pieces of start-up that only :mod:`perseus.runtime.state` uses.
+This module also declares :class:`Topology` (where a rank sits, exchanged by :func:`topology`) and the
+:class:`Service` protocol of what the runtime starts and stops in these phases, and keeps the small pieces of
+start-up that only :mod:`perseus.runtime.state` uses.
 """
 
 from __future__ import annotations
@@ -25,13 +27,44 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Protocol, Sequence
 
+from perseus.base.knobs import Settings
 from perseus.engine.settings import topology_channels
 from perseus.transport.mpi import load_mpi
 
-__all__ = ["affinity_cores", "await_every_rank", "agree", "abort_job", "topology", "choose_by_topology",
-           "configure_logging", "warn_ignored_settings", "install_abort_hook"]
+__all__ = ["Topology", "Service", "affinity_cores", "await_every_rank", "agree", "abort_job", "topology",
+           "choose_by_topology", "configure_logging", "warn_ignored_settings", "install_abort_hook"]
+
+
+class Topology(NamedTuple):
+    """Where this rank sits in the job (exchanged once at start-up, :func:`perseus.runtime.startup.topology`)."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    cross_rank: int = 0
+    cross_size: int = 1
+    homogeneous: bool = True
+    host_key: int = 0
+
+
+class Service(Protocol):
+    """Something built on the runtime that starts and stops with it (the run-time tuner).
+
+    ``name`` identifies it (:meth:`Runtime.service`). ``configure(settings, size)`` runs in start-up's first
+    local phase, before the engine exists: it may adjust ``settings`` and raises to fail ``init()`` on every
+    rank; ``prepare(engine, settings, topology)`` runs in the
+    second local phase and returns the object to start (or None: nothing to run in this job), whose
+    ``start()`` is called in the second collective phase and ``stop()`` at shutdown, before the engine stops.
+    """
+
+    name: str
+
+    def configure(self, settings: Settings, size: int) -> None: ...
+
+    def prepare(self, engine, settings: Settings, topology: Topology): ...
 
 
 def _describe(exc: BaseException) -> tuple[str, str, tuple[str, ...]]:

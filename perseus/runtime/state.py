@@ -5,6 +5,13 @@
 :mod:`perseus.runtime.startup`. What is built on the runtime (the tuner, elastic sessions) never is imported by
 it: :mod:`perseus.lifecycle` hands such *services* to :meth:`Runtime.start`, which runs their hooks at the
 right phases and stops them at :meth:`Runtime.shutdown`.
+
+This module holds the runtime's state, its start-up and shutdown, its topology, timeline and traffic counters.
+Its registry of process sets is :class:`perseus.runtime.process_set_registry.ProcessSetRegistry` and its
+build queries :class:`perseus.runtime.build_info.BuildInfo`, both base classes of :class:`Runtime`;
+:class:`Topology` and :class:`Service` are declared in :mod:`perseus.runtime.startup` and importable from here.
+Starting (:meth:`Runtime.start`) and registering process sets are collective: every rank of the job calls
+them; the rest is local. What needs perseus running raises ValueError while it is not.
 """
 
 from __future__ import annotations
@@ -13,13 +20,15 @@ import atexit
 import gc
 import sys
 import threading
-from typing import Callable, NamedTuple, Optional, Protocol, Sequence
+from typing import Callable, Optional, Sequence
 
 from perseus.runtime import process_sets as psets
 from perseus.runtime import startup
-from perseus.base.exceptions import NotAMemberError
 from perseus.base.knobs import Settings, knob, load_settings
+from perseus.runtime.build_info import BuildInfo
+from perseus.runtime.process_set_registry import ProcessSetRegistry
 from perseus.runtime.process_sets import ProcessSet, global_process_set
+from perseus.runtime.startup import Service, Topology
 from perseus.engine import native
 from perseus.engine.settings import topology_channels
 from perseus.timeline import Timeline
@@ -30,37 +39,7 @@ __all__ = ["Runtime", "runtime", "Topology", "Service"]
 _NOT_INIT = "perseus has not been initialized; use hvd.init()."
 
 
-class Topology(NamedTuple):
-    """Where this rank sits in the job (exchanged once at start-up, :func:`perseus.runtime.startup.topology`)."""
-
-    rank: int = 0
-    size: int = 1
-    local_rank: int = 0
-    local_size: int = 1
-    cross_rank: int = 0
-    cross_size: int = 1
-    homogeneous: bool = True
-    host_key: int = 0
-
-
-class Service(Protocol):
-    """Something built on the runtime that starts and stops with it (the run-time tuner).
-
-    ``name`` identifies it (:meth:`Runtime.service`). ``configure(settings, size)`` runs in start-up's first
-    local phase, before the engine exists: it may adjust ``settings`` and raises to fail ``init()`` on every
-    rank; ``prepare(engine, settings, topology)`` runs in the
-    second local phase and returns the object to start (or None: nothing to run in this job), whose
-    ``start()`` is called in the second collective phase and ``stop()`` at shutdown, before the engine stops.
-    """
-
-    name: str
-
-    def configure(self, settings: Settings, size: int) -> None: ...
-
-    def prepare(self, engine, settings: Settings, topology: Topology): ...
-
-
-class Runtime:
+class Runtime(ProcessSetRegistry, BuildInfo):
     """Lifecycle and topology of this process's perseus runtime. Thread-safe."""
 
     def __init__(self):
@@ -252,43 +231,6 @@ class Runtime:
         except Exception as exc:  # noqa: BLE001 - reported, then the MPI job ends (the others wait in MPI)
             startup.abort_job(self._base, stage, exc)
 
-    def _process_set_lists(self, entries: list) -> list:
-        """The ranks of each entry of init(process_sets=...) on this rank (None: a communicator it is not in)."""
-        MPI = load_mpi()
-        return [ps.ranks if ps.ranks is not None else psets.comm_ranks(MPI, ps.mpi_comm, self._base)
-                for ps in entries]
-
-    def _assign(self, lists: list, entries: list) -> None:
-        """Give each entry the id of the registered set with its ranks (``lists[i]``, None for a communicator
-        this rank is not in). Local.
-
-        Raises:
-            ValueError: an entry's ranks are registered under an id an earlier entry (or the global set)
-                already took, or are not registered at all.
-        """
-        by_ranks = {tuple(ps.ranks): ps_id for ps_id, ps in self._sets.items() if not getattr(ps, "_hidden", False)}
-        seen = {0: "the global process set"}
-        problems = []
-        for i, (ps, ranks) in enumerate(zip(entries, lists)):
-            if ranks is None:  # a communicator this rank is not part of
-                continue
-            ps_id = by_ranks.get(tuple(ranks))
-            if ps_id is None:
-                problems.append(f"entry {i} ({ranks}) is not a registered process set")
-                ps._invalidate()
-            elif ps_id in seen:
-                problems.append(f"entry {i} has the same ranks {ranks} as {seen[ps_id]}")
-                ps._invalidate()
-            else:
-                ps.process_set_id, ps.ranks = ps_id, list(ranks)
-                ps._member_rank = self._topology.rank
-                seen[ps_id] = f"entry {i}"
-                self._given.append(ps)
-        if problems:
-            raise ValueError("perseus.init(process_sets=...): " + "; ".join(problems) + ". Duplicate process sets "
-                             "are not allowed. perseus is running with the distinct sets registered "
-                             f"({self._get_process_set_ids_and_ranks()}); pass each set once.")
-
     @staticmethod
     def _world_comm(MPI, comm):
         """The communicator init(comm=...) names: COMM_WORLD for None or [], the communicator itself, or a new
@@ -423,48 +365,6 @@ class Runtime:
         """True when every host runs the same number of processes."""
         return self.topology.homogeneous
 
-    # -- build information -----------------------------------------------------------------------------
-    def mpi_threads_supported(self) -> bool:
-        """True when MPI runs with MPI_THREAD_MULTIPLE (perseus requires it)."""
-        MPI = load_mpi()
-        return MPI.Query_thread() == MPI.THREAD_MULTIPLE
-
-    def mpi_enabled(self) -> bool:
-        """True: perseus always uses MPI."""
-        return True
-
-    def mpi_built(self) -> bool:
-        """True: perseus always uses MPI."""
-        return True
-
-    def gloo_enabled(self) -> bool:
-        """False: perseus does not use Gloo."""
-        return False
-
-    def gloo_built(self) -> bool:
-        """False: perseus does not use Gloo."""
-        return False
-
-    def nccl_built(self) -> int:
-        """0: the framework-neutral runtime uses no NCCL (``perseus.torch`` reports the NCCL its torch has)."""
-        return 0
-
-    def ddl_built(self) -> bool:
-        """False."""
-        return False
-
-    def ccl_built(self) -> bool:
-        """False."""
-        return False
-
-    def cuda_built(self) -> bool:
-        """False: GPU tensors are supported by ``perseus.torch`` only, which reports its own answer."""
-        return False
-
-    def rocm_built(self) -> bool:
-        """False."""
-        return False
-
     # -- timeline --------------------------------------------------------------------------------------
     def start_timeline(self, file_path: str, mark_cycles: bool = False) -> None:
         """Start recording a timeline to ``file_path``; rank 0 writes, other ranks record nothing.
@@ -514,132 +414,6 @@ class Runtime:
         ps_id, _, _ = self.process_set_info(process_set)
         return engine.wire_bytes(ps_id)
 
-    # -- process sets ----------------------------------------------------------------------------------
-    def add_process_set(self, process_set: ProcessSet | Sequence[int]) -> ProcessSet:
-        """Register a process set after init. Collective: every rank calls it with the same ranks.
-
-        A set built from an mpi4py communicator (``ProcessSet(comm)``, or the communicator itself) is collective
-        over the job too: each rank passes its own communicator (``MPI.COMM_NULL`` on a rank outside it), the
-        ranks are exchanged, and every distinct set they make is registered on every rank, in the order of their
-        ranks; each rank gets back the set it belongs to (a rank in none: the first).
-
-        Raises:
-            ValueError: not initialised, dynamic process sets not enabled, a set with these ranks exists,
-                a rank is out of range, or a communicator has processes outside the job's.
-        """
-        if not isinstance(process_set, ProcessSet):
-            process_set = ProcessSet(process_set)
-        self.engine
-        if not self.settings.dynamic_process_sets:
-            raise ValueError("Set HOROVOD_DYNAMIC_PROCESS_SETS=1 (or call init(process_sets='dynamic')) to add "
-                             "process sets after init().")
-        if process_set.mpi_comm is not None and process_set.ranks is None:
-            return self._add_comm_set(process_set)
-        return self.register(process_set)
-
-    def _add_comm_set(self, process_set: ProcessSet) -> ProcessSet:
-        """add_process_set() of a communicator-defined set (see there). Collective over the job."""
-        MPI = load_mpi()
-        try:
-            mine = psets.comm_ranks(MPI, process_set.mpi_comm, self._base)
-        except ValueError as exc:
-            mine = str(exc)
-        every = self._base.allgather(mine)
-        failed = [(r, v) for r, v in enumerate(every) if isinstance(v, str)]
-        if failed:
-            raise ValueError(f"perseus.add_process_set: rank {failed[0][0]}: {failed[0][1]}")
-        sets = sorted({tuple(v) for v in every if v})
-        if not sets:
-            raise ValueError("perseus.add_process_set: every rank passed MPI.COMM_NULL; no set to add")
-        chosen = tuple(mine) if mine else sets[0]
-        for ranks in sets:
-            if ranks == chosen:
-                process_set.ranks = list(ranks)
-                self.register(process_set)
-            else:
-                self.register(ProcessSet(list(ranks)))
-        return process_set
-
-    def remove_process_set(self, process_set: ProcessSet) -> bool:
-        """Deregister ``process_set``; return False for the global set or an unregistered set."""
-        engine = self.engine
-        ps_id = process_set.process_set_id
-        if ps_id is None or ps_id == 0 or ps_id not in self._sets:
-            return False
-        if not self.settings.dynamic_process_sets:
-            raise ValueError("Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to remove process sets after init().")
-        with self._lock:
-            engine.remove_process_set(ps_id)
-            self._sets.pop(ps_id, None)
-            self._comms.pop(ps_id, None)
-            process_set._invalidate()
-        return True
-
-    def register(self, ps: ProcessSet, hidden: bool = False) -> ProcessSet:
-        """Register ``ps`` (collective over the job: every rank calls it with the same ranks). ``hidden``: a
-        set perseus makes for itself (the hierarchical compressors' local and cross sets): it may share its
-        ranks with a user's set and is left out of the listings.
-
-        Raises:
-            ValueError: a rank is out of range, or a set with these ranks exists (same on every rank).
-        """
-        self.engine
-        psets.check_ranks(ps, self.size())
-        with self._lock:
-            for other in self._sets.values():
-                if other.ranks == ps.ranks and not hidden and not getattr(other, "_hidden", False):
-                    raise ValueError(f"A process set with the same ranks {ps.ranks} has already been registered "
-                                     f"(process_set_id={other.process_set_id})")
-            return self._add_set(load_mpi(), ps, hidden)
-
-    def _add_set(self, MPI, ps: ProcessSet, hidden: bool = False) -> ProcessSet:
-        """Give ``ps`` the next id, its communicator and (on members) its channels. Collective over the job."""
-        ps_id = self._next_id
-        self._next_id += 1
-        me = self._topology.rank
-        member = me in ps.ranks
-        comm = self._base.Split(0 if member else MPI.UNDEFINED, me)
-        if member:
-            self.active_engine.add_process_set(ps_id, comm, list(ps.ranks))
-            self._comms[ps_id] = comm
-        ps.process_set_id = ps_id
-        ps._member_rank = me
-        ps._hidden = hidden
-        self._sets[ps_id] = ps
-        return ps
-
-    def process_set_ranks(self, ps_id: int) -> list[int]:
-        """The job ranks of registered process set ``ps_id``."""
-        return self._sets[ps_id].ranks
-
-    def _get_process_set_ids_and_ranks(self) -> dict[int, list[int]]:
-        """Every registered process set id and its ranks (Horovod's test helper)."""
-        self.engine
-        return {ps_id: list(ps.ranks) for ps_id, ps in sorted(self._sets.items())
-                if not getattr(ps, "_hidden", False)}
-
-    def process_set_info(self, process_set: ProcessSet) -> tuple[int, int, int]:
-        """``(id, size, rank_in_set)`` of a registered set this rank belongs to.
-
-        Raises:
-            TypeError: ``process_set`` is not a ProcessSet (None, a set id). ValueError: the set is not
-                registered; :class:`NotAMemberError` (a ValueError): this rank is not a member.
-        """
-        self.engine
-        if not isinstance(process_set, ProcessSet):
-            raise TypeError(f"perseus: process_set must be a ProcessSet (global_process_set, or one from "
-                            f"add_process_set), not {type(process_set).__name__} {process_set!r}")
-        ps_id = process_set.process_set_id
-        if ps_id is None or ps_id not in self._sets:
-            raise ValueError(f"perseus: {process_set} is not registered; register it with init(process_sets=...) "
-                             "or add_process_set()")
-        ranks = self._sets[ps_id].ranks
-        me = self.rank()
-        if me not in ranks:
-            raise NotAMemberError(f"perseus: rank {me} is not a member of process set {ps_id} (ranks {ranks}); only "
-                             "members may call its collectives")
-        return ps_id, len(ranks), ranks.index(me)
-
 
 _RUNTIME = Runtime()
 
@@ -647,4 +421,3 @@ _RUNTIME = Runtime()
 def runtime() -> Runtime:
     """The process's perseus runtime (one per process)."""
     return _RUNTIME
-

@@ -28,6 +28,12 @@ Why relaunch rather than MPI's dynamic process management: a generation is an or
 nothing in perseus's engine or in MPI needs to support processes joining a running communicator, and a new
 host gets a fresh, consistent job. In-process recovery (ULFM revoke + shrink) is used only to drop failed
 ranks, where it saves the relaunch.
+
+:class:`ElasticDriver` runs the generations (launch, watch, end); where they run (discovery, the choice of
+hosts, the keepers) is in :mod:`~perseus.runner.elastic.placement`, how it reacts to the ranks and hosts in
+:mod:`~perseus.runner.elastic.reactions`, and one generation's record, :class:`JobFailed` and :func:`say` in
+:mod:`~perseus.runner.elastic.generation`. This runs in the ``perseusrun`` process only, never in a rank.
+:meth:`ElasticDriver.run` says a :class:`JobFailed` and returns 1 (130 on Ctrl-C).
 """
 
 from __future__ import annotations
@@ -36,61 +42,27 @@ import os
 import queue
 import secrets
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from typing import Callable, Optional
 
-from perseus.runner.elastic.ranks import Event, RankLink, RankServer
-from perseus.runner.elastic.discovery import Blacklist, DiscoveryError, HostDiscovery
-from perseus.runner.hosts import HostSlots, format_hosts, is_local
+from perseus.runner.elastic.ranks import RankServer
+from perseus.runner.elastic.discovery import Blacklist, HostDiscovery
+from perseus.runner.elastic.generation import JobFailed, _Generation, say
+from perseus.runner.elastic.placement import DISCOVERY_INTERVAL_S, _Placement, route_address
+from perseus.runner.elastic.reactions import _Reactions
+from perseus.runner.hosts import HostSlots, format_hosts
 
-__all__ = ["JobFailed", "ElasticDriver", "DISCOVERY_INTERVAL_S"]
+__all__ = ["JobFailed", "ElasticDriver", "DISCOVERY_INTERVAL_S", "say", "route_address"]
 
-DISCOVERY_INTERVAL_S = 1.0
 _STARTUP_TIMEOUT_S = 300.0      # a generation's ranks must say hello (from init()) within this
-_RECOVERY_TIMEOUT_S = 30.0      # in-process recovery must be reported within this, else relaunch
 _EXIT_GRACE_S = 5.0             # mpirun may take this long to end once every rank has left
 _FAILED_STARTS = 3               # later generations whose ranks never reported, in a row, before the job fails
 _LEAVE_TIMEOUT_S = 20.0         # ranks asked to leave must be gone within this, else they are killed
 
 
-_SOURCES = {"memory": "the rank's own memory", "local": "its host's keeper", "peer": "a peer host's keeper",
-            "disk": "disk"}
-
-
-class JobFailed(Exception):
-    """The job cannot go on; the message says why and what to do."""
-
-
-def say(message: str) -> None:
-    print(f"perseusrun: elastic: {message}", file=sys.stderr, flush=True)
-
-
-class _Generation:
-    def __init__(self, number: int, hosts: list[HostSlots], proc: subprocess.Popen):
-        self.number, self.hosts, self.proc = number, hosts, proc
-        self.np = sum(h.slots for h in hosts)
-        self.links: list[RankLink] = []
-        self.started = time.monotonic()
-        self.episode = 0                      # in-process recoveries asked of the ranks, or reported by them
-        self.counted = 0                      # recoveries counted against --reset-limit
-        self.recovering_since: Optional[float] = None
-        self.recovered: set[int] = set()
-        self.notified: Optional[tuple] = None   # the host set the ranks were last told about
-        self.restored_said = False
-        self.finished_at: Optional[float] = None
-        self.leaving: Optional[tuple[float, str]] = None  # (since, why) once the ranks were asked to leave
-        self.gone = False                     # every rank left its function and was told so
-
-    def live(self) -> list[RankLink]:
-        """Ranks still connected that have not said how they leave."""
-        return [l for l in self.links if l.connected and l.exit_reason is None]
-
-
-class ElasticDriver:
+class ElasticDriver(_Placement, _Reactions):
     """Runs an elastic job (see the module doc); :meth:`run` returns the launcher's exit status.
 
     Args:
@@ -140,106 +112,6 @@ class ElasticDriver:
         self._said_errors: set[str] = set()
         self._stop = threading.Event()
         self.server: Optional[RankServer] = None
-
-    # -- discovery ----------------------------------------------------------------------------------------------
-
-    def _poll_discovery(self) -> None:
-        while not self._stop.is_set():
-            try:
-                hosts = self.discovery.run()
-                with self._hosts_lock:
-                    self._discovered, self._discovery_error = hosts, None
-                self._said_errors.clear()
-            except DiscoveryError as exc:
-                text = str(exc)
-                with self._hosts_lock:
-                    self._discovery_error = text
-                if text not in self._said_errors:
-                    self._said_errors.add(text)
-                    say(f"host discovery failed, keeping the hosts it last reported: {text}")
-            self._stop.wait(DISCOVERY_INTERVAL_S)
-
-    def usable_hosts(self) -> list[HostSlots]:
-        with self._hosts_lock:
-            hosts = list(self._discovered or [])
-        return self.blacklist.usable(hosts)
-
-    def _choose(self, usable: list[HostSlots], previous: list[HostSlots]) -> list[HostSlots]:
-        """The next generation's hosts: the previous ones still usable first (rank 0 stays where it was), then
-        new ones in discovery order, up to ``max_np`` slots."""
-        by_name = {h.host: h for h in usable}
-        ordered = [by_name[h.host] for h in previous if h.host in by_name]
-        ordered += [h for h in usable if h.host not in {p.host for p in ordered}]
-        chosen, total = [], 0
-        for h in ordered:
-            if self.max_np is not None and total >= self.max_np:
-                break
-            slots = h.slots if self.max_np is None else min(h.slots, self.max_np - total)
-            chosen.append(HostSlots(h.host, slots))
-            total += slots
-        return chosen
-
-    def _wait_for_hosts(self, need: int, previous: list[HostSlots]) -> list[HostSlots]:
-        """Hosts for the next generation once at least ``need`` slots are usable (``--min-np`` at worst after
-        ``elastic_timeout``)."""
-        deadline = time.monotonic() + self.elastic_timeout
-        said = False
-        while True:
-            usable = self.usable_hosts()
-            slots = sum(h.slots for h in usable)
-            if slots >= need or (time.monotonic() >= deadline and slots >= self.min_np):
-                return self._choose(usable, previous)
-            if time.monotonic() >= deadline:
-                with self._hosts_lock:
-                    error, found = self._discovery_error, self._discovered
-                if found is None:
-                    raise JobFailed(f"host discovery unavailable for {self.elastic_timeout:g} s "
-                                    f"(--elastic-timeout): {error}; fix the discovery script")
-                blocked = sorted({h.host for h in found} - {h.host for h in usable})
-                raise JobFailed(f"only {slots} usable slot(s) after waiting {self.elastic_timeout:g} s "
-                                f"(--elastic-timeout): {format_hosts(usable) or 'no hosts'}"
-                                f"{'; blacklisted: ' + ', '.join(blocked) if blocked else ''}; fewer than "
-                                f"--min-np {self.min_np}: add hosts to the discovery script's output or lower "
-                                f"--min-np")
-            with self._hosts_lock:
-                answered = self._discovered is not None or self._discovery_error is not None
-            if not said and answered:
-                say(f"waiting up to {self.elastic_timeout:g} s for {need} slot(s); usable now: {slots} "
-                    f"({format_hosts(usable) or 'none'})")
-                said = True
-            time.sleep(0.2)
-
-    # -- keepers ------------------------------------------------------------------------------------------------
-
-    def _ensure_keepers(self, hosts: list[HostSlots]) -> None:
-        if self._start_keeper is None:
-            return
-        missing = [h.host for h in hosts if h.host not in self.keepers or not self.keepers[h.host].alive()]
-        results: dict[str, object] = {}
-
-        def start(host):
-            try:
-                results[host] = self._start_keeper(host, self.token, self.driver_address)
-            except Exception as exc:  # noqa: BLE001 - a host without a keeper only loses its copies
-                results[host] = exc
-
-        threads = [threading.Thread(target=start, args=(h,), daemon=True) for h in missing]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30.0)
-        for host in missing:
-            keeper = results.get(host)
-            if isinstance(keeper, Exception) or keeper is None:
-                say(f"no checkpoint keeper on {host} ({keeper or 'no answer'}); its commits are copied to the "
-                    f"other hosts only")
-                self.keepers.pop(host, None)
-            else:
-                self.keepers[host] = keeper
-
-    def _keeper_env(self) -> str:
-        return ",".join(f"{host}={self._host_address(host)}:{k.port}" for host, k in self.keepers.items()
-                        if k.alive())
 
     # -- generations --------------------------------------------------------------------------------------------
 
@@ -304,10 +176,6 @@ class ElasticDriver:
         gen.notified = self._host_key(hosts)
         return gen
 
-    @staticmethod
-    def _host_key(hosts: list[HostSlots]) -> tuple:
-        return tuple(sorted(h.host for h in hosts))
-
     def _watch(self, gen: _Generation) -> str:
         """Follow one generation until it ends: ``"done"``, or the reason to start the next one."""
         while True:
@@ -339,141 +207,6 @@ class ElasticDriver:
                     self._teardown(gen, quiet=True)
                     return self._ended(gen)
 
-    def _leave(self, gen: _Generation, why: str) -> None:
-        """Ask every live rank to flush its last commit and leave; the next generation starts once mpirun has
-        ended (or, after a while, is ended)."""
-        gen.leaving = (time.monotonic(), why)
-        gen.recovering_since = None
-        for other in gen.live():
-            self.server.send(other, {"op": "abort", "relaunch": True, "episode": gen.episode, "detail": why})
-
-    def _on_event(self, gen: _Generation, event: Event) -> None:
-        link, header = event.link, event.header
-        if link.generation != gen.number:
-            return
-        if event.kind == "hello":
-            gen.links.append(link)
-            self.failed_starts = 0
-            return
-        if event.kind == "drop":
-            if link.exit_reason is None and not link.bye:
-                link.exit_reason = "died"
-                self._on_death(gen, link)
-            return
-        op = header.get("op")
-        if op == "exit":
-            link.exit_reason, link.exit_detail = str(header.get("reason")), str(header.get("detail", ""))
-            if link.exit_reason == "error":
-                self._teardown(gen)
-                raise JobFailed(f"rank {link.rank} on {link.host} raised {link.exit_detail.strip()}\nthe job stops:"
-                                f" an error in the training code is not retried")
-            if link.exit_reason == "reset" and "hosts changed" in link.exit_detail and gen.leaving is None:
-                gen.leaving = (time.monotonic(), "hosts changed")  # the rest follow; if they do not, a teardown
-            if not gen.gone and len(gen.links) >= gen.np and not gen.live():
-                # Every rank left its training function: they may shut perseus down now without failing a
-                # slower rank's last collective.
-                gen.gone = True
-                for other in gen.links:
-                    if other.connected:
-                        self.server.send(other, {"op": "go"})
-        elif op == "bye":
-            link.bye = True
-        elif op == "restored" and link.rank == 0 and not gen.restored_said:
-            gen.restored_said = True
-            if header.get("version") is not None:
-                where = _SOURCES.get(str(header.get("source")), str(header.get("source")))
-                say(f"generation {gen.number} restored commit {header['version']} from {where} in "
-                    f"{float(header.get('seconds', 0)):.3f} s")
-        elif op == "recovered":
-            link.rank, link.size = int(header["rank"]), int(header["size"])
-            episode = int(header.get("episode", gen.episode))
-            if episode > gen.counted and gen.leaving is None:  # re-formed by themselves: a collective failed
-                gen.counted = gen.episode = episode
-                gen.recovering_since = gen.recovering_since or time.monotonic()
-                self._count_reset("a collective failed on every rank")
-            gen.recovered.add(id(link))
-            if link.size < self.min_np and gen.leaving is None:
-                say(f"the job re-formed on {link.size} rank(s), fewer than --min-np {self.min_np}: stopping this "
-                    f"generation")
-                self._leave(gen, "fewer ranks than --min-np")
-            if gen.recovering_since is not None and len(gen.recovered) >= len(gen.live()):
-                say(f"the job re-formed in process on {link.size} rank(s) in "
-                    f"{time.monotonic() - gen.recovering_since:.2f} s")
-                gen.recovering_since = None
-
-    def _on_death(self, gen: _Generation, link: RankLink) -> None:
-        if gen.leaving is not None:  # the generation is stopping: MPI may take the survivors down with it
-            say(f"{link} ended while generation {gen.number} was stopping")
-            return
-        say(f"{link} died: its connection closed without a report")
-        self._blacklist(link.host)
-        live = gen.live()
-        # MPI's shared-memory transport cannot shrink around a dead process of the same machine (the survivors
-        # wait for ever): relaunch then. Two names of this machine (localhost, 127.0.0.1) are one machine.
-        same_host = [l for l in live if l.host == link.host or (is_local(l.host) and is_local(link.host))]
-        if len(live) < self.min_np:
-            say(f"{len(live)} rank(s) left, fewer than --min-np {self.min_np}: stopping this generation")
-            return self._leave(gen, f"{link} died")
-        if not self.in_process or same_host or gen.recovering_since is not None:
-            return self._leave(gen, f"{link} died")
-        self._count_reset(f"{link} died")
-        gen.recovering_since, gen.recovered = time.monotonic(), set()
-        for other in live:
-            self.server.send(other, {"op": "abort", "relaunch": False, "episode": gen.episode,
-                                     "detail": f"{link} died"})
-        gen.episode += 1
-        gen.counted = gen.episode
-        gen.hosts = [h for h in gen.hosts if h.host != link.host]
-        gen.notified = self._host_key(gen.hosts)
-
-    def _blacklist(self, host: str) -> None:
-        if self.blacklist.blocked(host):
-            return
-        delay = self.blacklist.add(host)
-        say(f"blacklisting host {host} " + ("for the rest of the job" if delay == float("inf") else
-                                             f"for {delay:.1f} s (--blacklist-cooldown-range)"))
-
-    def _check_silence(self, gen: _Generation, now: float) -> None:
-        for link in gen.live():
-            silent = now - link.last_seen
-            if silent > self.heartbeat_timeout:
-                say(f"{link} has been silent for {silent:.1f} s (no heartbeat within "
-                    f"PERSEUS_ELASTIC_HEARTBEAT_TIMEOUT={self.heartbeat_timeout:g}): stopped, hung or its host "
-                    f"is unreachable; taken as failed")
-                self._blacklist(link.host)
-                link.exit_reason = "died"
-                if self._kill_remote is not None:
-                    threading.Thread(target=self._kill_remote, args=(link.host, link.pid), daemon=True).start()
-                return self._leave(gen, f"{link} was silent")
-
-    def _check_recovery(self, gen: _Generation, now: float) -> None:
-        if gen.recovering_since is not None and now - gen.recovering_since > _RECOVERY_TIMEOUT_S:
-            say(f"the survivors did not re-form the job in process within {_RECOVERY_TIMEOUT_S:g} s; relaunching")
-            self._leave(gen, "in-process recovery timed out")
-
-    def _check_hosts(self, gen: _Generation) -> None:
-        if not gen.links or gen.recovering_since is not None:
-            return
-        usable = self.usable_hosts()
-        with self._hosts_lock:
-            if self._discovered is None:
-                return
-        current = {h.host for h in gen.hosts}
-        names = {h.host for h in usable}
-        removed = sorted(current - names)
-        slots = sum(h.slots for h in gen.hosts)
-        added = sorted(names - current) if self.max_np is None or slots < self.max_np else []
-        key = self._host_key(self._choose(usable, gen.hosts)) if (added or removed) else gen.notified
-        if key == gen.notified:
-            return
-        gen.notified = key
-        change = 0
-        change |= 1 if removed else 0
-        change |= 2 if added else 0
-        say("hosts changed (" + ", ".join([f"+{h}" for h in added] + [f"-{h}" for h in removed]) +
-            "): the ranks re-form the job at their next commit")
-        for link in gen.live():
-            self.server.send(link, {"op": "hosts_updated", "timestamp": time.time(), "update": change})
 
     def _ended(self, gen: _Generation) -> str:
         """mpirun ended (or was ended once every rank had left): done, or why the job must re-form."""
@@ -546,19 +279,3 @@ class ElasticDriver:
                 t.start()
             for t in threads:
                 t.join(10.0)
-
-
-def route_address(hosts: list[str]) -> str:
-    """The address of this machine that ``hosts`` reach it at: the source address of the route to the first
-    remote host (no packet is sent); 127.0.0.1 when every host is this machine."""
-    for host in hosts:
-        if is_local(host):
-            continue
-        try:
-            address = socket.getaddrinfo(host, 9, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                probe.connect((address, 9))
-                return probe.getsockname()[0]
-        except OSError:
-            continue
-    return "127.0.0.1"

@@ -70,7 +70,7 @@ class Engine {
 
  private:
   using Sets = std::vector<std::shared_ptr<ProcessSet>>;
-  struct Loop;  // the engine thread's own state (engine.cc)
+  struct Loop;  // the engine thread's own state (engine_loop.cc)
   SetContext set_context();
   SetOptions set_options() const;
   void run();

@@ -7,7 +7,8 @@ here="$(cd "$(dirname "$0")" && pwd)"
 native="$(dirname "$here")"
 out="${LOOPBACK_BUILD_DIR:-${TMPDIR:-/tmp}/perseus_loopback_tests}"
 mkdir -p "$out"
-srcs=("$here/test_transport_loopback.cc" "$native/transport_loopback.cc" "$native/algorithms.cc" "$native/huge_pages.cc" "$native/ring.cc"
+srcs=("$here/test_transport_loopback.cc" "$native/transport_loopback.cc" "$native/transport_loopback_world.cc"
+      "$native/transport_loopback_collectives.cc" "$native/algorithms.cc" "$native/huge_pages.cc" "$native/ring.cc"
       "$native/links.cc" "$native/kernels.cc" "$native/common.cc")
 links_srcs=("$here/test_links_security.cc" "${srcs[@]:1}")  # the links against strangers (test_links_security.cc)
 common_flags=(-std=c++17 -g -Wall -Wextra -Werror -pthread)

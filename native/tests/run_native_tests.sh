@@ -31,7 +31,8 @@ echo "-- building"
 "$MPICXX" "${FLAGS[@]}" -o "$WORK/test_kernels" "${KERNELS[@]}" &
 first=$!
 "$MPICXX" "${FLAGS[@]}" -o "$WORK/test_transport_mpi" native/tests/test_transport_mpi.cc \
-  native/transport_mpi.cc native/kernels.cc native/common.cc -lpthread &
+  native/transport_mpi.cc native/transport_mpi_p2p.cc native/transport_mpi_collectives.cc \
+  native/transport_mpi_types.cc native/kernels.cc native/common.cc -lpthread &
 both "$first" $!
 VARIANTS=(shipped baseline)
 "$MPICXX" "${FLAGS[@]}" -O3 -o "$WORK/test_kernels_shipped" "${KERNELS[@]}" &

@@ -67,7 +67,7 @@ class Timing(enum.IntEnum):
 
 class Request(NamedTuple):
     """One tensor of a submission to ``Engine.submit``. The native core reads the fields in this order
-    (``native/python.cc``, ``add_request``); build it with keywords. A request is collective: every rank of the
+    (``native/python_requests.cc``, ``add_request``); build it with keywords. A request is collective: every rank of the
     process set submits one with the same name, dtype, shape (first dimension excepted for allgather and
     alltoall), reduce_op, root_rank, scales and priority.
     """

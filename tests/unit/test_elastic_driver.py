@@ -189,3 +189,38 @@ def test_run_keeps_the_newest_generations_replies():
             run_func._collect(server, 3, 0)
     finally:
         server.close()
+
+
+class _Sent:
+    """Stands in for the driver's rank server: keeps what the driver sends."""
+
+    def __init__(self):
+        self.messages = []
+
+    def send(self, link, header):
+        self.messages.append((link.rank, header))
+
+
+@pytest.mark.parametrize("order", ["survivors first", "death first"])
+def test_a_rank_lost_below_min_np_is_blacklisted_whichever_the_driver_hears_first(tmp_path, order, capsys):
+    """min_np 2, one rank of 2 dies: whether the survivor's "re-formed on 1 rank" or the dead rank's closed
+    connection reaches the driver first, the dead rank's host is blacklisted (and the survivor's is not), so the
+    next generation waits for hosts instead of starting on the failed one again."""
+    from perseus.runner.elastic.generation import _Generation
+    from perseus.runner.elastic.ranks import Event, RankLink
+
+    d = make_driver(tmp_path, min_np=2, in_process=True)
+    d.server = _Sent()
+    gen = _Generation(0, [HostSlots("a", 1), HostSlots("b", 1)], proc=None)
+    survivor = RankLink(sock=None, rank=0, size=2, generation=0, host="a")
+    dead = RankLink(sock=None, rank=1, size=2, generation=0, host="b")
+    for link in (survivor, dead):
+        d._on_event(gen, Event("hello", link))
+    reformed = Event("message", survivor, {"op": "recovered", "rank": 0, "size": 1, "episode": 1})
+    events = [reformed, Event("drop", dead)] if order == "survivors first" else [Event("drop", dead), reformed]
+    for event in events:
+        d._on_event(gen, event)
+    assert d.blacklist.blocked("b") and not d.blacklist.blocked("a")
+    assert gen.leaving is not None
+    d._on_event(gen, Event("drop", survivor))  # the survivor leaves as asked: not a failure
+    assert not d.blacklist.blocked("a")

@@ -23,6 +23,7 @@ from perseus.runner.hosts import is_local
 __all__: list[str] = []
 
 _RECOVERY_TIMEOUT_S = 30.0      # in-process recovery must be reported within this, else relaunch
+_TOO_FEW = "fewer ranks than --min-np"  # why a generation whose ranks re-formed without some of them stops
 
 
 _SOURCES = {"memory": "the rank's own memory", "local": "its host's keeper", "peer": "a peer host's keeper",
@@ -88,7 +89,7 @@ class _Reactions:
             if link.size < self.min_np and gen.leaving is None:
                 say(f"the job re-formed on {link.size} rank(s), fewer than --min-np {self.min_np}: stopping this "
                     f"generation")
-                self._leave(gen, "fewer ranks than --min-np")
+                self._leave(gen, _TOO_FEW)
             if gen.recovering_since is not None and len(gen.recovered) >= len(gen.live()):
                 say(f"the job re-formed in process on {link.size} rank(s) in "
                     f"{time.monotonic() - gen.recovering_since:.2f} s")
@@ -96,6 +97,12 @@ class _Reactions:
 
     def _on_death(self, gen: _Generation, link: RankLink) -> None:
         if gen.leaving is not None:  # the generation is stopping: MPI may take the survivors down with it
+            if gen.leaving[1] == _TOO_FEW and id(link) not in gen.recovered:
+                # The survivors re-formed without this rank before its connection closed: it is the rank that
+                # failed, whichever the driver heard of first, and its host is blacklisted as for any failure.
+                say(f"{link} died: the others re-formed the job without it")
+                self._blacklist(link.host)
+                return
             say(f"{link} ended while generation {gen.number} was stopping")
             return
         say(f"{link} died: its connection closed without a report")

@@ -132,12 +132,15 @@ def test_many_tensors_fused_and_reverse_order(hvd):
     """Many small and large tensors submitted at once (as backward does) are packed, split and unpacked right."""
     size, rank = hvd.size(), hvd.rank()
     shapes = [(7,), (1 << 18,), (33, 3), (1,), (5 << 16,), (2, 2, 2)] * 8
-    inputs = [all_inputs(hvd, s, "float32", seed=100 + i) for i, s in enumerate(shapes)]
-    handles = [hvd.allreduce_async(inputs[i][rank], name=f"many.{i}", op=hvd.Sum)
+    handles = [hvd.allreduce_async(tensor(rank, shapes[i], "float32", seed=100 + i), name=f"many.{i}", op=hvd.Sum)
                for i in reversed(range(len(shapes)))]
     outs = [hvd.synchronize(h) for h in handles][::-1]
-    for out, inp in zip(outs, inputs):
-        check(out, reduce_ref(inp, hvd.Sum, hvd), "float32")
+    for i, (shape, out) in enumerate(zip(shapes, outs)):
+        # every rank's input rebuilt and summed in turn: a rank holds one other input at a time, not all of them
+        ref = torch.zeros(shape, dtype=torch.float64)
+        for r in range(size):
+            ref += tensor(r, shape, "float32", seed=100 + i).double()
+        check(out, ref, "float32")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

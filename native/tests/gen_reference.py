@@ -1,4 +1,4 @@
-"""Write reference results computed by NumPy (and Python's repr) for native/tests/test_kernels.cc.
+"""Write reference results computed by NumPy (and Python's repr) for native/tests/test_kernels_numpy.cc.
 
 The native kernels replace perseus/transport/kernels.py, so their answers must be NumPy's: this script runs
 the same operations on random data with NumPy and writes inputs and results to one binary file, which the

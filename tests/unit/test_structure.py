@@ -2,9 +2,10 @@
 
 tools/import_graph.py: no cycle between files of perseus/ or native/ (except those it allows, with the
 reason docs/architecture.md gives), no import from a lower layer to a higher one, no import of a perseus
-module hidden inside a function, no folder mixing layers, no cycle between packages. tools/function_lengths.py:
-no function over 80 lines except the table-like ones it lists, no source file in perseus/ or native/ (tests
-included) over 500 lines except the generated ones it lists. tools/broad_catches.py: no broad exception handler (``except Exception``, ``catch (...)``) that
+module hidden inside a function, no folder mixing layers, no cycle between packages.
+tools/function_lengths.py: no function over 80 lines except the table-like ones it lists, no source file in
+perseus/ or native/ (tests included) over 500 lines except the generated ones it lists.
+tools/broad_catches.py: no broad exception handler (``except Exception``, ``catch (...)``) that
 neither re-raises nor says why swallowing is safe.
 """
 

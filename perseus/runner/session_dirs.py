@@ -53,7 +53,7 @@ def _listening_ports() -> set:
                     fields = line.split()
                     if len(fields) > 3 and fields[3] == _LISTEN:
                         ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-        except OSError:  # no such table (no IPv6): nothing listens there
+        except (OSError, ValueError):  # no such table (no IPv6), or a line not in its format: none from it
             continue
     return ports
 
@@ -83,7 +83,8 @@ def _base(tmpdir: Optional[str]) -> str:
 
 def stale_session_dirs(tmpdir: Optional[str] = None) -> list:
     """Paths of this user's Open MPI session directories in ``tmpdir`` (default: $TMPDIR or /tmp) whose
-    ``mpirun`` or daemon no longer exists and whose PMIx server no longer listens. Never raises: an unreadable directory has no leftovers to report."""
+    ``mpirun`` or daemon no longer exists and whose PMIx server no longer listens. Never raises: an unreadable
+    directory has no leftovers to report."""
     base = _base(tmpdir)
     try:
         names = os.listdir(base)

@@ -172,7 +172,7 @@ main() {
   if [ $FULL = 1 ]; then
     stage "sanitizers (the engine's MPI tests under ASan+UBSan)" bash tools/sanitize.sh
   fi
-  stage "native tests (kernels, codec, MPI transport)" bash native/tests/run_native_tests.sh
+  stage "native tests (kernels, codec, MPI transport)" bash native/tests/run_native_tests.sh $( [ $FULL = 1 ] || echo quick )
   stage "loopback tests" bash native/tests/run_loopback_tests.sh $( [ $FULL = 1 ] || echo plain )
   prepared
   stage "wheel check" bash tools/check_wheel.sh

@@ -6,7 +6,9 @@
 # MPI_TESTS), each linked against the code under test compiled once.
 # The kernels are tested as debug code (-O1) and as shipped (-O3, which vectorises them): with the
 # per-CPU variants this CPU picks, with the plain baseline x86-64 loops, and with AVX2 code generation.
-# Exits non-zero on the first failure. Usage: bash native/tests/run_native_tests.sh
+# Exits non-zero on the first failure. Usage: bash native/tests/run_native_tests.sh [quick]
+# (quick: the kernels as debug code and as shipped only, not with the baseline and AVX2 code generation; the
+# test command's quick mode uses it, its full mode runs every variant.)
 # Environment: PYTHON (default .venv/bin/python), MPICXX / MPIRUN (default .venv/bin/mpicxx / mpirun).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -54,14 +56,22 @@ programs "$WORK/kernels" KERNEL_SOURCES KERNEL_TESTS &
 first=$!
 programs "$WORK/mpi" MPI_SOURCES MPI_TESTS &
 both "$first" $!
-VARIANTS=(shipped baseline)
-programs "$WORK/kernels_shipped" KERNEL_SOURCES KERNEL_TESTS -O3 &
-first=$!
-programs "$WORK/kernels_baseline" KERNEL_SOURCES KERNEL_TESTS -O3 -DPERSEUS_NO_TARGET_CLONES &
-both "$first" $!
-if grep -qw avx2 /proc/cpuinfo 2>/dev/null; then
-  VARIANTS+=(avx2)
-  programs "$WORK/kernels_avx2" KERNEL_SOURCES KERNEL_TESTS -O3 -mavx2 -DPERSEUS_NO_TARGET_CLONES
+VARIANTS=(shipped)
+if [ "${1:-}" = quick ]; then
+  programs "$WORK/kernels_shipped" KERNEL_SOURCES KERNEL_TESTS -O3 &
+  first=$!
+  "$MPICXX" "${FLAGS[@]}" -o "$WORK/test_reuse" native/tests/test_reuse.cc native/alloc_count.cc -ldl &
+  both "$first" $!
+else
+  VARIANTS+=(baseline)
+  programs "$WORK/kernels_shipped" KERNEL_SOURCES KERNEL_TESTS -O3 &
+  first=$!
+  programs "$WORK/kernels_baseline" KERNEL_SOURCES KERNEL_TESTS -O3 -DPERSEUS_NO_TARGET_CLONES &
+  both "$first" $!
+  if grep -qw avx2 /proc/cpuinfo 2>/dev/null; then
+    VARIANTS+=(avx2)
+    programs "$WORK/kernels_avx2" KERNEL_SOURCES KERNEL_TESTS -O3 -mavx2 -DPERSEUS_NO_TARGET_CLONES
+  fi
 fi
 "$MPICXX" "${FLAGS[@]}" -o "$WORK/test_codec" native/tests/test_codec.cc native/control.cc native/negotiation.cc \
   native/common.cc &
@@ -69,7 +79,7 @@ first=$!
 "$MPICXX" "${FLAGS[@]}" -o "$WORK/test_device_buckets" native/tests/test_device_buckets.cc native/device_buckets.cc \
   native/common.cc &
 both "$first" $!
-"$MPICXX" "${FLAGS[@]}" -o "$WORK/test_reuse" native/tests/test_reuse.cc native/alloc_count.cc -ldl
+[ -x "$WORK/test_reuse" ] || "$MPICXX" "${FLAGS[@]}" -o "$WORK/test_reuse" native/tests/test_reuse.cc native/alloc_count.cc -ldl
 
 echo "-- kernels and repr helpers"
 "$PY" native/tests/gen_reference.py "$WORK/reference.bin"
